@@ -1,0 +1,151 @@
+"""IndexCache settings from a checkpoint's config.json plus ``--hf-overrides`` (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+from .plan import LayerPlan, build_layer_plan
+
+# key -> (accepted Python types, default)
+INDEX_CACHE_KEYS: dict[str, tuple[tuple[type, ...], Any]] = {
+    "use_index_cache": ((bool,), False),
+    "index_topk_freq": ((int,), 1),
+    "index_topk_pattern": ((str,), None),
+    "index_skip_topk_offset": ((int,), 2),
+    "indexer_types": ((list,), None),
+}
+# Settings (other than the switch) whose presence in config.json means "trained this way".
+SHIPPED_KEYS = ("index_topk_freq", "index_topk_pattern", "index_skip_topk_offset", "indexer_types")
+
+
+def parse_overrides(hf_overrides: Union[None, str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``--hf-overrides`` as vLLM takes it: a JSON object string, a dict, or None."""
+    if hf_overrides is None:
+        return {}
+    if isinstance(hf_overrides, str):
+        text = hf_overrides.strip()
+        if not text:
+            return {}
+        try:
+            hf_overrides = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--hf-overrides is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {text!r}") from None
+    if not isinstance(hf_overrides, Mapping):
+        raise ValueError(f"--hf-overrides must be a JSON object, got {type(hf_overrides).__name__}: {hf_overrides!r}")
+    return dict(hf_overrides)
+
+
+def _check_type(key: str, value: Any, where: str) -> None:
+    types, _ = INDEX_CACHE_KEYS[key]
+    if value is None and key in ("index_topk_pattern", "indexer_types"):
+        return
+    ok = isinstance(value, types) and not (bool not in types and isinstance(value, bool))
+    if not ok:
+        expected = {"use_index_cache": "true or false", "index_topk_freq": "an integer >= 1",
+                    "index_topk_pattern": "a string of 'F'/'S'", "index_skip_topk_offset": "an integer >= 1",
+                    "indexer_types": 'a list of "full"/"shared"'}[key]
+        raise ValueError(f"{key} in {where} must be {expected}, got {type(value).__name__} {value!r}")
+    if key == "indexer_types" and not all(isinstance(t, str) for t in value):
+        raise ValueError(f'indexer_types in {where} must be a list of "full"/"shared" strings, got {value!r}')
+
+
+@dataclass
+class IndexCacheConfig:
+    use_index_cache: bool = False
+    index_topk_freq: int = 1
+    index_topk_pattern: Optional[str] = None
+    index_skip_topk_offset: int = 2
+    indexer_types: Optional[list] = None
+    shipped_by_checkpoint: bool = False  # the settings in force came from config.json itself
+    num_hidden_layers: Optional[int] = None
+    num_nextn_predict_layers: int = 0
+    model_overrides: dict = field(default_factory=dict)  # non-IndexCache override keys
+
+    @classmethod
+    def from_config(
+        cls, config: Optional[Mapping[str, Any]], hf_overrides: Union[None, str, Mapping[str, Any]] = None
+    ) -> "IndexCacheConfig":
+        """Settings in force for ``config`` (a config.json dict) under ``hf_overrides``.
+
+        Overrides take effect only with ``"use_index_cache": true``; a checkpoint whose own
+        config.json ships freq/offset/pattern/indexer_types is honoured as is.
+        """
+        config = dict(config or {})
+        overrides = parse_overrides(hf_overrides)
+        for key in INDEX_CACHE_KEYS:
+            if key in config:
+                _check_type(key, config[key], "config.json")
+            if key in overrides:
+                _check_type(key, overrides[key], "--hf-overrides")
+        unknown = sorted(k for k in overrides if k not in INDEX_CACHE_KEYS and k not in config)
+        if unknown:
+            warnings.warn(
+                f"--hf-overrides keys not known to IndexCache and absent from config.json: {', '.join(unknown)}",
+                UserWarning, stacklevel=2,
+            )
+        merged = {**config, **overrides}
+        ships = any(config.get(k) is not None for k in SHIPPED_KEYS)
+        switch = merged.get("use_index_cache")
+        explicit_on = switch is True
+        enabled = explicit_on or (ships and switch is None)
+        ic_overrides = [k for k in SHIPPED_KEYS if k in overrides]
+        source = merged
+        if ships and not explicit_on:
+            source = config
+            if ic_overrides and switch is None:
+                warnings.warn(
+                    f"--hf-overrides {', '.join(ic_overrides)} ignored: the checkpoint ships its own IndexCache "
+                    'settings; add "use_index_cache": true to override them',
+                    UserWarning, stacklevel=2,
+                )
+
+        def get(key):
+            value = source.get(key)
+            return INDEX_CACHE_KEYS[key][1] if value is None else value
+
+        num_layers = merged.get("num_hidden_layers")
+        return cls(
+            use_index_cache=enabled,
+            index_topk_freq=get("index_topk_freq"),
+            index_topk_pattern=get("index_topk_pattern"),
+            index_skip_topk_offset=get("index_skip_topk_offset"),
+            indexer_types=get("indexer_types"),
+            shipped_by_checkpoint=ships and enabled and (source is config or not ic_overrides),
+            num_hidden_layers=num_layers if isinstance(num_layers, int) else None,
+            num_nextn_predict_layers=int(merged.get("num_nextn_predict_layers") or 0),
+            model_overrides={k: v for k, v in overrides.items() if k not in INDEX_CACHE_KEYS},
+        )
+
+    def plan(self, num_hidden_layers: Optional[int] = None, num_nextn_predict_layers: Optional[int] = None) -> LayerPlan:
+        """The layer plan; layer counts default to the config's own."""
+        if num_hidden_layers is None:
+            if self.num_hidden_layers is None:
+                raise ValueError("num_hidden_layers is not in the config; pass it to plan()")
+            num_hidden_layers = self.num_hidden_layers
+        if num_nextn_predict_layers is None:
+            num_nextn_predict_layers = self.num_nextn_predict_layers
+        return build_layer_plan(
+            num_hidden_layers,
+            num_nextn_predict_layers,
+            use_index_cache=self.use_index_cache,
+            index_topk_freq=self.index_topk_freq,
+            index_topk_pattern=self.index_topk_pattern,
+            index_skip_topk_offset=self.index_skip_topk_offset,
+            indexer_types=self.indexer_types,
+        )
+
+    def hf_overrides_json(self, pattern: Optional[str] = None) -> str:
+        """The --hf-overrides JSON (vLLM / SGLang spelling) that reproduces these settings."""
+        if pattern is not None:
+            return json.dumps({"use_index_cache": True, "index_topk_pattern": pattern})
+        out: dict[str, Any] = {"use_index_cache": self.use_index_cache}
+        if self.index_topk_pattern:
+            out["index_topk_pattern"] = self.index_topk_pattern
+        else:
+            out["index_topk_freq"] = self.index_topk_freq
+            if self.index_skip_topk_offset != 2:
+                out["index_skip_topk_offset"] = self.index_skip_topk_offset
+        return json.dumps(out)
