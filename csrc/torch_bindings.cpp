@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "indexcache/ops.h"
 #include "indexcache/plan.h"
 
 #ifndef INDEXCACHE_CUDA_ARCHS
@@ -15,6 +16,37 @@
 TORCH_LIBRARY(indexcache, m) {
   // Shared top-k buffer (DESIGN.md §3): rows [:num_rows] := -1.
   m.def("fill_topk_buffer_(Tensor(a!) buf, int num_rows) -> ()");
+  // fp8 e4m3 with one power-of-two scale per 128 values (DESIGN.md §4) -> (values, scales).
+  m.def("quantize_fp8(Tensor x, float eps, bool hadamard) -> (Tensor, Tensor)");
+  // Quantize k [n, 128] and write it into the paged index-K cache at slot_mapping.
+  m.def("index_k_cache_insert(Tensor k, Tensor slot_mapping, Tensor(a!) cache, bool hadamard) -> ()");
+  // Prefill indexer logits over per-row key windows [ks, ke) -> out [s_q, >= s_kv].
+  m.def(
+      "indexer_logits(Tensor q, Tensor k, Tensor? k_scale, Tensor weights, Tensor ks, Tensor ke, "
+      "Tensor(a!) out) -> ()");
+  // Decode indexer logits read from the paged index-K cache (next_n rows per request).
+  m.def(
+      "indexer_logits_paged(Tensor q, Tensor weights, Tensor cache, Tensor block_table, Tensor seq_lens, "
+      "int next_n, Tensor(a!) out) -> ()");
+  // Top-k of logits rows into the shared buffer as request-relative positions.
+  m.def("topk_indices(Tensor logits, Tensor ks, Tensor ke, int topk, Tensor(a!) out) -> ()");
+  // Fused scoring + top-k (prefill and paged decode); never materialises the logits.
+  m.def(
+      "indexer_topk(Tensor q, Tensor k, Tensor? k_scale, Tensor weights, Tensor ks, Tensor ke, int topk, "
+      "Tensor(a!) out) -> ()");
+  m.def(
+      "indexer_topk_paged(Tensor q, Tensor weights, Tensor cache, Tensor block_table, Tensor seq_lens, "
+      "int next_n, int topk, Tensor(a!) out) -> ()");
+  // Request-relative positions -> physical cache slots, keeping -1.
+  m.def(
+      "positions_to_slots(Tensor positions, Tensor req_of_row, Tensor block_table, int block_size, "
+      "int num_blocks, Tensor(a!) slots) -> ()");
+  // MLA KV cache insert (bf16/fp32 [.., 576] or fp8_ds_mla uint8 [.., 656]).
+  m.def("mla_kv_cache_insert(Tensor kv_c, Tensor k_pe, Tensor slot_mapping, Tensor(a!) cache) -> ()");
+  // Absorbed sparse MLA over selected slots -> out [s_q, h_q, d_v], lse [s_q, h_q].
+  m.def(
+      "sparse_mla(Tensor q, Tensor kv_cache, Tensor indices, float sm_scale, int d_v, Tensor(a!) out, "
+      "Tensor(a!) lse) -> ()");
 }
 
 namespace py = pybind11;
@@ -74,6 +106,20 @@ PYBIND11_MODULE(_C, mod) {
           py::arg("num_nextn_predict_layers"), py::arg("use_index_cache"),
           py::arg("index_topk_freq"), py::arg("index_topk_pattern"),
           py::arg("index_skip_topk_offset"), py::arg("indexer_types"));
+
+  mod.def(
+      "_set_cpu_isa",
+      [](const std::string& isa) {
+        if (isa == "auto") {
+          indexcache::set_cpu_isa(0);
+        } else if (isa == "portable") {
+          indexcache::set_cpu_isa(1);
+        } else {
+          throw py::value_error("cpu isa must be 'auto' or 'portable', got '" + isa + "'");
+        }
+      },
+      "Choose the CPU kernels' code path (for tests): 'auto' or 'portable' (no AVX-512 BF16).");
+  mod.def("_cpu_isa", []() { return indexcache::cpu_isa() == 0 ? "avx512bf16" : "portable"; });
 
   mod.def("_build_info", []() {
     py::dict d;

@@ -27,3 +27,145 @@ def fill_topk_buffer_(buf: torch.Tensor, num_rows: int) -> torch.Tensor:
 @torch.library.register_fake("indexcache::fill_topk_buffer_")
 def _fill_topk_buffer_fake(buf, num_rows):
     return None
+
+
+# Small torch-level helpers that are part of the op contract but are not kernels.
+from .reference import decode_windows, hadamard_128, indexer_weights, mla_softmax_scale  # noqa: E402,F401
+from .reference import INDEX_K_EPS, INDEX_Q_EPS  # noqa: E402,F401
+
+
+def quantize_fp8(x: torch.Tensor, eps: float, hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., d]`` (fp32/bf16, contiguous, d % 128 == 0) to e4m3 with one
+    power-of-two scale per 128 values: ``scale = 2^ceil(log2(max(amax, eps) / 448))``.
+
+    Returns ``(values float8_e4m3fn [..., d], scales fp32 [..., d // 128])``. ``hadamard``
+    rotates each 128-group by the orthonormal Walsh-Hadamard matrix first. For the indexer
+    use eps ``INDEX_Q_EPS`` for q ``[s, h, 128]`` and ``INDEX_K_EPS`` for k ``[s, 128]``.
+    """
+    return _ops.quantize_fp8(x, eps, hadamard)
+
+
+@torch.library.register_fake("indexcache::quantize_fp8")
+def _quantize_fp8_fake(x, eps, hadamard):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((*x.shape[:-1], x.shape[-1] // 128), dtype=torch.float32)
+
+
+def index_k_cache_insert(k: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, hadamard: bool = False) -> None:
+    """Quantize ``k [n, 128]`` (fp32/bf16) and write it into the paged index-K cache, in place.
+
+    cache: uint8 ``[num_blocks, block_size * 132]``; a block holds block_size x 128 e4m3
+    bytes, then block_size fp32 scales. slot_mapping: int64 ``[n]``, -1 skips a token; a
+    slot past the cache is an error.
+    """
+    _ops.index_k_cache_insert(k, slot_mapping, cache, hadamard)
+
+
+def indexer_logits(q, k, k_scale, weights, ks, ke, out=None) -> torch.Tensor:
+    """Prefill indexer logits: ``out[t, s] = k_scale[s] * Σ_h weights[t, h] * ReLU(q[t, h] · k[s])``
+    for ``ks[t] <= s < ke[t]``, -inf elsewhere.
+
+    q ``[s_q, h, 128]`` and k ``[s_kv, 128]``: both float8_e4m3fn (k_scale fp32 ``[s_kv]``
+    required) or both bf16/fp32 (k_scale optional). weights fp32 ``[s_q, h]`` with q's scales
+    and the softmax constants folded in (:func:`indexer_weights`). ks, ke int32 ``[s_q]``.
+    out: fp32 ``[s_q, >= s_kv]``, allocated when None; written in place and returned.
+    """
+    if out is None:
+        out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
+    _ops.indexer_logits(q, k, k_scale, weights, ks, ke, out)
+    return out
+
+
+def indexer_logits_paged(q, weights, cache, block_table, seq_lens, next_n: int, max_seq_len: int, out=None) -> torch.Tensor:
+    """Decode indexer logits read from the paged index-K cache.
+
+    q float8_e4m3fn ``[B * next_n, h, 128]`` (rows grouped by request), weights fp32
+    ``[B * next_n, h]``, block_table int32 ``[B, max_blocks]``, seq_lens int32 ``[B]``.
+    Row j of request b sees positions ``[0, seq_len - next_n + j + 1)``. Returns fp32
+    ``[B * next_n, max_seq_len]`` (``max_seq_len`` >= every seq_len), -inf past the window.
+    """
+    if out is None:
+        out = torch.empty((q.shape[0], max_seq_len), dtype=torch.float32, device=q.device)
+    _ops.indexer_logits_paged(q, weights, cache, block_table, seq_lens, next_n, out)
+    return out
+
+
+def _topk_out(out, rows, topk, width, device):
+    if out is None:
+        out = torch.empty((rows, topk if width is None else width), dtype=torch.int32, device=device)
+    return out
+
+
+def topk_indices(logits, ks, ke, topk: int, width=None, out=None) -> torch.Tensor:
+    """Per row, the ``min(topk, ke - ks)`` largest logits in ``[ks, ke)`` as positions ``s - ks``.
+
+    logits fp32 ``[rows, s_kv]``; ks, ke int32 ``[rows]``. Writes rows ``[:rows]`` of ``out``
+    (int32 ``[>= rows, width >= topk]``, e.g. the model's shared top-k buffer): selected
+    positions ascending, then -1 to the full width. Ties go to lower positions. Returns
+    ``out[:rows]``.
+    """
+    out = _topk_out(out, logits.shape[0], topk, width, logits.device)
+    _ops.topk_indices(logits, ks, ke, topk, out)
+    return out[: logits.shape[0]]
+
+
+def indexer_topk(q, k, k_scale, weights, ks, ke, topk: int, width=None, out=None) -> torch.Tensor:
+    """Fused :func:`indexer_logits` + :func:`topk_indices`: same arguments and result, but the
+    ``[s_q, s_kv]`` logits are never stored (memory independent of s_kv)."""
+    out = _topk_out(out, q.shape[0], topk, width, q.device)
+    _ops.indexer_topk(q, k, k_scale, weights, ks, ke, topk, out)
+    return out[: q.shape[0]]
+
+
+def indexer_topk_paged(q, weights, cache, block_table, seq_lens, next_n: int, topk: int, width=None, out=None) -> torch.Tensor:
+    """Fused :func:`indexer_logits_paged` + top-k over each row's decode window."""
+    out = _topk_out(out, q.shape[0], topk, width, q.device)
+    _ops.indexer_topk_paged(q, weights, cache, block_table, seq_lens, next_n, topk, out)
+    return out[: q.shape[0]]
+
+
+def positions_to_slots(positions, req_of_row, block_table, block_size: int, num_blocks=None, out=None) -> torch.Tensor:
+    """``slot = block_table[req, pos // block_size] * block_size + pos % block_size``, -1 kept.
+
+    positions int32 ``[n, k]``, req_of_row int32 ``[n]`` (request of each row), block_table
+    int32 ``[B, max_blocks]``. ``num_blocks`` (the cache's) bounds the block ids read; a
+    position past the table or a block id outside the cache is an error.
+    """
+    if out is None:
+        out = torch.empty_like(positions)
+    _ops.positions_to_slots(positions, req_of_row, block_table, block_size,
+                            2**31 - 1 if num_blocks is None else num_blocks, out)
+    return out
+
+
+def mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache) -> None:
+    """Write latents ``kv_c [n, 512]`` and RoPE keys ``k_pe [n, 64]`` into the MLA cache, in place.
+
+    cache bf16/fp32 ``[num_blocks, block_size, 576]`` or uint8 ``[num_blocks, block_size, 656]``
+    (fp8_ds_mla: 512 e4m3, 4 fp32 scales = max(amax, 1e-4) / 448 per 128, 64 bf16 RoPE).
+    slot_mapping int64 ``[n]``, -1 skips.
+    """
+    _ops.mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache)
+
+
+def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, lse=None):
+    """Absorbed sparse MLA over selected slots (DESIGN.md §5).
+
+    q bf16/fp32 ``[s_q, h_q, 576]``; kv_cache as :func:`mla_kv_cache_insert`; indices int32
+    ``[s_q, topk]`` physical slots, -1 = none. Returns ``(out [s_q, h_q, d_v] in q's dtype,
+    lse fp32 [s_q, h_q])``; rows with no valid slot give 0 and -inf.
+    """
+    if out is None:
+        out = q.new_empty((q.shape[0], q.shape[1], d_v))
+    if lse is None:
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    _ops.sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse)
+    return out, lse
+
+
+def _register_mutating_fakes():
+    for name in ("index_k_cache_insert", "indexer_logits", "indexer_logits_paged", "topk_indices", "indexer_topk",
+                 "indexer_topk_paged", "positions_to_slots", "mla_kv_cache_insert", "sparse_mla"):
+        torch.library.register_fake(f"indexcache::{name}")(lambda *args, **kwargs: None)
+
+
+_register_mutating_fakes()

@@ -1,0 +1,170 @@
+// Element-wise CPU ops: fp8 quantization, the two cache inserts, position -> slot.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "../checks.h"
+#include "indexcache/fp8.h"
+#include "indexcache/ops.h"
+
+namespace indexcache {
+namespace {
+
+inline float load_value(const void* base, DType dt, int64_t i) {
+  return dt == DType::kFloat32 ? static_cast<const float*>(base)[i]
+                               : bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+}
+
+// One group of 128 values: optional Hadamard, ue8m0 scale, e4m3 bytes.
+inline float quantize_group(const void* src, DType dt, int64_t offset, float eps, bool hadamard,
+                            uint8_t* dst) {
+  float buf[kQuantGroup];
+  for (int i = 0; i < kQuantGroup; ++i) buf[i] = load_value(src, dt, offset + i);
+  if (hadamard) hadamard_128_inplace(buf);
+  float amax = 0.f;
+  for (int i = 0; i < kQuantGroup; ++i) amax = std::max(amax, std::fabs(buf[i]));
+  const float scale = ue8m0_scale(amax, eps);
+  const float inv = 1.0f / scale;  // exact: scale is a power of two
+  for (int i = 0; i < kQuantGroup; ++i) dst[i] = float_to_e4m3(buf[i] * inv);
+  return scale;
+}
+
+}  // namespace
+
+void quantize_fp8_cpu(const QuantParams& p) {
+  const int64_t groups = p.d / kQuantGroup;
+  at::parallel_for(0, p.rows * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      p.scales[g] = quantize_group(p.x, p.x_dtype, g * kQuantGroup, p.eps, p.hadamard,
+                                   p.values + g * kQuantGroup);
+    }
+  });
+}
+
+void index_k_insert_cpu(const IndexKInsertParams& p) {
+  const int64_t block_bytes = p.block_size * (p.d + 4);
+  at::parallel_for(0, p.n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = p.slot_mapping[i];
+      if (slot < 0) continue;
+      uint8_t* block = p.cache + (slot / p.block_size) * block_bytes;
+      const int64_t off = slot % p.block_size;
+      float* scales = reinterpret_cast<float*>(block + p.block_size * p.d);
+      // d == 128: one scale per token.
+      scales[off] = quantize_group(p.k, p.k_dtype, i * p.d, kIndexKEps, p.hadamard, block + off * p.d);
+    }
+  });
+}
+
+void mla_insert_cpu(const MlaInsertParams& p) {
+  at::parallel_for(0, p.n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = p.slot_mapping[i];
+      if (slot < 0) continue;
+      if (p.cache_dtype == DType::kFp8E4M3) {
+        uint8_t* row = static_cast<uint8_t*>(p.cache) + slot * kMlaFp8Bytes;
+        float* scales = reinterpret_cast<float*>(row + kMlaLatent);
+        for (int g = 0; g < kMlaLatent / kQuantGroup; ++g) {
+          float amax = 0.f;
+          for (int j = 0; j < kQuantGroup; ++j)
+            amax = std::max(amax, std::fabs(load_value(p.kv_c, p.src_dtype, i * kMlaLatent + g * kQuantGroup + j)));
+          const float scale = std::max(amax, kMlaFp8Eps) / kFp8Max;
+          scales[g] = scale;
+          for (int j = 0; j < kQuantGroup; ++j) {
+            const float v = load_value(p.kv_c, p.src_dtype, i * kMlaLatent + g * kQuantGroup + j);
+            row[g * kQuantGroup + j] = float_to_e4m3(v / scale);
+          }
+        }
+        uint16_t* rope = reinterpret_cast<uint16_t*>(row + kMlaLatent + 16);
+        for (int j = 0; j < kMlaRope; ++j) rope[j] = float_to_bf16(load_value(p.k_pe, p.src_dtype, i * kMlaRope + j));
+      } else {
+        for (int j = 0; j < kMlaDim; ++j) {
+          const float v = j < kMlaLatent ? load_value(p.kv_c, p.src_dtype, i * kMlaLatent + j)
+                                         : load_value(p.k_pe, p.src_dtype, i * kMlaRope + j - kMlaLatent);
+          if (p.cache_dtype == DType::kFloat32) {
+            static_cast<float*>(p.cache)[slot * kMlaDim + j] = v;
+          } else {
+            static_cast<uint16_t*>(p.cache)[slot * kMlaDim + j] = float_to_bf16(v);
+          }
+        }
+      }
+    }
+  });
+}
+
+void positions_to_slots_cpu(const SlotParams& p) {
+  at::parallel_for(0, p.n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* table = p.block_table + static_cast<int64_t>(p.req_of_row[r]) * p.max_blocks;
+      for (int64_t j = 0; j < p.k; ++j) {
+        const int32_t pos = p.positions[r * p.k + j];
+        p.slots[r * p.k + j] =
+            pos < 0 ? -1 : static_cast<int32_t>(table[pos / p.block_size] * p.block_size + pos % p.block_size);
+      }
+    }
+  });
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_op(const at::Tensor& x, double eps, bool hadamard) {
+  auto [values, scales] = make_quant_outputs(x);
+  quantize_fp8_cpu(make_quant_params(x, values, scales, eps, hadamard));
+  return {values, scales};
+}
+
+void index_k_cache_insert_op(const at::Tensor& k, const at::Tensor& slot_mapping, at::Tensor& cache, bool hadamard) {
+  const auto p = make_index_k_insert_params(k, slot_mapping, cache, hadamard);
+  check_slots_in_range(slot_mapping, p.num_blocks * p.block_size, "slot_mapping");
+  index_k_insert_cpu(p);
+}
+
+void mla_kv_cache_insert_op(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& slot_mapping,
+                            at::Tensor& cache) {
+  const auto p = make_mla_insert_params(kv_c, k_pe, slot_mapping, cache);
+  check_slots_in_range(slot_mapping, p.num_slots, "slot_mapping");
+  mla_insert_cpu(p);
+}
+
+void positions_to_slots_op(const at::Tensor& positions, const at::Tensor& req_of_row, const at::Tensor& block_table,
+                           int64_t block_size, int64_t num_blocks, at::Tensor& slots) {
+  const auto p = make_slot_params(positions, req_of_row, block_table, block_size, num_blocks, slots);
+  check_positions_cpu(p);
+  positions_to_slots_cpu(p);
+}
+
+}  // namespace
+
+// Host-side validation of positions and block ids (the CUDA op validates through the
+// same code on a host copy only in debug; see csrc/cuda).
+void check_positions_cpu(const SlotParams& p) {
+  for (int64_t r = 0; r < p.n; ++r) {
+    const int32_t req = p.req_of_row[r];
+    TORCH_CHECK(req >= 0 && req < p.batch, "req_of_row[", r, "]=", req, " is outside the block table's ", p.batch,
+                " requests");
+    for (int64_t j = 0; j < p.k; ++j) {
+      const int32_t pos = p.positions[r * p.k + j];
+      if (pos < 0) {
+        TORCH_CHECK(pos == -1, "positions[", r, ", ", j, "]=", pos, ": only -1 may mark an empty entry");
+        continue;
+      }
+      const int64_t blk = pos / p.block_size;
+      TORCH_CHECK(blk < p.max_blocks, "positions[", r, ", ", j, "]=", pos, " needs block ", blk,
+                  " but the block table has ", p.max_blocks, " columns");
+      const int32_t id = p.block_table[req * p.max_blocks + blk];
+      TORCH_CHECK(id >= 0 && id < p.num_blocks, "block_table[", req, ", ", blk, "]=", id,
+                  " is outside the cache's ", p.num_blocks, " blocks (position ", pos, ")");
+    }
+  }
+}
+
+TORCH_LIBRARY_IMPL(indexcache, CPU, m) {
+  m.impl("quantize_fp8", &quantize_fp8_op);
+  m.impl("index_k_cache_insert", &index_k_cache_insert_op);
+  m.impl("mla_kv_cache_insert", &mla_kv_cache_insert_op);
+  m.impl("positions_to_slots", &positions_to_slots_op);
+}
+
+}  // namespace indexcache

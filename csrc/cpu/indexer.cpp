@@ -1,0 +1,505 @@
+// CPU indexer: scoring (prefill and paged decode), top-k into the shared buffer, and the
+// fused scoring + top-k that never materialises the [s_q, s_kv] logits.
+//
+// Scores are computed 32 keys at a time. With AVX-512 BF16 the key tile is packed as
+// bf16 pairs ([d/2][32 keys][2], exact for e4m3 and bf16 inputs) and each query head's
+// pair is broadcast into vdpbf16ps with fp32 accumulation; otherwise (or for fp32 inputs)
+// a portable fp32 loop runs on a [d][32] tile. The fused and plain ops call the same tile
+// routine, so they select from bit-identical scores.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../checks.h"
+#include "indexcache/fp8.h"
+#include "indexcache/ops.h"
+#include "select.h"
+
+namespace indexcache {
+namespace {
+
+constexpr int kTile = 32;
+constexpr int64_t kRowBlock = 8;      // query rows sharing one packed key tile
+constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
+constexpr int64_t kMinSplitKeys = 4096;
+
+std::atomic<int> g_isa_override{0};
+
+bool cpu_has_bf16() {
+#if defined(__x86_64__)
+  static const bool v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512f");
+  return v;
+#else
+  return false;
+#endif
+}
+
+bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && g_isa_override.load() == 0 && cpu_has_bf16(); }
+
+struct E4m3Tables {
+  uint16_t bf16[256];
+  float f32[256];
+  E4m3Tables() {
+    for (int i = 0; i < 256; ++i) {
+      f32[i] = e4m3_to_float(static_cast<uint8_t>(i));
+      bf16[i] = float_to_bf16(f32[i]);  // exact: e4m3 fits in bf16
+    }
+  }
+};
+const E4m3Tables& tables() {
+  static const E4m3Tables t;
+  return t;
+}
+
+inline float elem_f32(const void* row, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kFloat32: return static_cast<const float*>(row)[i];
+    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(row)[i]);
+    default: return tables().f32[static_cast<const uint8_t*>(row)[i]];
+  }
+}
+inline uint16_t elem_bf16(const void* row, DType dt, int64_t i) {
+  return dt == DType::kBFloat16 ? static_cast<const uint16_t*>(row)[i]
+                                : tables().bf16[static_cast<const uint8_t*>(row)[i]];
+}
+
+// ---------------------------------------------------------------- key sources
+
+// Keys [0, s_kv) of a dense [s_kv, d] tensor.
+struct DenseKeys {
+  const uint8_t* base;
+  int64_t row_bytes;
+  const float* scale;  // nullable
+  const void* row(int64_t s) const { return base + s * row_bytes; }
+  float scale_of(int64_t s) const { return scale ? scale[s] : 1.0f; }
+};
+
+// Request positions [0, seq_len) of one request in the paged index-K cache.
+struct PagedKeys {
+  const uint8_t* cache;
+  const int32_t* table;  // this request's block-table row
+  int64_t block_size, d;
+  const void* row(int64_t s) const {
+    const uint8_t* block = cache + static_cast<int64_t>(table[s / block_size]) * block_size * (d + 4);
+    return block + (s % block_size) * d;
+  }
+  float scale_of(int64_t s) const {
+    const uint8_t* block = cache + static_cast<int64_t>(table[s / block_size]) * block_size * (d + 4);
+    float v;
+    std::memcpy(&v, block + block_size * d + (s % block_size) * 4, 4);
+    return v;
+  }
+};
+
+// A packed tile of up to 32 keys starting at s0; missing keys are zero.
+struct KeyTile {
+  alignas(64) uint32_t pairs[kIndexHeadDim / 2 * kTile];  // bf16 path, [d/2][32]
+  std::vector<float> f32;                                  // portable path, [d][32]
+  float scale[kTile];
+  int n = 0;
+};
+
+template <typename Keys>
+void pack_tile(const Keys& keys, DType dt, int64_t d, int64_t s0, int n, bool bf16, KeyTile& t) {
+  t.n = n;
+  for (int j = 0; j < kTile; ++j) t.scale[j] = j < n ? keys.scale_of(s0 + j) : 0.f;
+  if (bf16) {
+    const int64_t pairs = d / 2;
+    for (int j = 0; j < kTile; ++j) {
+      if (j >= n) {
+        for (int64_t p = 0; p < pairs; ++p) t.pairs[p * kTile + j] = 0;
+        continue;
+      }
+      const void* r = keys.row(s0 + j);
+      for (int64_t p = 0; p < pairs; ++p) {
+        t.pairs[p * kTile + j] = static_cast<uint32_t>(elem_bf16(r, dt, 2 * p)) |
+                                 (static_cast<uint32_t>(elem_bf16(r, dt, 2 * p + 1)) << 16);
+      }
+    }
+  } else {
+    t.f32.resize(d * kTile);
+    for (int j = 0; j < kTile; ++j) {
+      const void* r = j < n ? keys.row(s0 + j) : nullptr;
+      for (int64_t c = 0; c < d; ++c) t.f32[c * kTile + j] = r ? elem_f32(r, dt, c) : 0.f;
+    }
+  }
+}
+
+// One query row prepared for scoring: bf16 pairs [h][d/2] or fp32 [h][d].
+struct QueryRow {
+  std::vector<uint32_t> pairs;
+  std::vector<float> f32;
+  const float* w = nullptr;  // [h]
+};
+
+void prepare_query(const void* q, DType dt, int64_t h, int64_t d, bool bf16, const float* w, QueryRow& out) {
+  out.w = w;
+  if (bf16) {
+    out.pairs.resize(h * d / 2);
+    for (int64_t i = 0; i < h * d / 2; ++i)
+      out.pairs[i] = static_cast<uint32_t>(elem_bf16(q, dt, 2 * i)) | (static_cast<uint32_t>(elem_bf16(q, dt, 2 * i + 1)) << 16);
+  } else {
+    out.f32.resize(h * d);
+    for (int64_t i = 0; i < h * d; ++i) out.f32[i] = elem_f32(q, dt, i);
+  }
+}
+
+// ---------------------------------------------------------------- tile scoring
+
+template <int HB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void heads_bf16(const uint32_t* qp, const float* w,
+                                                                                 const uint32_t* kt, int64_t pairs,
+                                                                                 __m512& o0, __m512& o1) {
+  __m512 acc0[HB], acc1[HB];
+  for (int i = 0; i < HB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + p * kTile);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + p * kTile + 16);
+    for (int i = 0; i < HB; ++i) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i * pairs + p]));
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], qb, k0);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], qb, k1);
+    }
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int i = 0; i < HB; ++i) {
+    const __m512 wv = _mm512_set1_ps(w[i]);
+    o0 = _mm512_fmadd_ps(_mm512_max_ps(acc0[i], zero), wv, o0);
+    o1 = _mm512_fmadd_ps(_mm512_max_ps(acc1[i], zero), wv, o1);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void score_tile_bf16(const QueryRow& q, const KeyTile& t,
+                                                                               int64_t h, int64_t d, float* out) {
+  const int64_t pairs = d / 2;
+  __m512 o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
+  int64_t hh = 0;
+  for (; hh + 8 <= h; hh += 8) heads_bf16<8>(q.pairs.data() + hh * pairs, q.w + hh, t.pairs, pairs, o0, o1);
+  for (; hh < h; ++hh) heads_bf16<1>(q.pairs.data() + hh * pairs, q.w + hh, t.pairs, pairs, o0, o1);
+  o0 = _mm512_mul_ps(o0, _mm512_loadu_ps(t.scale));
+  o1 = _mm512_mul_ps(o1, _mm512_loadu_ps(t.scale + 16));
+  _mm512_storeu_ps(out, o0);
+  _mm512_storeu_ps(out + 16, o1);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void score_tile_f32(const QueryRow& q, const KeyTile& t,
+                                                                                 int64_t h, int64_t d, float* out) {
+  float o[kTile] = {};
+  const float* kt = t.f32.data();
+  for (int64_t hh = 0; hh < h; ++hh) {
+    float acc[kTile] = {};
+    const float* qh = q.f32.data() + hh * d;
+    for (int64_t c = 0; c < d; ++c) {
+      const float qv = qh[c];
+      for (int j = 0; j < kTile; ++j) acc[j] += qv * kt[c * kTile + j];
+    }
+    const float w = q.w[hh];
+    for (int j = 0; j < kTile; ++j) o[j] += w * (acc[j] > 0.f ? acc[j] : 0.f);
+  }
+  for (int j = 0; j < kTile; ++j) out[j] = o[j] * t.scale[j];
+}
+
+inline void score_tile(const QueryRow& q, const KeyTile& t, int64_t h, int64_t d, bool bf16, float* out) {
+  if (bf16) {
+    score_tile_bf16(q, t, h, d, out);
+  } else {
+    score_tile_f32(q, t, h, d, out);
+  }
+}
+
+// ---------------------------------------------------------------- shared drivers
+
+// Rows [r0, r1) with windows [lo[r], hi[r]) over the keys of `keys`; calls
+// on_scores(row, s0, n, scores) for every tile that overlaps the row's window, in
+// increasing key order, for tiles in [c0, c1).
+template <typename Keys, typename RowQ, typename OnScores>
+void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, bool bf16, int64_t r0, int64_t r1,
+                const int64_t* lo, const int64_t* hi, int64_t c0, int64_t c1, RowQ row_query, OnScores on_scores) {
+  std::vector<QueryRow> qrows(r1 - r0);
+  for (int64_t r = r0; r < r1; ++r) row_query(r, qrows[r - r0]);
+  KeyTile tile;
+  alignas(64) float scores[kTile];
+  for (int64_t s0 = c0; s0 < c1; s0 += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, c1 - s0));
+    bool packed = false;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (lo[r - r0] >= s0 + n || hi[r - r0] <= s0) continue;
+      if (!packed) {
+        pack_tile(keys, dt, d, s0, n, bf16, tile);
+        packed = true;
+      }
+      score_tile(qrows[r - r0], tile, h, d, bf16, scores);
+      on_scores(r, s0, n, scores);
+    }
+  }
+}
+
+void fill_neg_inf(float* row, int64_t n) { std::fill_n(row, n, -std::numeric_limits<float>::infinity()); }
+
+void write_short_row(int32_t* out, int64_t window, const TopkOut& o) {
+  int64_t j = 0;
+  for (; j < window && j < o.topk; ++j) out[j] = static_cast<int32_t>(j);
+  for (; j < o.width; ++j) out[j] = -1;
+}
+
+// Number of key splits per row block for the fused ops, so that every thread has work
+// even when there are few rows (decode), while each split keeps >= kMinSplitKeys keys.
+int64_t key_splits(int64_t row_blocks, int64_t keys) {
+  const int64_t threads = at::get_num_threads();
+  if (row_blocks >= 2 * threads) return 1;
+  const int64_t want = (2 * threads + row_blocks - 1) / row_blocks;
+  return std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinSplitKeys));
+}
+
+// Fused driver: rows [0, rows) in blocks; each (block, split) task keeps a RunningTopk per
+// row over its key range; splits of a block are merged in key order. Rows whose window
+// fits in topk need no scoring at all (their answer is 0..window-1).
+template <typename BlockKeys>
+void fused_topk(int64_t rows, int64_t row_block, int64_t max_keys, const int64_t* lo, const int64_t* hi,
+                const TopkOut& o, BlockKeys run_block) {
+  std::vector<int64_t> lo_eff(lo, lo + rows), hi_eff(hi, hi + rows);
+  for (int64_t r = 0; r < rows; ++r)
+    if (hi[r] - lo[r] <= o.topk) lo_eff[r] = hi_eff[r] = 0;
+  const int64_t blocks = (rows + row_block - 1) / row_block;
+  const int64_t splits = key_splits(blocks, max_keys);
+  std::vector<cpu::RunningTopk> sel(rows * splits);
+  at::parallel_for(0, blocks * splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, sp = task % splits;
+      const int64_t r0 = b * row_block, r1 = std::min(rows, r0 + row_block);
+      int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        sel[r * splits + sp].reset(o.topk);
+        if (hi_eff[r] > lo_eff[r]) {
+          lo_all = std::min(lo_all, lo_eff[r]);
+          hi_all = std::max(hi_all, hi_eff[r]);
+        }
+      }
+      if (hi_all <= lo_all) continue;
+      // Tile-aligned split boundaries keep each tile inside one split.
+      const int64_t span = hi_all - lo_all;
+      const int64_t per = ((span + splits - 1) / splits + kTile - 1) / kTile * kTile;
+      const int64_t c0 = lo_all + sp * per, c1 = std::min(hi_all, c0 + per);
+      if (c1 <= c0) continue;
+      run_block(r0, r1, c0, c1, lo_eff.data() + r0, hi_eff.data() + r0,
+                [&](int64_t r, int64_t s0, int n, const float* scores) {
+                  cpu::RunningTopk& rs = sel[r * splits + sp];
+                  const int64_t a = std::max<int64_t>(lo_eff[r], s0), e = std::min<int64_t>(hi_eff[r], s0 + n);
+                  for (int64_t s = a; s < e; ++s) rs.push(cpu::order_key(scores[s - s0]), static_cast<int32_t>(s));
+                });
+    }
+  });
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int32_t* out = o.out + r * o.stride;
+      const int64_t window = std::max<int64_t>(0, hi[r] - lo[r]);
+      if (window <= o.topk) {
+        write_short_row(out, window, o);
+        continue;
+      }
+      cpu::RunningTopk& first = sel[r * splits];
+      for (int64_t sp = 1; sp < splits; ++sp) first.absorb(sel[r * splits + sp]);
+      int64_t j = first.finish(out, static_cast<int32_t>(lo[r]));
+      for (; j < o.width; ++j) out[j] = -1;
+    }
+  });
+}
+
+void dense_windows(const IndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+  lo.resize(p.s_q);
+  hi.resize(p.s_q);
+  for (int64_t r = 0; r < p.s_q; ++r) {
+    lo[r] = std::clamp<int64_t>(p.ks[r], 0, p.s_kv);
+    hi[r] = std::clamp<int64_t>(p.ke[r], lo[r], p.s_kv);
+  }
+}
+
+DenseKeys dense_keys(const IndexerParams& p) {
+  const int64_t elem = p.qk_dtype == DType::kFloat32 ? 4 : (p.qk_dtype == DType::kBFloat16 ? 2 : 1);
+  return DenseKeys{static_cast<const uint8_t*>(p.k), p.d * elem, p.k_scale};
+}
+
+auto dense_query(const IndexerParams& p, bool bf16) {
+  const int64_t elem = p.qk_dtype == DType::kFloat32 ? 4 : (p.qk_dtype == DType::kBFloat16 ? 2 : 1);
+  return [&p, bf16, elem](int64_t r, QueryRow& q) {
+    prepare_query(static_cast<const uint8_t*>(p.q) + r * p.h * p.d * elem, p.qk_dtype, p.h, p.d, bf16,
+                  p.weights + r * p.h, q);
+  };
+}
+
+// Decode rows: row j of request b sees positions [0, seq_len - next_n + j + 1).
+void paged_windows(const PagedIndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+  const int64_t rows = p.batch * p.next_n;
+  lo.assign(rows, 0);
+  hi.resize(rows);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t j = 0; j < p.next_n; ++j)
+      hi[b * p.next_n + j] = std::max<int64_t>(0, p.seq_lens[b] - p.next_n + j + 1);
+}
+
+auto paged_query(const PagedIndexerParams& p, bool bf16) {
+  return [&p, bf16](int64_t r, QueryRow& q) {
+    prepare_query(p.q + r * p.h * p.d, DType::kFp8E4M3, p.h, p.d, bf16, p.weights + r * p.h, q);
+  };
+}
+
+}  // namespace
+
+void set_cpu_isa(int isa) { g_isa_override.store(isa); }
+int cpu_isa() { return use_bf16_path(DType::kFp8E4M3) ? 0 : 1; }
+
+void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
+  const bool bf16 = use_bf16_path(p.qk_dtype);
+  std::vector<int64_t> lo, hi;
+  dense_windows(p, lo, hi);
+  const DenseKeys keys = dense_keys(p);
+  const auto row_query = dense_query(p, bf16);
+  const int64_t blocks = (p.s_q + kRowBlock - 1) / kRowBlock;
+  const int64_t chunks = std::max<int64_t>(1, (p.s_kv + kKeyChunk - 1) / kKeyChunk);
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r0 = (task / chunks) * kRowBlock, r1 = std::min(p.s_q, r0 + kRowBlock);
+      const int64_t c0 = (task % chunks) * kKeyChunk, c1 = std::min(p.s_kv, c0 + kKeyChunk);
+      for (int64_t r = r0; r < r1; ++r) fill_neg_inf(o.logits + r * o.stride + c0, c1 - c0);
+      score_rows(keys, p.qk_dtype, p.h, p.d, bf16, r0, r1, lo.data() + r0, hi.data() + r0, c0, c1, row_query,
+                 [&](int64_t r, int64_t s0, int n, const float* scores) {
+                   float* dst = o.logits + r * o.stride;
+                   const int64_t a = std::max<int64_t>(lo[r], s0), e = std::min<int64_t>(hi[r], s0 + n);
+                   for (int64_t s = a; s < e; ++s) dst[s] = scores[s - s0];
+                 });
+    }
+  });
+  // Columns past s_kv (a wider output) are outside every window.
+  if (o.cols > p.s_kv)
+    for (int64_t r = 0; r < p.s_q; ++r) fill_neg_inf(o.logits + r * o.stride + p.s_kv, o.cols - p.s_kv);
+}
+
+void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
+  const bool bf16 = use_bf16_path(DType::kFp8E4M3);
+  std::vector<int64_t> lo, hi;
+  paged_windows(p, lo, hi);
+  const auto row_query = paged_query(p, bf16);
+  at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t r0 = b * p.next_n, r1 = r0 + p.next_n;
+      for (int64_t r = r0; r < r1; ++r) fill_neg_inf(o.logits + r * o.stride, o.cols);
+      const PagedKeys keys{p.cache, p.block_table + b * p.max_blocks, p.block_size, p.d};
+      score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, lo.data() + r0, hi.data() + r0, 0,
+                 std::max<int64_t>(0, p.seq_lens[b]), row_query,
+                 [&](int64_t r, int64_t s0, int n, const float* scores) {
+                   float* dst = o.logits + r * o.stride;
+                   const int64_t e = std::min<int64_t>(hi[r], s0 + n);
+                   for (int64_t s = s0; s < e; ++s) dst[s] = scores[s - s0];
+                 });
+    }
+  });
+}
+
+void topk_cpu(const TopkParams& p, const TopkOut& o) {
+  at::parallel_for(0, p.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> scratch;
+    for (int64_t r = begin; r < end; ++r) {
+      int32_t* out = o.out + r * o.stride;
+      const int64_t lo = p.ks[r];
+      const int64_t window = std::max<int64_t>(0, static_cast<int64_t>(p.ke[r]) - lo);
+      if (window <= o.topk) {
+        write_short_row(out, window, o);
+        continue;
+      }
+      const float* x = p.logits + r * p.logits_stride + lo;
+      auto key_at = [x](int64_t i) { return cpu::order_key(x[i]); };
+      const cpu::Threshold t = cpu::select_threshold(window, o.topk, key_at, scratch);
+      int64_t j = 0;
+      cpu::emit_selected(window, t, key_at, [&](int64_t i) { out[j++] = static_cast<int32_t>(i); });
+      for (; j < o.width; ++j) out[j] = -1;
+    }
+  });
+}
+
+void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
+  const bool bf16 = use_bf16_path(p.qk_dtype);
+  std::vector<int64_t> lo, hi;
+  dense_windows(p, lo, hi);
+  const DenseKeys keys = dense_keys(p);
+  const auto row_query = dense_query(p, bf16);
+  fused_topk(p.s_q, kRowBlock, p.s_kv, lo.data(), hi.data(), o,
+             [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
+                 auto on_scores) {
+               score_rows(keys, p.qk_dtype, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, on_scores);
+             });
+}
+
+void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
+  const bool bf16 = use_bf16_path(DType::kFp8E4M3);
+  std::vector<int64_t> lo, hi;
+  paged_windows(p, lo, hi);
+  const auto row_query = paged_query(p, bf16);
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < p.batch; ++b) max_keys = std::max<int64_t>(max_keys, p.seq_lens[b]);
+  // One row block per request: its draft rows share the request's keys.
+  fused_topk(p.batch * p.next_n, p.next_n, max_keys, lo.data(), hi.data(), o,
+             [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
+                 auto on_scores) {
+               const PagedKeys keys{p.cache, p.block_table + (r0 / p.next_n) * p.max_blocks, p.block_size, p.d};
+               score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, on_scores);
+             });
+}
+
+}  // namespace indexcache
+
+namespace indexcache {
+namespace {
+
+void indexer_logits_op(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_scale,
+                       const at::Tensor& weights, const at::Tensor& ks, const at::Tensor& ke, at::Tensor& out) {
+  const IndexerParams p = make_indexer_params(q, k, k_scale, weights, ks, ke);
+  indexer_logits_cpu(p, make_logits_out(out, p.s_q, p.s_kv, q));
+}
+
+void indexer_logits_paged_op(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                             const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t next_n,
+                             at::Tensor& out) {
+  const PagedIndexerParams p = make_paged_params(q, weights, cache, block_table, seq_lens, next_n);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < p.batch; ++b) max_len = std::max<int64_t>(max_len, p.seq_lens[b]);
+  indexer_logits_paged_cpu(p, make_logits_out(out, q.size(0), max_len, q));
+}
+
+void topk_indices_op(const at::Tensor& logits, const at::Tensor& ks, const at::Tensor& ke, int64_t topk,
+                     at::Tensor& out) {
+  const TopkParams p = make_topk_params(logits, ks, ke);
+  topk_cpu(p, make_topk_out(out, p.rows, topk, logits));
+}
+
+void indexer_topk_op(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_scale,
+                     const at::Tensor& weights, const at::Tensor& ks, const at::Tensor& ke, int64_t topk,
+                     at::Tensor& out) {
+  const IndexerParams p = make_indexer_params(q, k, k_scale, weights, ks, ke);
+  indexer_topk_cpu(p, make_topk_out(out, p.s_q, topk, q));
+}
+
+void indexer_topk_paged_op(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t next_n, int64_t topk,
+                           at::Tensor& out) {
+  const PagedIndexerParams p = make_paged_params(q, weights, cache, block_table, seq_lens, next_n);
+  indexer_topk_paged_cpu(p, make_topk_out(out, q.size(0), topk, q));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(indexcache, CPU, m) {
+  m.impl("indexer_logits", &indexer_logits_op);
+  m.impl("indexer_logits_paged", &indexer_logits_paged_op);
+  m.impl("topk_indices", &topk_indices_op);
+  m.impl("indexer_topk", &indexer_topk_op);
+  m.impl("indexer_topk_paged", &indexer_topk_paged_op);
+}
+
+}  // namespace indexcache

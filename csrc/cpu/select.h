@@ -1,0 +1,143 @@
+// Exact top-k selection on the CPU: radix select over order-preserving float keys, and a
+// running selector that folds tiles of scores into a bounded candidate set.
+// Order: value descending, position ascending on ties (reference.topk_indices).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace indexcache {
+namespace cpu {
+
+// Larger float -> larger key; NaN (positive) sorts above +inf, as in torch.sort.
+inline uint32_t order_key(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct Threshold {
+  uint32_t key;     // the k-th largest key
+  int64_t take_eq;  // how many elements equal to `key` belong to the top k (lowest positions first)
+};
+
+// Threshold of the k largest among n keys (1 <= k < n), from key(i) for i in [0, n).
+// Three histogram levels of 11, 11 and 10 bits; only the first reads all n keys.
+template <typename KeyAt>
+Threshold select_threshold(int64_t n, int64_t k, KeyAt key_at, std::vector<uint32_t>& scratch) {
+  static constexpr int kShift[3] = {21, 10, 0};
+  static constexpr uint32_t kBins[3] = {2048, 2048, 1024};
+  uint32_t hist[2048];
+  uint32_t prefix = 0;  // the bits fixed so far
+  uint32_t prefix_mask = 0;
+  int64_t need = k;
+  scratch.clear();
+  for (int level = 0; level < 3; ++level) {
+    const uint32_t bins = kBins[level];
+    const int shift = kShift[level];
+    std::memset(hist, 0, sizeof(uint32_t) * bins);
+    if (level == 0) {
+      for (int64_t i = 0; i < n; ++i) ++hist[key_at(i) >> shift];
+    } else {
+      for (uint32_t kk : scratch) ++hist[(kk >> shift) & (bins - 1)];
+    }
+    int64_t above = 0;
+    uint32_t b = bins - 1;
+    for (;; --b) {
+      if (above + hist[b] >= static_cast<uint64_t>(need)) break;
+      above += hist[b];
+    }
+    need -= above;
+    prefix |= b << shift;
+    prefix_mask |= (bins - 1) << shift;
+    if (level == 2) break;
+    // Keep only the keys in the chosen bin for the next level.
+    if (level == 0) {
+      scratch.reserve(hist[b]);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t kk = key_at(i);
+        if ((kk & prefix_mask) == prefix) scratch.push_back(kk);
+      }
+    } else {
+      size_t w = 0;
+      for (uint32_t kk : scratch)
+        if ((kk & prefix_mask) == prefix) scratch[w++] = kk;
+      scratch.resize(w);
+    }
+  }
+  return Threshold{prefix, need};
+}
+
+// Writes the selected positions (ascending) of the k largest among `vals[0:n)`, given
+// their threshold; `emit(i)` is called once per selected i in increasing order.
+template <typename KeyAt, typename Emit>
+void emit_selected(int64_t n, const Threshold& t, KeyAt key_at, Emit emit) {
+  int64_t eq = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t kk = key_at(i);
+    if (kk > t.key || (kk == t.key && eq++ < t.take_eq)) emit(i);
+  }
+}
+
+// A bounded candidate set for one row: keys arrive in increasing position order; once
+// it has held k, only keys strictly above the current k-th largest can matter.
+class RunningTopk {
+ public:
+  void reset(int64_t k) {
+    k_ = k;
+    cap_ = 4 * k < 1024 ? 1024 : 4 * k;
+    keys_.clear();
+    pos_.clear();
+    keys_.reserve(cap_);
+    pos_.reserve(cap_);
+    full_ = false;
+    thr_ = 0;
+  }
+  // Smallest key that can still enter (keys must be > this when full).
+  bool full() const { return full_; }
+  uint32_t threshold() const { return thr_; }
+  void push(uint32_t key, int32_t pos) {
+    if (full_ && key <= thr_) return;
+    keys_.push_back(key);
+    pos_.push_back(pos);
+    if (static_cast<int64_t>(keys_.size()) >= cap_) compact();
+  }
+  // Append another selector's candidates, all at higher positions than ours.
+  void absorb(const RunningTopk& other) {
+    for (size_t i = 0; i < other.keys_.size(); ++i) push(other.keys_[i], other.pos_[i]);
+  }
+  // Positions of the final top k, ascending, into out[0:k'); returns k'.
+  int64_t finish(int32_t* out, int32_t base) {
+    if (static_cast<int64_t>(keys_.size()) > k_) compact();
+    for (size_t i = 0; i < pos_.size(); ++i) out[i] = pos_[i] - base;
+    return static_cast<int64_t>(pos_.size());
+  }
+
+ private:
+  void compact() {
+    const int64_t n = static_cast<int64_t>(keys_.size());
+    const Threshold t = select_threshold(n, k_, [&](int64_t i) { return keys_[i]; }, scratch_);
+    size_t w = 0;
+    emit_selected(n, t, [&](int64_t i) { return keys_[i]; }, [&](int64_t i) {
+      keys_[w] = keys_[i];
+      pos_[w] = pos_[i];
+      ++w;
+    });
+    keys_.resize(w);
+    pos_.resize(w);
+    full_ = true;
+    thr_ = t.key;
+  }
+
+  int64_t k_ = 0;
+  int64_t cap_ = 0;
+  bool full_ = false;
+  uint32_t thr_ = 0;
+  std::vector<uint32_t> keys_;
+  std::vector<int32_t> pos_;
+  std::vector<uint32_t> scratch_;
+};
+
+}  // namespace cpu
+}  // namespace indexcache

@@ -1,0 +1,150 @@
+// Params structs and kernel entry points of the op library. Torch-free: raw pointers,
+// shapes and strides only, so the CPU and CUDA implementations share one contract.
+// Shape names (DESIGN.md §7): s_q query rows, s_kv keys, h heads, d head dim.
+#pragma once
+
+#include <cstdint>
+
+namespace indexcache {
+
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFp8E4M3 = 2 };
+
+// Quantize groups of 128 values to e4m3 with power-of-two scales (DESIGN.md §4).
+struct QuantParams {
+  const void* x;      // [rows, d] x_dtype (fp32 or bf16), contiguous
+  uint8_t* values;    // [rows, d] e4m3 out
+  float* scales;      // [rows, d / 128] out
+  int64_t rows;
+  int64_t d;          // multiple of 128
+  float eps;          // floor on the group amax
+  bool hadamard;      // rotate each group by the orthonormal 128-point Hadamard first
+  DType x_dtype;
+};
+
+// Quantize k and scatter it into the paged index-K cache (block: values, then scales).
+struct IndexKInsertParams {
+  const void* k;               // [n, d] k_dtype (fp32 or bf16)
+  const int64_t* slot_mapping; // [n] cache slot per token, -1 = skip
+  uint8_t* cache;              // [num_blocks, block_size * (d + 4)] in place
+  int64_t n;
+  int64_t d;
+  int64_t block_size;
+  int64_t num_blocks;
+  bool hadamard;
+  DType k_dtype;
+};
+
+// Prefill indexer scoring over a contiguous key range per row.
+struct IndexerParams {
+  const void* q;         // [s_q, h, d] qk_dtype
+  const void* k;         // [s_kv, d] qk_dtype
+  const float* k_scale;  // [s_kv] or nullptr (unquantized k)
+  const float* weights;  // [s_q, h], softmax constants and q scales folded in
+  const int32_t* ks;     // [s_q] first visible key
+  const int32_t* ke;     // [s_q] one past the last visible key
+  int64_t s_q;
+  int64_t s_kv;
+  int64_t h;
+  int64_t d;
+  DType qk_dtype;
+};
+
+// Decode indexer scoring straight from the paged index-K cache.
+struct PagedIndexerParams {
+  const uint8_t* q;            // [batch * next_n, h, d] e4m3, rows grouped by request
+  const float* weights;        // [batch * next_n, h]
+  const uint8_t* cache;        // [num_blocks, block_size * (d + 4)]
+  const int32_t* block_table;  // [batch, max_blocks]
+  const int32_t* seq_lens;     // [batch] tokens in the cache per request (drafts included)
+  int64_t batch;
+  int64_t next_n;
+  int64_t h;
+  int64_t d;
+  int64_t block_size;
+  int64_t max_blocks;
+  int64_t num_blocks;
+};
+
+// Where logits go (plain scoring ops).
+struct LogitsOut {
+  float* logits;   // [rows, stride]; columns [0, cols) written, -inf outside the window
+  int64_t stride;
+  int64_t cols;
+};
+
+// Where top-k selections go (top-k and fused ops): the shared buffer of DESIGN.md §3.
+struct TopkOut {
+  int32_t* out;    // [rows, stride]; columns [0, width): positions ascending, then -1
+  int64_t stride;
+  int64_t width;
+  int64_t topk;    // <= width
+};
+
+// Top-k of existing logits rows.
+struct TopkParams {
+  const float* logits;  // [rows, logits_stride]
+  const int32_t* ks;    // [rows]
+  const int32_t* ke;    // [rows]
+  int64_t rows;
+  int64_t logits_stride;
+};
+
+// Positions -> physical slots.
+struct SlotParams {
+  const int32_t* positions;    // [n, k] request-relative, -1 = none
+  const int32_t* req_of_row;   // [n]
+  const int32_t* block_table;  // [batch, max_blocks]
+  int32_t* slots;              // [n, k] out
+  int64_t n;
+  int64_t k;
+  int64_t batch;
+  int64_t max_blocks;
+  int64_t block_size;
+  int64_t num_blocks;          // block ids must be < num_blocks
+};
+
+// Sparse MLA, absorbed form (DESIGN.md §5).
+struct SparseMlaParams {
+  const void* q;             // [s_q, h_q, 576] q_dtype (fp32 or bf16)
+  const void* kv;            // [num_slots, kv_row_bytes]: fp32/bf16 576 values or 656 B fp8_ds_mla
+  const int32_t* indices;    // [s_q, topk] physical slots, -1 = none
+  void* out;                 // [s_q, h_q, d_v] q_dtype
+  float* lse;                // [s_q, h_q] natural-log softmax denominators
+  int64_t s_q;
+  int64_t h_q;
+  int64_t topk;
+  int64_t num_slots;
+  int64_t d_v;               // 512
+  float sm_scale;
+  DType q_dtype;
+  DType kv_dtype;            // kFp8E4M3 means the 656-byte fp8_ds_mla layout
+};
+
+// MLA KV cache insert.
+struct MlaInsertParams {
+  const void* kv_c;            // [n, 512] src_dtype
+  const void* k_pe;            // [n, 64] src_dtype
+  const int64_t* slot_mapping; // [n], -1 = skip
+  void* cache;                 // [num_slots, 576] cache_dtype, or [num_slots, 656] bytes (fp8)
+  int64_t n;
+  int64_t num_slots;
+  DType src_dtype;
+  DType cache_dtype;
+};
+
+void quantize_fp8_cpu(const QuantParams& p);
+void index_k_insert_cpu(const IndexKInsertParams& p);
+void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o);
+void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o);
+void topk_cpu(const TopkParams& p, const TopkOut& o);
+void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o);
+void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o);
+void positions_to_slots_cpu(const SlotParams& p);
+void sparse_mla_cpu(const SparseMlaParams& p);
+void mla_insert_cpu(const MlaInsertParams& p);
+
+// Selects the CPU code path: 0 = best the CPU supports, 1 = portable (no AVX-512 BF16).
+void set_cpu_isa(int isa);
+int cpu_isa();
+
+}  // namespace indexcache

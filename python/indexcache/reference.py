@@ -1,0 +1,284 @@
+"""Pure-torch definitions of every op: the formal meaning that the kernels are tested against.
+
+Written for clarity, not speed. Conventions (DESIGN.md §3–§5):
+- ``-1`` in an index or slot means "no token".
+- Top-k selects under the total order (value descending, position ascending), so ties are
+  resolved toward lower positions and the selected set is unique. Output rows list the
+  selected request-relative positions in ascending order, then ``-1`` padding.
+- FP8 is ``torch.float8_e4m3fn`` (max 448); indexer scales are powers of two (ue8m0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+FP8_MAX = 448.0
+QUANT_GROUP = 128
+INDEX_K_EPS = 1e-4  # DESIGN.md §4
+INDEX_Q_EPS = 1e-10
+MLA_FP8_EPS = 1e-4  # floor on the per-128 amax of the fp8_ds_mla cache
+MLA_LATENT = 512
+MLA_ROPE = 64
+MLA_FP8_BYTES = MLA_LATENT + 4 * 4 + MLA_ROPE * 2  # 656
+
+
+# ----------------------------------------------------------------------------- fp8 helpers
+
+def hadamard_128(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal 128-point Walsh-Hadamard rotation of each group of 128 values (fp32).
+
+    Done as log2(128) butterfly stages, a+b then a-b, then one multiply by 128^-1/2; the
+    C++ kernels use the same operation order, so results are bit-identical.
+    """
+    shape = x.shape
+    y = x.float().reshape(-1, QUANT_GROUP)
+    h = 1
+    while h < QUANT_GROUP:
+        y = y.view(-1, QUANT_GROUP // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2).reshape(-1, QUANT_GROUP)
+        h *= 2
+    return (y * torch.tensor(QUANT_GROUP ** -0.5, dtype=torch.float32)).reshape(shape)
+
+
+def ue8m0_scale(amax: torch.Tensor, eps: float) -> torch.Tensor:
+    """``2^ceil(log2(max(amax, eps) / 448))``, computed exactly through frexp."""
+    r = torch.clamp(amax.float(), min=eps) / FP8_MAX
+    mantissa, exponent = torch.frexp(r)  # r = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    return torch.ldexp(torch.ones_like(r), exponent)
+
+
+def quantize_fp8(x: torch.Tensor, eps: float, hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., d]`` (d % 128 == 0) to e4m3 with one power-of-two scale per 128 values.
+
+    Returns ``(values e4m3 [..., d], scales fp32 [..., d // 128])`` with
+    ``x ≈ values * scale``. For the indexer: q ``[s, h, 128]`` gives one scale per token and
+    head (eps 1e-10), k ``[s, 128]`` one per token (eps 1e-4).
+    """
+    xf = hadamard_128(x) if hadamard else x.float()
+    groups = xf.reshape(*x.shape[:-1], x.shape[-1] // QUANT_GROUP, QUANT_GROUP)
+    scale = ue8m0_scale(groups.abs().amax(dim=-1), eps)
+    values = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape)
+    return values, scale
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    groups = values.float().reshape(*values.shape[:-1], -1, QUANT_GROUP)
+    return (groups * scales.unsqueeze(-1)).reshape(values.shape)
+
+
+# ----------------------------------------------------------------------------- index-K cache
+
+def index_k_cache_insert(k: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, hadamard: bool = False) -> None:
+    """Quantize ``k [n, d]`` and write it into ``cache`` uint8 ``[num_blocks, block_size * (d + 4)]``.
+
+    A block holds ``block_size * d`` e4m3 bytes (token-major) and then ``block_size`` fp32
+    scales (DESIGN.md §4: 64 x 128 + 64 x 4 = 132 B per token). ``slot_mapping`` int64
+    ``[n]``; slot -1 skips the token.
+    """
+    n, d = k.shape
+    block_size = cache.shape[1] // (d + 4)
+    values, scales = quantize_fp8(k, INDEX_K_EPS, hadamard)
+    for i in range(n):
+        slot = int(slot_mapping[i])
+        if slot < 0:
+            continue
+        blk, off = divmod(slot, block_size)
+        cache[blk, off * d:(off + 1) * d] = values[i].view(torch.uint8)
+        base = block_size * d + off * 4
+        cache[blk, base:base + 4] = scales[i].reshape(1).view(torch.uint8)
+
+
+def index_k_cache_gather(cache: torch.Tensor, d: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read ``(values e4m3 [n, d], scales fp32 [n])`` of the given slots back out of the cache."""
+    block_size = cache.shape[1] // (d + 4)
+    blk, off = slots // block_size, slots % block_size
+    data = cache[:, : block_size * d].reshape(-1, block_size, d)[blk, off]
+    sc = cache[:, block_size * d:].reshape(-1, block_size, 4)[blk, off]
+    return data.view(torch.float8_e4m3fn), sc.contiguous().view(torch.float32).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- indexer logits
+
+def indexer_weights(weights: torch.Tensor, q_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Fold the softmax constants (h^-1/2 d^-1/2) and q's fp8 scales into the head weights.
+
+    weights fp32 ``[s_q, h]``; q_scale fp32 ``[s_q, h]`` or None (unquantized q). Exact up to
+    fp32 rounding because ReLU(a x) = a ReLU(x) for a > 0.
+    """
+    h = weights.shape[-1]
+    w = weights.float() * (h ** -0.5) * (QUANT_GROUP ** -0.5)
+    return w * q_scale if q_scale is not None else w
+
+
+def indexer_logits(q, k, k_scale, weights, ks, ke) -> torch.Tensor:
+    """``logit[t, s] = k_scale[s] * Σ_h weights[t, h] * ReLU(q[t, h] · k[s])`` for ks[t] <= s < ke[t].
+
+    q ``[s_q, h, d]`` and k ``[s_kv, d]`` in e4m3 (with k_scale fp32 ``[s_kv]``) or both
+    bf16/fp32 (k_scale None); weights fp32 ``[s_q, h]`` (see :func:`indexer_weights`);
+    ks, ke int32 ``[s_q]``. Returns fp32 ``[s_q, s_kv]``, -inf outside each row's window.
+    """
+    dots = torch.einsum("thd,sd->ths", q.float(), k.float())
+    logits = (dots.relu() * weights.float().unsqueeze(-1)).sum(dim=1)
+    if k_scale is not None:
+        logits = logits * k_scale.float().unsqueeze(0)
+    cols = torch.arange(k.shape[0], device=q.device)
+    inside = (cols.unsqueeze(0) >= ks.long().unsqueeze(1)) & (cols.unsqueeze(0) < ke.long().unsqueeze(1))
+    return torch.where(inside, logits, torch.full_like(logits, -math.inf))
+
+
+def decode_windows(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """Keys visible to each decode row: row j of request b sees ``seq_len - next_n + j + 1``."""
+    j = torch.arange(next_n, device=seq_lens.device)
+    return (seq_lens.long().unsqueeze(1) - next_n + j + 1).reshape(-1)
+
+
+def indexer_logits_paged(q, weights, cache, block_table, seq_lens, next_n: int, max_seq_len: int) -> torch.Tensor:
+    """Decode logits read straight from the paged index-K cache.
+
+    q e4m3 ``[B * next_n, h, d]`` (rows grouped by request), weights fp32 ``[B * next_n, h]``,
+    cache as :func:`index_k_cache_insert`, block_table int32 ``[B, max_blocks]``, seq_lens
+    int32 ``[B]`` (tokens in the cache, drafts included). Returns fp32
+    ``[B * next_n, max_seq_len]``; column p is request position p, -inf past the window.
+    """
+    d = q.shape[-1]
+    block_size = cache.shape[1] // (d + 4)
+    out = torch.full((q.shape[0], max_seq_len), -math.inf, dtype=torch.float32, device=q.device)
+    windows = decode_windows(seq_lens, next_n)
+    for b in range(block_table.shape[0]):
+        n = int(seq_lens[b])
+        if n <= 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = block_table[b, pos // block_size].long() * block_size + pos % block_size
+        kv, ksc = index_k_cache_gather(cache, d, slots)
+        rows = slice(b * next_n, (b + 1) * next_n)
+        zeros = torch.zeros(next_n, dtype=torch.int32, device=q.device)
+        logits = indexer_logits(q[rows], kv, ksc, weights[rows], zeros, windows[rows].int())
+        out[rows, :n] = logits
+    return out
+
+
+# ----------------------------------------------------------------------------- top-k
+
+def topk_indices(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, topk: int, width: Optional[int] = None) -> torch.Tensor:
+    """Per row, the ``min(topk, ke - ks)`` largest logits in ``[ks, ke)`` as positions ``s - ks``.
+
+    Returns int32 ``[rows, width]`` (width defaults to topk): selected positions ascending,
+    then -1. Selection order: value descending, position ascending on ties.
+    """
+    rows = logits.shape[0]
+    width = topk if width is None else width
+    out = torch.full((rows, width), -1, dtype=torch.int32, device=logits.device)
+    for r in range(rows):
+        lo, hi = int(ks[r]), int(ke[r])
+        if hi <= lo:
+            continue
+        vals = logits[r, lo:hi].float()
+        k = min(topk, hi - lo)
+        # Stable sort by value descending keeps lower positions first among equal values.
+        order = torch.sort(vals, descending=True, stable=True).indices[:k]
+        out[r, :k] = torch.sort(order).values.int()
+    return out
+
+
+def indexer_topk(q, k, k_scale, weights, ks, ke, topk: int, width: Optional[int] = None) -> torch.Tensor:
+    """Fused scoring + top-k, by definition the composition of the two ops."""
+    return topk_indices(indexer_logits(q, k, k_scale, weights, ks, ke), ks, ke, topk, width)
+
+
+def indexer_topk_paged(q, weights, cache, block_table, seq_lens, next_n: int, topk: int, width: Optional[int] = None) -> torch.Tensor:
+    max_len = max(int(seq_lens.max()), 1) if seq_lens.numel() else 1
+    logits = indexer_logits_paged(q, weights, cache, block_table, seq_lens, next_n, max_len)
+    zeros = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
+    return topk_indices(logits, zeros, decode_windows(seq_lens, next_n).clamp(min=0).int(), topk, width)
+
+
+# ----------------------------------------------------------------------------- slots
+
+def positions_to_slots(positions: torch.Tensor, req_of_row: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``slot = block_table[req, pos // block_size] * block_size + pos % block_size``, keeping -1.
+
+    positions int32 ``[n, k]``, req_of_row int32 ``[n]``, block_table int32 ``[B, max_blocks]``.
+    """
+    pos = positions.long()
+    valid = pos >= 0
+    p = pos.clamp(min=0)
+    blocks = block_table[req_of_row.long().unsqueeze(1), p // block_size].long()
+    slots = blocks * block_size + p % block_size
+    return torch.where(valid, slots, torch.full_like(slots, -1)).int()
+
+
+# ----------------------------------------------------------------------------- MLA KV cache
+
+def mla_kv_cache_insert(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
+    """Write the 512-d latent and 64-d RoPE key of n tokens into the MLA cache at their slots.
+
+    cache ``[num_blocks, block_size, 576]`` bf16/fp32, or uint8 ``[num_blocks, block_size, 656]``
+    in the ``fp8_ds_mla`` format: 512 e4m3, four fp32 scales (max(amax, 1e-4) / 448 per 128
+    values), 64 bf16 RoPE values.
+    """
+    flat = cache.view(-1, cache.shape[-1])
+    for i in range(kv_c.shape[0]):
+        slot = int(slot_mapping[i])
+        if slot < 0:
+            continue
+        if cache.dtype == torch.uint8:
+            groups = kv_c[i].float().reshape(4, QUANT_GROUP)
+            scale = torch.clamp(groups.abs().amax(dim=-1), min=MLA_FP8_EPS) / FP8_MAX
+            vals = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(-1)
+            flat[slot, :MLA_LATENT] = vals.view(torch.uint8)
+            flat[slot, MLA_LATENT:MLA_LATENT + 16] = scale.view(torch.uint8)
+            flat[slot, MLA_LATENT + 16:] = k_pe[i].to(torch.bfloat16).view(torch.uint8)
+        else:
+            flat[slot, :MLA_LATENT] = kv_c[i].to(cache.dtype)
+            flat[slot, MLA_LATENT:] = k_pe[i].to(cache.dtype)
+
+
+def mla_kv_cache_dequant(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as fp32 ``[num_slots, 576]`` (dequantized when fp8_ds_mla)."""
+    flat = cache.reshape(-1, cache.shape[-1])
+    if cache.dtype != torch.uint8:
+        return flat.float()
+    vals = flat[:, :MLA_LATENT].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, 4, QUANT_GROUP)
+    scales = flat[:, MLA_LATENT:MLA_LATENT + 16].contiguous().view(torch.float32).reshape(-1, 4, 1)
+    rope = flat[:, MLA_LATENT + 16:].contiguous().view(torch.bfloat16).float()
+    return torch.cat(((vals * scales).reshape(-1, MLA_LATENT), rope), dim=1)
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+
+def mla_softmax_scale(qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64, mscale_all_dim: float = 1.0,
+                      factor: float = 1.0) -> float:
+    """``(d_nope + d_rope)^-1/2 * mscale^2`` with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``."""
+    scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    if factor > 1.0 and mscale_all_dim:
+        m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+               d_v: int = MLA_LATENT) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed sparse MLA over the selected cache slots (DESIGN.md §5).
+
+    q ``[s_q, h_q, 576]`` (bf16/fp32); kv_cache as :func:`mla_kv_cache_insert`; indices int32
+    ``[s_q, topk]`` physical slots, -1 = none. Returns ``out [s_q, h_q, d_v]`` in q's dtype
+    and ``lse`` fp32 ``[s_q, h_q]`` (natural log of the softmax denominator of the scaled
+    scores); a row with no valid slot gives out 0 and lse -inf.
+    """
+    kv = mla_kv_cache_dequant(kv_cache)
+    idx = indices.long()
+    valid = idx >= 0
+    gathered = kv[idx.clamp(min=0)]  # [s_q, topk, 576]
+    scores = torch.einsum("thd,tkd->thk", q.float(), gathered) * sm_scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no valid slot: exp(-inf - -inf)
+    out = torch.einsum("thk,tkd->thd", probs, gathered[..., :d_v])
+    return out.to(q.dtype), lse
