@@ -1,0 +1,459 @@
+"""Every op against reference.py (DESIGN.md §8): fresh random inputs, poisoned outputs,
+every element checked, determinism, opcheck, error paths. Parametrized over device."""
+
+import math
+
+import pytest
+import torch
+
+import indexcache._C as _C
+from indexcache import ops
+from indexcache import reference as ref
+
+POISON_I = -7777
+POISON_F = float("nan")
+
+
+@pytest.fixture(params=["auto", "portable"])
+def cpu_isa(request):
+    """CPU kernels run both their AVX-512 BF16 path (where present) and the portable one."""
+    _C._set_cpu_isa(request.param)
+    yield request.param
+    _C._set_cpu_isa("auto")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def make_indexer_inputs(s_q, s_kv, h, device, dtype):
+    q = torch.randn(s_q, h, 128, device=device) * 2 + 0.1
+    k = torch.randn(s_kv, 128, device=device) + 0.05
+    w = torch.randn(s_q, h, device=device)
+    if dtype == "fp8":
+        qv, qs = ref.quantize_fp8(q.cpu(), ref.INDEX_Q_EPS)
+        kv, ks_ = ref.quantize_fp8(k.cpu(), ref.INDEX_K_EPS)
+        return qv.to(device), kv.to(device), ks_[:, 0].to(device), ref.indexer_weights(w, qs[..., 0].to(device))
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return q.to(dt), k.to(dt), None, ref.indexer_weights(w)
+
+
+def causal_windows(s_q, s_kv, device):
+    # A flattened batch of two requests: keys [0, a) then [a, s_kv); queries at their ends.
+    a = s_kv // 2
+    ks, ke = [], []
+    for t in range(s_q):
+        if t % 2 == 0:
+            ks.append(0)
+            ke.append(max(1, a - (s_q - t)))
+        else:
+            ks.append(a)
+            ke.append(max(a + 1, s_kv - (s_q - t)))
+    return (torch.tensor(ks, dtype=torch.int32, device=device), torch.tensor(ke, dtype=torch.int32, device=device))
+
+
+# ------------------------------------------------------------------ quantization and caches
+
+@pytest.mark.parametrize("shape", [(1, 128), (9, 4, 128), (3, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_quantize_fp8(device, shape, dtype, hadamard):
+    x = (torch.randn(shape) * torch.rand(shape[:-1] + (1,)) * 100).to(dtype).to(device)
+    v, s = ops.quantize_fp8(x, ref.INDEX_Q_EPS, hadamard)
+    rv, rs = ref.quantize_fp8(x.cpu(), ref.INDEX_Q_EPS, hadamard)
+    assert v.dtype == torch.float8_e4m3fn and s.shape == rs.shape
+    assert torch.equal(v.cpu().view(torch.uint8), rv.view(torch.uint8))
+    assert torch.equal(s.cpu(), rs)
+    # Scales are powers of two and values stay within e4m3's range.
+    assert torch.equal(torch.frexp(s.cpu())[0], torch.full_like(s.cpu(), 0.5))
+    assert v.float().abs().max() <= 448
+
+
+def test_ue8m0_scale_exact_at_powers_of_two():
+    amax = torch.tensor([448.0, 448.0 * 2**-3, 448.0 * 2**-3 * (1 + 2**-23), 1e-12])
+    s = ref.ue8m0_scale(amax, 1e-4)
+    assert s.tolist() == [1.0, 2**-3, 2**-2, 2.0 ** math.ceil(math.log2(1e-4 / 448))]
+
+
+def test_index_k_cache_insert(device):
+    n, blocks, bs = 150, 5, 64
+    k = torch.randn(n, 128, device=device)
+    slots = torch.randperm(blocks * bs)[:n].to(device)
+    slots[::7] = -1
+    cache = torch.randint(0, 255, (blocks, bs * 132), dtype=torch.uint8, device=device)
+    expect = cache.cpu().clone()
+    ops.index_k_cache_insert(k, slots, cache)
+    ref.index_k_cache_insert(k.cpu(), slots.cpu(), expect)
+    assert torch.equal(cache.cpu(), expect)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_mla_kv_cache_insert(device, cache_dtype):
+    n, blocks, bs = 70, 3, 32
+    kv_c, k_pe = torch.randn(n, 512, device=device), torch.randn(n, 64, device=device)
+    slots = torch.randperm(blocks * bs)[:n].to(device)
+    slots[3] = -1
+    width = 656 if cache_dtype == torch.uint8 else 576
+    cache = torch.full((blocks, bs, width), 3, dtype=cache_dtype, device=device)
+    expect = cache.cpu().clone()
+    ops.mla_kv_cache_insert(kv_c, k_pe, slots, cache)
+    ref.mla_kv_cache_insert(kv_c.cpu(), k_pe.cpu(), slots.cpu(), expect)
+    assert torch.equal(cache.cpu().view(torch.uint8), expect.view(torch.uint8))
+
+
+def test_positions_to_slots(device):
+    n, k, batch, bs = 12, 40, 3, 16
+    table = torch.randperm(30, dtype=torch.int32).reshape(batch, 10).to(device)
+    pos = torch.randint(0, 160, (n, k), dtype=torch.int32, device=device)
+    pos[:, ::5] = -1
+    req = torch.randint(0, batch, (n,), dtype=torch.int32, device=device)
+    out = torch.full_like(pos, POISON_I)
+    ops.positions_to_slots(pos, req, table, bs, 30, out=out)
+    assert torch.equal(out.cpu(), ref.positions_to_slots(pos.cpu(), req.cpu(), table.cpu(), bs))
+
+
+# ------------------------------------------------------------------ indexer logits
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
+@pytest.mark.parametrize("s_q,s_kv,h", [(1, 1, 64), (7, 300, 64), (16, 1000, 12), (3, 33, 5)])
+def test_indexer_logits(device, cpu_isa, dtype, s_q, s_kv, h):
+    q, k, k_scale, w = make_indexer_inputs(s_q, s_kv, h, device, dtype)
+    ks, ke = causal_windows(s_q, s_kv, device)
+    out = torch.full((s_q, s_kv), POISON_F, device=device)
+    ops.indexer_logits(q, k, k_scale, w, ks, ke, out=out)
+    expect = ref.indexer_logits(q.cpu(), k.cpu(), None if k_scale is None else k_scale.cpu(), w.cpu(), ks.cpu(), ke.cpu())
+    got = out.cpu()
+    assert not got.isnan().any()
+    assert torch.equal(torch.isinf(got), torch.isinf(expect))  # the -inf pattern exactly
+    fin = torch.isfinite(expect)
+    assert rel_err(got[fin], expect[fin]) < 1e-5  # same dequantized inputs: far below the 1e-3 bar
+
+
+def test_indexer_logits_fp8_vs_fp32_reference(device):
+    # The fp8 path against unquantized fp32 scores: the DESIGN.md §8 bar of 1e-3 is for the
+    # kernel given the same inputs; quantization itself costs more, bounded here loosely.
+    s_q, s_kv, h = 8, 500, 64
+    q = torch.randn(s_q, h, 128)
+    k = torch.randn(s_kv, 128)
+    w = torch.randn(s_q, h)
+    ks, ke = causal_windows(s_q, s_kv, "cpu")
+    exact = ref.indexer_logits(q, k, None, ref.indexer_weights(w), ks, ke)
+    qv, qs = ops.quantize_fp8(q.to(device), ref.INDEX_Q_EPS)
+    kv, ksc = ops.quantize_fp8(k.to(device), ref.INDEX_K_EPS)
+    got = ops.indexer_logits(qv, kv, ksc[:, 0].contiguous(), ref.indexer_weights(w.to(device), qs[..., 0]), ks.to(device), ke.to(device)).cpu()
+    fin = torch.isfinite(exact)
+    assert rel_err(got[fin], exact[fin]) < 0.1
+
+
+def test_indexer_logits_paged(device, cpu_isa):
+    batch, next_n, h, bs, blocks = 3, 2, 64, 64, 12
+    seq_lens = torch.tensor([5, 130, 64], dtype=torch.int32)
+    table = torch.randperm(blocks, dtype=torch.int32)[: batch * 4].reshape(batch, 4)
+    cache = torch.zeros(blocks, bs * 132, dtype=torch.uint8)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        pos = torch.arange(n)
+        slots = table[b, pos // bs].long() * bs + pos % bs
+        ref.index_k_cache_insert(torch.randn(n, 128), slots, cache)
+    qv, qs = ref.quantize_fp8(torch.randn(batch * next_n, h, 128), ref.INDEX_Q_EPS)
+    w = ref.indexer_weights(torch.randn(batch * next_n, h), qs[..., 0])
+    max_len = 140
+    out = torch.full((batch * next_n, max_len), POISON_F, device=device)
+    ops.indexer_logits_paged(qv.to(device), w.to(device), cache.to(device), table.to(device), seq_lens.to(device), next_n, max_len, out=out)
+    expect = ref.indexer_logits_paged(qv, w, cache, table, seq_lens, next_n, max_len)
+    got = out.cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(expect)) and not got.isnan().any()
+    fin = torch.isfinite(expect)
+    assert rel_err(got[fin], expect[fin]) < 1e-5
+    # Window rule: row j of request b sees seq_len - next_n + j + 1 keys.
+    assert torch.equal(torch.isfinite(got).sum(1), ref.decode_windows(seq_lens, next_n))
+
+
+# ------------------------------------------------------------------ top-k
+
+def distinct_logits(rows, n, device):
+    # Tie-free: a random permutation of distinct values per row.
+    return torch.stack([torch.randperm(n).float() * 0.5 - n / 7 for _ in range(rows)]).to(device)
+
+
+@pytest.mark.parametrize("rows,n,topk", [(4, 10, 16), (3, 64, 64), (5, 1000, 64), (2, 5000, 2048), (6, 300, 1)])
+def test_topk_tie_free_matches_torch_topk(device, rows, n, topk):
+    logits = distinct_logits(rows, n, device)
+    ks = torch.zeros(rows, dtype=torch.int32, device=device)
+    ke = torch.full((rows,), n, dtype=torch.int32, device=device)
+    out = torch.full((rows + 3, topk + 5), POISON_I, dtype=torch.int32, device=device)
+    got = ops.topk_indices(logits, ks, ke, topk, out=out).cpu()
+    k = min(topk, n)
+    expect = torch.topk(logits.cpu(), k, dim=1).indices.sort(dim=1).values
+    assert torch.equal(got[:, :k].long(), expect)
+    assert (got[:, k:] == -1).all()  # the full buffer width is written
+    assert (out[rows:].cpu() == POISON_I).all()  # rows past the batch are untouched
+    assert torch.equal(got, ref.topk_indices(logits.cpu(), ks.cpu(), ke.cpu(), topk, topk + 5))
+
+
+def test_topk_windows_and_ties(device):
+    rows, n, topk = 40, 700, 50
+    logits = torch.randint(-5, 5, (rows, n)).float().to(device)  # heavy ties
+    logits[3] = -math.inf  # all -inf
+    ks = torch.randint(0, n, (rows,), dtype=torch.int32)
+    ke = torch.minimum(ks + torch.randint(0, 300, (rows,), dtype=torch.int32), torch.tensor(n, dtype=torch.int32))
+    ks[3], ke[3] = 0, n
+    ks[4], ke[4] = 10, 10  # empty window
+    ks[5], ke[5] = 100, 100 + topk  # window == k
+    ks, ke = ks.to(device), ke.to(device)
+    got = ops.topk_indices(logits, ks, ke, topk).cpu()
+    expect = ref.topk_indices(logits.cpu(), ks.cpu(), ke.cpu(), topk)
+    assert torch.equal(got, expect)
+    assert (got[4] == -1).all()
+    assert torch.equal(got[5], torch.arange(topk, dtype=torch.int32))
+    # Gathered values equal torch.topk's on tied rows.
+    for r in range(rows):
+        lo, hi = int(ks[r]), int(ke[r])
+        k = min(topk, hi - lo)
+        if k == 0:
+            continue
+        vals = logits[r, lo:hi].cpu()
+        assert torch.equal(vals[got[r, :k].long()].sort().values, torch.topk(vals, k).values.sort().values)
+
+
+@pytest.mark.parametrize("n", [65536, 262144])
+def test_topk_long_rows(device, n):
+    rows, topk = 2, 2048
+    logits = torch.randn(rows, n, device=device)
+    ks = torch.zeros(rows, dtype=torch.int32, device=device)
+    ke = torch.tensor([n, n - 12345], dtype=torch.int32, device=device)
+    got = ops.topk_indices(logits, ks, ke, topk).cpu()
+    for r in range(rows):
+        expect = torch.topk(logits[r, : int(ke[r])].cpu(), topk).indices.sort().values
+        assert torch.equal(got[r].long(), expect)
+
+
+# ------------------------------------------------------------------ fused scoring + top-k
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
+@pytest.mark.parametrize("s_q,s_kv,h,topk", [(6, 200, 64, 16), (9, 3000, 16, 256), (4, 50, 8, 64), (2, 9000, 4, 2048)])
+def test_indexer_topk_fused(device, cpu_isa, dtype, s_q, s_kv, h, topk):
+    q, k, k_scale, w = make_indexer_inputs(s_q, s_kv, h, device, dtype)
+    ks, ke = causal_windows(s_q, s_kv, device)
+    out = torch.full((s_q, topk), POISON_I, dtype=torch.int32, device=device)
+    got = ops.indexer_topk(q, k, k_scale, w, ks, ke, topk, out=out).cpu()
+    # Same scores as the plain op, so exactly its selection.
+    logits = ops.indexer_logits(q, k, k_scale, w, ks, ke)
+    assert torch.equal(got, ops.topk_indices(logits, ks, ke, topk).cpu())
+    # And the reference's on its own (fp32) scores, compared as sets of gathered values.
+    expect = ref.indexer_topk(q.cpu(), k.cpu(), None if k_scale is None else k_scale.cpu(), w.cpu(), ks.cpu(), ke.cpu(), topk)
+    assert torch.equal((got >= 0).sum(1), (expect >= 0).sum(1))
+    lg = logits.cpu()
+    for r in range(s_q):
+        m = int((got[r] >= 0).sum())
+        a = lg[r, int(ks[r]) + got[r, :m].long()]
+        b = lg[r, int(ks[r]) + expect[r, :m].long()]
+        assert torch.allclose(a.sort().values, b.sort().values, rtol=1e-4, atol=1e-5)
+
+
+def test_indexer_topk_paged(device, cpu_isa):
+    batch, next_n, h, bs, blocks, topk = 4, 2, 64, 64, 40, 100
+    seq_lens = torch.tensor([3, 101, 500, 640], dtype=torch.int32)
+    table = torch.randperm(blocks, dtype=torch.int32)[: batch * 10].reshape(batch, 10)
+    cache = torch.zeros(blocks, bs * 132, dtype=torch.uint8)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        pos = torch.arange(n)
+        ref.index_k_cache_insert(torch.randn(n, 128), table[b, pos // bs].long() * bs + pos % bs, cache)
+    qv, qs = ref.quantize_fp8(torch.randn(batch * next_n, h, 128), ref.INDEX_Q_EPS)
+    w = ref.indexer_weights(torch.randn(batch * next_n, h), qs[..., 0])
+    args = [t.to(device) for t in (qv, w, cache, table, seq_lens)]
+    out = torch.full((batch * next_n + 2, topk), POISON_I, dtype=torch.int32, device=device)
+    got = ops.indexer_topk_paged(*args, next_n, topk, out=out).cpu()
+    logits = ops.indexer_logits_paged(*args, next_n, 640)
+    windows = ref.decode_windows(seq_lens, next_n).int()
+    zeros = torch.zeros_like(windows)
+    assert torch.equal(got, ops.topk_indices(logits, zeros.to(device), windows.to(device), topk).cpu())
+    assert (out[batch * next_n:].cpu() == POISON_I).all()
+    assert torch.equal(got[0], torch.tensor([0, 1] + [-1] * (topk - 2), dtype=torch.int32))  # window 2 < k
+
+
+def test_fused_is_deterministic(device):
+    q, k, k_scale, w = make_indexer_inputs(5, 6000, 64, device, "fp8")
+    ks, ke = causal_windows(5, 6000, device)
+    runs = [ops.indexer_topk(q, k, k_scale, w, ks, ke, 512).cpu() for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    logits = [ops.indexer_logits(q, k, k_scale, w, ks, ke).cpu() for _ in range(2)]
+    assert torch.equal(logits[0], logits[1])
+
+
+# ------------------------------------------------------------------ sparse MLA
+
+def make_mla(device, cache_kind, s_q, h, topk, blocks=6, bs=64):
+    n = blocks * bs
+    width = 656 if cache_kind == "fp8" else 576
+    dt = {"fp8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}[cache_kind]
+    cache = torch.zeros(blocks, bs, width, dtype=dt)
+    ref.mla_kv_cache_insert(torch.randn(n, 512), torch.randn(n, 64), torch.arange(n), cache)
+    idx = torch.randint(0, n, (s_q, topk), dtype=torch.int32)
+    idx[:, ::3] = -1
+    return cache.to(device), idx.to(device)
+
+
+@pytest.mark.parametrize("cache_kind,q_dtype,bar", [("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2),
+                                                     ("fp8", torch.bfloat16, 1e-2), ("bf16", torch.float32, 1e-5)])
+@pytest.mark.parametrize("s_q,h,topk", [(3, 16, 64), (2, 128, 200), (4, 5, 7)])
+def test_sparse_mla(device, cpu_isa, cache_kind, q_dtype, bar, s_q, h, topk):
+    cache, idx = make_mla(device, cache_kind, s_q, h, topk)
+    idx[1 % s_q] = -1  # a row with no valid slot
+    q = torch.randn(s_q, h, 576, device=device).to(q_dtype)
+    out = torch.full((s_q, h, 512), POISON_F, dtype=q_dtype, device=device)
+    lse = torch.full((s_q, h), POISON_F, device=device)
+    scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
+    ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse)
+    ro, rl = ref.sparse_mla(q.cpu(), cache.cpu(), idx.cpu(), scale)
+    got, gl = out.cpu().float(), lse.cpu()
+    assert torch.isfinite(got).all()
+    assert (got[1 % s_q] == 0).all() and torch.isneginf(gl[1 % s_q]).all()
+    assert rel_err(got, ro.float()) < bar
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(gl))
+    # bf16 paths round fp8-dequantized keys to bf16, so lse carries ~1e-2 absolute error there.
+    assert (gl[fin] - rl[fin]).abs().max() < (1e-4 if bar < 1e-2 else 2e-2)
+
+
+def test_sparse_mla_deterministic(device):
+    cache, idx = make_mla(device, "bf16", 3, 32, 128)
+    q = torch.randn(3, 32, 576, device=device).bfloat16()
+    a = ops.sparse_mla(q, cache, idx, 0.1)
+    b = ops.sparse_mla(q, cache, idx, 0.1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_errors(device):
+    q, k, k_scale, w = make_indexer_inputs(4, 50, 8, device, "fp8")
+    ks, ke = causal_windows(4, 50, device)
+    with pytest.raises(RuntimeError, match="fp8 k needs k_scale"):
+        ops.indexer_logits(q, k, None, w, ks, ke)
+    with pytest.raises(RuntimeError, match="k must have q's dtype"):
+        ops.indexer_logits(q, k.float(), k_scale, w, ks, ke)
+    with pytest.raises(RuntimeError, match="weights must be"):
+        ops.indexer_logits(q, k, k_scale, w[:, :3].contiguous(), ks, ke)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.indexer_logits(q, k, k_scale, w, ks, ke + 100)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        ops.indexer_logits(q.transpose(0, 1), k, k_scale, w, ks, ke)
+    with pytest.raises(RuntimeError, match="exceed the topk buffer's 2 rows"):
+        ops.indexer_topk(q, k, k_scale, w, ks, ke, 8, out=torch.empty(2, 8, dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="exceeds the topk buffer's width 8"):
+        ops.indexer_topk(q, k, k_scale, w, ks, ke, 9, out=torch.empty(4, 8, dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="topk must be >= 1"):
+        ops.topk_indices(torch.zeros(4, 50, device=device), ks, ke, 0)
+    with pytest.raises(RuntimeError, match="logits must be Float"):
+        ops.topk_indices(torch.zeros(4, 50, device=device, dtype=torch.float64), ks, ke, 4)
+    cache = torch.zeros(2, 64 * 132, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match="slot_mapping holds slot 128 but the cache has 128 slots"):
+        ops.index_k_cache_insert(torch.randn(1, 128, device=device), torch.tensor([128], device=device), cache)
+    with pytest.raises(RuntimeError, match="slot_mapping must be Long"):
+        ops.index_k_cache_insert(torch.randn(1, 128, device=device), torch.tensor([1], dtype=torch.int32, device=device), cache)
+    with pytest.raises(RuntimeError, match="rows must hold block_size"):
+        ops.index_k_cache_insert(torch.randn(1, 128, device=device), torch.tensor([1], device=device), torch.zeros(2, 100, dtype=torch.uint8, device=device))
+    with pytest.raises(RuntimeError, match="last dim must be a multiple of 128"):
+        ops.quantize_fp8(torch.randn(3, 100, device=device), 1e-4)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.quantize_fp8(torch.randn(3, 128, device=device).half(), 1e-4)
+    # Paged: a block id outside the cache, a sequence longer than its table.
+    qv = q[:2].contiguous()
+    with pytest.raises(RuntimeError, match="outside the cache's 2 blocks"):
+        ops.indexer_logits_paged(qv, w[:2].contiguous(), cache, torch.tensor([[0, 5]], dtype=torch.int32, device=device),
+                                 torch.tensor([100], dtype=torch.int32, device=device), 2, 100)
+    with pytest.raises(RuntimeError, match="needs 3 blocks but block_table has 2 columns"):
+        ops.indexer_topk_paged(qv, w[:2].contiguous(), cache, torch.tensor([[0, 1]], dtype=torch.int32, device=device),
+                               torch.tensor([129], dtype=torch.int32, device=device), 2, 8)
+    with pytest.raises(RuntimeError, match="expected batch \\* next_n"):
+        ops.indexer_topk_paged(qv, w[:2].contiguous(), cache, torch.tensor([[0, 1]], dtype=torch.int32, device=device),
+                               torch.tensor([10], dtype=torch.int32, device=device), 1, 8)
+    # Slots.
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="needs block 2 but the block table has 2 columns"):
+        ops.positions_to_slots(torch.tensor([[130]], dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device), table, 64, 2)
+    with pytest.raises(RuntimeError, match="outside the block table's 1 requests"):
+        ops.positions_to_slots(torch.tensor([[1]], dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32, device=device), table, 64, 2)
+    with pytest.raises(RuntimeError, match="outside the cache's 1 blocks"):
+        ops.positions_to_slots(torch.tensor([[70]], dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device), table, 64, 1)
+    # Sparse MLA.
+    mcache, idx = make_mla(device, "bf16", 2, 4, 8, blocks=1)
+    qm = torch.randn(2, 4, 576, device=device).bfloat16()
+    with pytest.raises(RuntimeError, match="indices holds slot 64 but the cache has 64 slots"):
+        ops.sparse_mla(qm, mcache, torch.full((2, 8), 64, dtype=torch.int32, device=device), 0.1)
+    with pytest.raises(RuntimeError, match="indices holds -2"):
+        ops.sparse_mla(qm, mcache, torch.full((2, 8), -2, dtype=torch.int32, device=device), 0.1)
+    with pytest.raises(RuntimeError, match="absorbed"):
+        ops.sparse_mla(qm[..., :512].contiguous(), mcache, idx, 0.1)
+    with pytest.raises(RuntimeError, match="rows of 656 bytes"):
+        ops.sparse_mla(qm, torch.zeros(1, 64, 600, dtype=torch.uint8, device=device), idx, 0.1)
+    with pytest.raises(RuntimeError, match="sm_scale must be a positive"):
+        ops.sparse_mla(qm, mcache, idx, float("nan"))
+
+
+# ------------------------------------------------------------------ registration
+
+def test_opcheck_all_ops():
+    q, k, k_scale, w = make_indexer_inputs(3, 40, 8, "cpu", "bf16")
+    ks, ke = causal_windows(3, 40, "cpu")
+    qf, kf, ksf, wf = make_indexer_inputs(3, 40, 8, "cpu", "fp8")
+    o = torch.ops.indexcache
+    cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
+    mcache, idx = make_mla("cpu", "bf16", 2, 4, 8, blocks=1)
+    cases = [
+        (o.quantize_fp8.default, (torch.randn(2, 128), 1e-4, False)),
+        (o.index_k_cache_insert.default, (torch.randn(3, 128), torch.tensor([0, 5, -1]), cache, False)),
+        (o.indexer_logits.default, (q, k, k_scale, w, ks, ke, torch.empty(3, 40))),
+        (o.indexer_logits.default, (qf, kf, ksf, wf, ks, ke, torch.empty(3, 40))),
+        (o.topk_indices.default, (torch.randn(3, 40), ks, ke, 4, torch.empty(3, 4, dtype=torch.int32))),
+        (o.indexer_topk.default, (qf, kf, ksf, wf, ks, ke, 4, torch.empty(5, 6, dtype=torch.int32))),
+        (o.indexer_logits_paged.default, (qf[:2].contiguous(), wf[:2].contiguous(), cache,
+                                          torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([70], dtype=torch.int32), 2, torch.empty(2, 70))),
+        (o.indexer_topk_paged.default, (qf[:2].contiguous(), wf[:2].contiguous(), cache,
+                                        torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([70], dtype=torch.int32), 2, 8,
+                                        torch.empty(2, 8, dtype=torch.int32))),
+        (o.positions_to_slots.default, (torch.tensor([[1, -1]], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                        torch.tensor([[1]], dtype=torch.int32), 64, 2, torch.empty(1, 2, dtype=torch.int32))),
+        (o.mla_kv_cache_insert.default, (torch.randn(2, 512), torch.randn(2, 64), torch.tensor([0, 3]), mcache.clone())),
+        (o.sparse_mla.default, (torch.randn(2, 4, 576).bfloat16(), mcache, idx, 0.1, 512,
+                                torch.empty(2, 4, 512, dtype=torch.bfloat16), torch.empty(2, 4))),
+    ]
+    for op, args in cases:
+        has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
+        # opcheck's schema checker cannot compare float8 tensors (no mul kernel for them on
+        # CPU), so ops that take or return fp8 skip that one sub-test.
+        utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+        if not has_fp8 and op is not o.quantize_fp8.default:
+            utils = utils + ("test_schema",)
+        torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_torch_compile_attention_step():
+    """A small decode attention step built from the ops compiles with fullgraph=True."""
+    cache, _ = make_mla("cpu", "bf16", 1, 4, 8, blocks=2)
+    logits_q, kf, ksf, wf = make_indexer_inputs(2, 128, 8, "cpu", "fp8")
+    table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
+    ks = torch.zeros(2, dtype=torch.int32)
+    ke = torch.tensor([100, 128], dtype=torch.int32)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    buf = torch.empty(4, 16, dtype=torch.int32)
+
+    def step(q_idx, k_idx, k_scale, w, q_mla, buf):
+        ops.fill_topk_buffer_(buf, 2)
+        pos = ops.indexer_topk(q_idx, k_idx, k_scale, w, ks, ke, 16, out=buf)
+        slots = ops.positions_to_slots(pos, req, table, 64, 2)
+        return ops.sparse_mla(q_mla, cache, slots, 0.1)
+
+    q_mla = torch.randn(2, 4, 576).bfloat16()
+    eager = step(logits_q, kf, ksf, wf, q_mla, buf.clone())
+    compiled = torch.compile(step, fullgraph=True)(logits_q, kf, ksf, wf, q_mla, buf.clone())
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_ops_visible_in_profiler():
+    x = torch.randn(4, 128)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.quantize_fp8(x, 1e-4)
+    assert any("indexcache::quantize_fp8" in e.name for e in prof.events())
