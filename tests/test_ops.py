@@ -457,3 +457,20 @@ def test_ops_visible_in_profiler():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ops.quantize_fp8(x, 1e-4)
     assert any("indexcache::quantize_fp8" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("kind", ["ties", "adversarial_sample"])
+def test_topk_long_rows_sampled_path(device, kind):
+    """Long rows take a sampled-floor fast path on CPU; ties and a sample that misleads the
+    floor (so fewer than k survive and the full select runs) must still be exact."""
+    n, topk = 50000, 1024
+    if kind == "ties":
+        logits = torch.randint(-3, 4, (2, n)).float()
+    else:
+        logits = torch.rand(2, n)
+        logits[:, :: n // 2048] += 10.0  # exactly the strided sample positions are large
+    logits = logits.to(device)
+    ks = torch.zeros(2, dtype=torch.int32, device=device)
+    ke = torch.full((2,), n, dtype=torch.int32, device=device)
+    got = ops.topk_indices(logits, ks, ke, topk).cpu()
+    assert torch.equal(got, ref.topk_indices(logits.cpu(), ks.cpu(), ke.cpu(), topk))

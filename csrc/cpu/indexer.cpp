@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -402,9 +403,87 @@ void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
   });
 }
 
+namespace {
+
+// Keys of x[0:n) that are >= floor, with their positions, in position order.
+__attribute__((target("avx512f"))) void filter_at_least_avx512(const float* x, int64_t n, uint32_t floor,
+                                                                 std::vector<uint32_t>& keys,
+                                                                 std::vector<int32_t>& pos) {
+  keys.resize(n + 16);
+  pos.resize(n + 16);
+  int64_t w = 0, i = 0;
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512i all = _mm512_set1_epi32(-1);
+  const __m512i fl = _mm512_set1_epi32(static_cast<int>(floor));
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i u = _mm512_loadu_si512(x + i);
+    // order_key: negative -> ~u, else u | sign.
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    const __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), neg, u, all);
+    const __mmask16 keep = _mm512_cmpge_epu32_mask(key, fl);
+    if (keep) {
+      _mm512_mask_compressstoreu_epi32(keys.data() + w, keep, key);
+      _mm512_mask_compressstoreu_epi32(pos.data() + w, keep,
+                                       _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i))));
+      w += __builtin_popcount(keep);
+    }
+  }
+  for (; i < n; ++i) {
+    const uint32_t kk = cpu::order_key(x[i]);
+    if (kk >= floor) {
+      keys[w] = kk;
+      pos[w++] = static_cast<int32_t>(i);
+    }
+  }
+  keys.resize(w);
+  pos.resize(w);
+}
+
+bool cpu_has_avx512f() {
+#if defined(__x86_64__)
+  static const bool v = __builtin_cpu_supports("avx512f");
+  return v;
+#else
+  return false;
+#endif
+}
+
+// Top-k of one long row (n > k) through a sampled floor: a strided sample estimates a key
+// that about 1.5k elements exceed; one vectorised pass keeps those, and the exact radix
+// select runs on the survivors only. If fewer than k survive, the full radix select runs.
+// Either way the result is the exact top k under (value desc, position asc).
+int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector<uint32_t>& scratch,
+                 std::vector<uint32_t>& keys, std::vector<int32_t>& pos) {
+  int64_t j = 0;
+  if (n >= 8 * k && n >= 4096 && cpu_has_avx512f() && g_isa_override.load() == 0) {
+    const int64_t m = 2048, stride = n / m;
+    keys.resize(m);
+    for (int64_t i = 0; i < m; ++i) keys[i] = cpu::order_key(x[i * stride]);
+    const double frac = static_cast<double>(k) / static_cast<double>(n);
+    const int64_t rank = std::min<int64_t>(m - 1, static_cast<int64_t>(m * frac * 1.5 + 4 * std::sqrt(m * frac) + 8));
+    std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
+    const uint32_t floor = keys[rank];
+    filter_at_least_avx512(x, n, floor, keys, pos);
+    const int64_t c = static_cast<int64_t>(keys.size());
+    if (c >= k) {
+      const cpu::Threshold t = cpu::select_threshold(c, k, [&](int64_t i) { return keys[i]; }, scratch);
+      cpu::emit_selected(c, t, [&](int64_t i) { return keys[i]; }, [&](int64_t i) { out[j++] = pos[i]; });
+      return j;
+    }
+  }
+  auto key_at = [x](int64_t i) { return cpu::order_key(x[i]); };
+  const cpu::Threshold t = cpu::select_threshold(n, k, key_at, scratch);
+  cpu::emit_selected(n, t, key_at, [&](int64_t i) { out[j++] = static_cast<int32_t>(i); });
+  return j;
+}
+
+}  // namespace
+
 void topk_cpu(const TopkParams& p, const TopkOut& o) {
   at::parallel_for(0, p.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> scratch;
+    std::vector<uint32_t> scratch, keys;
+    std::vector<int32_t> pos;
     for (int64_t r = begin; r < end; ++r) {
       int32_t* out = o.out + r * o.stride;
       const int64_t lo = p.ks[r];
@@ -413,11 +492,7 @@ void topk_cpu(const TopkParams& p, const TopkOut& o) {
         write_short_row(out, window, o);
         continue;
       }
-      const float* x = p.logits + r * p.logits_stride + lo;
-      auto key_at = [x](int64_t i) { return cpu::order_key(x[i]); };
-      const cpu::Threshold t = cpu::select_threshold(window, o.topk, key_at, scratch);
-      int64_t j = 0;
-      cpu::emit_selected(window, t, key_at, [&](int64_t i) { out[j++] = static_cast<int32_t>(i); });
+      int64_t j = topk_row(p.logits + r * p.logits_stride + lo, window, o.topk, out, scratch, keys, pos);
       for (; j < o.width; ++j) out[j] = -1;
     }
   });

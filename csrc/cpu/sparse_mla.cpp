@@ -89,103 +89,181 @@ void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse) {
 }
 
 // ------------------------------------------------------------------ bf16 path
+//
+// Heads run across the 16 lanes, so neither product needs the keys transposed:
+//   S^T[key][h] = Σ_p bcast(k_row[key] pair p) · qT[p][h..h+15]   (vdpbf16ps)
+//   O^T[v][h]   = Σ_kp bcast(V pair (2kp, 2kp+1) at v) · P[kp][h..h+15]
+// K rows are read in place from a bf16 cache (fp8 rows are dequantized to bf16 once).
 
-template <int HB>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_heads(const uint32_t* qp, const uint32_t* kt,
-                                                                               float scale, float* s, int64_t ld) {
-  __m512 a0[HB], a1[HB];
-  for (int i = 0; i < HB; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+constexpr int kLaneHeads = 32;  // heads per block: two 16-lane vectors
+
+__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
+  // exp(x) = 2^n * e^r, |r| <= ln2/2, degree-6 Taylor polynomial for e^r.
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// S^T[j][0:32] for keys j0..j0+KB-1 of one 32-head block.
+template <int KB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_keys(const uint32_t* qT, int64_t ldq,
+                                                                              const uint32_t* const* krows,
+                                                                              float scale, float* st) {
+  __m512 a0[KB], a1[KB];
+  for (int j = 0; j < KB; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
   for (int p = 0; p < kPairs; ++p) {
-    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + p * kTile);
-    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + p * kTile + 16);
-    for (int i = 0; i < HB; ++i) {
-      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i * kPairs + p]));
-      a0[i] = _mm512_dpbf16_ps(a0[i], qb, k0);
-      a1[i] = _mm512_dpbf16_ps(a1[i], qb, k1);
+    const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qT + p * ldq);
+    const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qT + p * ldq + 16);
+    for (int j = 0; j < KB; ++j) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(krows[j][p]));
+      a0[j] = _mm512_dpbf16_ps(a0[j], kb, q0);
+      a1[j] = _mm512_dpbf16_ps(a1[j], kb, q1);
     }
   }
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int i = 0; i < HB; ++i) {
-    _mm512_storeu_ps(s + i * ld, _mm512_mul_ps(a0[i], sc));
-    _mm512_storeu_ps(s + i * ld + 16, _mm512_mul_ps(a1[i], sc));
+  for (int j = 0; j < KB; ++j) {
+    _mm512_storeu_ps(st + j * kLaneHeads, _mm512_mul_ps(a0[j], sc));
+    _mm512_storeu_ps(st + j * kLaneHeads + 16, _mm512_mul_ps(a1[j], sc));
   }
 }
 
-// O[h][v0:v0+64] += Σ_pairs P[h][pair] · V[pair][v0:v0+64] for 4 heads.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_block(const uint32_t* pp, int64_t ldp,
-                                                                               const uint32_t* vt, int pairs, float* o,
-                                                                               int64_t ldo, int64_t d_v) {
-  __m512 acc[4][4];
-  for (int i = 0; i < 4; ++i)
-    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_loadu_ps(o + i * ldo + c * 16);
-  for (int p = 0; p < pairs; ++p) {
-    const uint32_t* vrow = vt + static_cast<int64_t>(p) * d_v;
-    __m512bh v[4];
-    for (int c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vrow + c * 16);
-    for (int i = 0; i < 4; ++i) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i * ldp + p]));
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pb, v[c]);
+// O^T[v0..v0+8][0:32] += Σ_kp vt[kp][v] · P[kp][0:32] over one chunk of key pairs.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_cols(const uint32_t* pt, const uint32_t* vt,
+                                                                              int64_t ldv, int64_t pairs, float* ot) {
+  __m512 a0[8], a1[8];
+  for (int c = 0; c < 8; ++c) {
+    a0[c] = _mm512_loadu_ps(ot + c * kLaneHeads);
+    a1[c] = _mm512_loadu_ps(ot + c * kLaneHeads + 16);
+  }
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh p0 = (__m512bh)_mm512_loadu_si512(pt + kp * kLaneHeads);
+    const __m512bh p1 = (__m512bh)_mm512_loadu_si512(pt + kp * kLaneHeads + 16);
+    const uint32_t* vr = vt + kp * ldv;
+    for (int c = 0; c < 8; ++c) {
+      const __m512bh vb = (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[c]));
+      a0[c] = _mm512_dpbf16_ps(a0[c], vb, p0);
+      a1[c] = _mm512_dpbf16_ps(a1[c], vb, p1);
     }
   }
-  for (int i = 0; i < 4; ++i)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + i * ldo + c * 16, acc[i][c]);
+  for (int c = 0; c < 8; ++c) {
+    _mm512_storeu_ps(ot + c * kLaneHeads, a0[c]);
+    _mm512_storeu_ps(ot + c * kLaneHeads + 16, a1[c]);
+  }
 }
 
-void row_bf16(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const std::vector<int32_t>& slots) {
+// vt[kp][c] = (a[c], b[c]) as a bf16 pair, for two bf16 rows of d_v values.
+__attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t d_v,
+                                                                   uint32_t* dst) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(lo_idx);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t c = 0; c < d_v; c += 32) {
+    const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, lo, vb));
+    _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const SparseMlaParams& p, int64_t t,
+                                                                        const std::vector<int32_t>& slots) {
   const int64_t n = static_cast<int64_t>(slots.size());
-  const int64_t n_pad = (n + kTile - 1) / kTile * kTile;
-  // Query pairs [nh][288].
-  std::vector<uint32_t> qp(nh * kPairs);
-  const uint16_t* qsrc = static_cast<const uint16_t*>(p.q) + (t * p.h_q + h0) * kMlaDim;
-  std::memcpy(qp.data(), qsrc, nh * kMlaDim * 2);
-  std::vector<float> s(nh * n_pad);
-  alignas(64) static thread_local uint32_t kt[kPairs * kTile];
-  static thread_local std::vector<uint16_t> rows;  // [n_pad][576] bf16 rows of the selected keys
-  rows.assign(n_pad * kMlaDim, 0);
-  for (int64_t j = 0; j < n; ++j) load_kv_row_bf16(p, slots[j], rows.data() + j * kMlaDim);
-  // Scores.
-  for (int64_t j0 = 0; j0 < n_pad; j0 += kTile) {
-    for (int jj = 0; jj < kTile; ++jj) {
-      const uint32_t* r = reinterpret_cast<const uint32_t*>(rows.data() + (j0 + jj) * kMlaDim);
-      for (int pp = 0; pp < kPairs; ++pp) kt[pp * kTile + jj] = r[pp];
+  const int64_t pairs = (n + 1) / 2;
+  static thread_local std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [n][576]
+  static thread_local std::vector<const uint32_t*> krows;
+  static const uint16_t zero_row[kMlaDim] = {};
+  krows.resize(pairs * 2);
+  if (p.kv_dtype == DType::kBFloat16) {
+    for (int64_t j = 0; j < n; ++j)
+      krows[j] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.kv) + slots[j] * kMlaDim);
+  } else {
+    deq.resize(n * kMlaDim);
+    for (int64_t j = 0; j < n; ++j) {
+      load_kv_row_bf16(p, slots[j], deq.data() + j * kMlaDim);
+      krows[j] = reinterpret_cast<const uint32_t*>(deq.data() + j * kMlaDim);
     }
-    int64_t hh = 0;
-    for (; hh + 8 <= nh; hh += 8) qk_heads<8>(qp.data() + hh * kPairs, kt, p.sm_scale, s.data() + hh * n_pad + j0, n_pad);
-    for (; hh < nh; ++hh) qk_heads<1>(qp.data() + hh * kPairs, kt, p.sm_scale, s.data() + hh * n_pad + j0, n_pad);
   }
-  std::vector<float> lse(nh);
-  softmax_rows(s.data(), nh, n, n_pad, lse.data());
-  // Probabilities as bf16 pairs [nh][n_pad / 2] (padding keys get 0).
-  const int64_t pairs = n_pad / 2;
-  std::vector<uint32_t> pp(nh * pairs);
-  for (int64_t hh = 0; hh < nh; ++hh)
-    for (int64_t k = 0; k < pairs; ++k) {
-      const float a = 2 * k < n ? s[hh * n_pad + 2 * k] : 0.f;
-      const float b = 2 * k + 1 < n ? s[hh * n_pad + 2 * k + 1] : 0.f;
-      pp[hh * pairs + k] = static_cast<uint32_t>(float_to_bf16(a)) | (static_cast<uint32_t>(float_to_bf16(b)) << 16);
-    }
-  // V pairs [pairs][d_v]: (v[2k][c], v[2k+1][c]).
-  std::vector<uint32_t> vt(pairs * p.d_v);
-  for (int64_t k = 0; k < pairs; ++k) {
-    const uint16_t* a = rows.data() + (2 * k) * kMlaDim;
-    const uint16_t* b = rows.data() + (2 * k + 1) * kMlaDim;
-    for (int64_t c = 0; c < p.d_v; ++c)
-      vt[k * p.d_v + c] = static_cast<uint32_t>(a[c]) | (static_cast<uint32_t>(b[c]) << 16);
-  }
-  std::vector<float> o(nh * p.d_v, 0.f);
-  int64_t hh = 0;
-  for (; hh + 4 <= nh; hh += 4)
-    for (int64_t c = 0; c < p.d_v; c += 64)
-      pv_block(pp.data() + hh * pairs, pairs, vt.data() + c, static_cast<int>(pairs), o.data() + hh * p.d_v + c,
-               p.d_v, p.d_v);
-  for (; hh < nh; ++hh)
+  if (n % 2) krows[n] = reinterpret_cast<const uint32_t*>(zero_row);
+  // V as key pairs [pairs][d_v] (shared by all head blocks).
+  static thread_local std::vector<uint32_t> vt;
+  vt.resize(pairs * p.d_v);
+  for (int64_t kp = 0; kp < pairs; ++kp)
+    interleave_rows(reinterpret_cast<const uint16_t*>(krows[2 * kp]), reinterpret_cast<const uint16_t*>(krows[2 * kp + 1]),
+                    p.d_v, vt.data() + kp * p.d_v);
+  // q as pairs with heads across lanes: qT[p][h], heads padded to a multiple of 32.
+  const int64_t h_pad = (p.h_q + kLaneHeads - 1) / kLaneHeads * kLaneHeads;
+  static thread_local std::vector<uint32_t> qT;
+  qT.assign(kPairs * h_pad, 0);
+  const uint32_t* qsrc = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + t * p.h_q * kMlaDim);
+  for (int64_t h = 0; h < p.h_q; ++h)
+    for (int pp = 0; pp < kPairs; ++pp) qT[pp * h_pad + h] = qsrc[h * kPairs + pp];
+  static thread_local std::vector<float> st, ot;
+  static thread_local std::vector<uint32_t> pt;
+  st.resize(pairs * 2 * kLaneHeads);
+  pt.resize(pairs * kLaneHeads);
+  ot.resize(p.d_v * kLaneHeads);
+  for (int64_t h0 = 0; h0 < p.h_q; h0 += kLaneHeads) {
+    const uint32_t* qb = qT.data() + h0;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) qk_keys<8>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
+    for (; j < n; ++j) qk_keys<1>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
+    // Softmax over keys, 32 heads at a time.
+    __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
     for (int64_t k = 0; k < n; ++k) {
-      const float w = bf16_to_float(static_cast<uint16_t>(k % 2 ? pp[hh * pairs + k / 2] >> 16 : pp[hh * pairs + k / 2]));
-      for (int64_t c = 0; c < p.d_v; ++c) o[hh * p.d_v + c] += w * bf16_to_float(rows[k * kMlaDim + c]);
+      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(st.data() + k * kLaneHeads));
+      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(st.data() + k * kLaneHeads + 16));
     }
-  for (int64_t i = 0; i < nh; ++i) {
-    p.lse[t * p.h_q + h0 + i] = lse[i];
-    for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h0 + i) * p.d_v + c, o[i * p.d_v + c]);
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      const __m512 e0 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads), m0));
+      const __m512 e1 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads + 16), m1));
+      _mm512_storeu_ps(st.data() + k * kLaneHeads, e0);
+      _mm512_storeu_ps(st.data() + k * kLaneHeads + 16, e1);
+      s0 = _mm512_add_ps(s0, e0);
+      s1 = _mm512_add_ps(s1, e1);
+    }
+    alignas(64) float mx[kLaneHeads], sum[kLaneHeads];
+    _mm512_store_ps(mx, m0);
+    _mm512_store_ps(mx + 16, m1);
+    _mm512_store_ps(sum, s0);
+    _mm512_store_ps(sum + 16, s1);
+    const __m512 i0 = _mm512_div_ps(_mm512_set1_ps(1.0f), s0), i1 = _mm512_div_ps(_mm512_set1_ps(1.0f), s1);
+    // P pairs [kp][h] = (p[2kp][h], p[2kp+1][h]); a missing odd key contributes 0.
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      for (int half = 0; half < 2; ++half) {
+        const __m512 inv = half ? i1 : i0;
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st.data() + (2 * kp) * kLaneHeads + 16 * half), inv);
+        const __m512 b = 2 * kp + 1 < n
+                             ? _mm512_mul_ps(_mm512_loadu_ps(st.data() + (2 * kp + 1) * kLaneHeads + 16 * half), inv)
+                             : _mm512_setzero_ps();
+        const __m512i ab = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a)),
+                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b)), 16));
+        _mm512_storeu_si512(pt.data() + kp * kLaneHeads + 16 * half, ab);
+      }
+    }
+    // Chunks of 64 key pairs keep their P (8 KB) in L1 while every value column sweeps it.
+    std::fill(ot.begin(), ot.end(), 0.f);
+    for (int64_t c0 = 0; c0 < pairs; c0 += 64) {
+      const int64_t cn = std::min<int64_t>(64, pairs - c0);
+      for (int64_t v0 = 0; v0 < p.d_v; v0 += 8)
+        pv_cols(pt.data() + c0 * kLaneHeads, vt.data() + c0 * p.d_v + v0, p.d_v, cn, ot.data() + v0 * kLaneHeads);
+    }
+    const int64_t nh = std::min<int64_t>(kLaneHeads, p.h_q - h0);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = h0 + hh;
+      p.lse[t * p.h_q + h] = mx[hh] + std::log(sum[hh]);
+      for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, ot[c * kLaneHeads + hh]);
+    }
   }
 }
 
@@ -225,7 +303,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
   const bool bf16 = mla_use_bf16(p);
-  const int64_t hb = std::min<int64_t>(p.h_q, kHeadBlock);
+  const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t head_blocks = (p.h_q + hb - 1) / hb;
   at::parallel_for(0, p.s_q * head_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> slots;
@@ -245,7 +323,7 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
         continue;
       }
       if (bf16) {
-        row_bf16(p, t, h0, nh, slots);
+        if (h0 == 0) row_bf16(p, t, slots);  // all heads of the row at once
       } else {
         row_f32(p, t, h0, nh, slots);
       }

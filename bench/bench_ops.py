@@ -1,0 +1,201 @@
+"""Op benchmarks: ours vs the reference.py path vs torch built-ins, side by side in one run.
+
+    python bench/bench_ops.py [--quick] [--device cpu|cuda] [--json PATH] [--threads N]
+
+Prints one table and, with --json, a list of records
+{"op", "shape", "s_kv", "impl", "ms", "baseline", "baseline_ms", "speedup", ...}.
+Shapes are DeepSeek-V3.2's (64 indexer heads x 128, k 2048; 128 MLA heads, 576/512),
+with the number of query rows scaled to fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from indexcache import ops
+from indexcache import reference as ref
+
+
+def timeit(fn, device, min_time=0.3, max_iters=50):
+    fn()  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_iters and (time.perf_counter() - start < min_time or len(times) < 3):
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e3 * times[len(times) // 2]  # median, ms
+
+
+def record(records, op, shape, s_kv, impl, ms, baseline, baseline_ms, **extra):
+    records.append({"op": op, "shape": shape, "s_kv": int(s_kv), "impl": impl, "ms": ms, "baseline": baseline,
+                    "baseline_ms": baseline_ms, "speedup": baseline_ms / ms, **extra})
+
+
+def bf16_matmul_gflops(device, n=2048):
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = timeit(lambda: a @ b, device)
+    return 2 * n**3 / (ms * 1e-3) / 1e9
+
+
+def indexer_inputs(s_q, s_kv, h, device):
+    q = torch.randn(s_q, h, 128, device=device)
+    k = torch.randn(s_kv, 128, device=device)
+    w = torch.randn(s_q, h, device=device)
+    qv, qs = ops.quantize_fp8(q, ref.INDEX_Q_EPS)
+    kv, ksc = ops.quantize_fp8(k, ref.INDEX_K_EPS)
+    ks = torch.zeros(s_q, dtype=torch.int32, device=device)
+    ke = torch.full((s_q,), s_kv, dtype=torch.int32, device=device)
+    return q, k, w, qv, kv, ksc[:, 0].contiguous(), ref.indexer_weights(w, qs[..., 0]), ks, ke
+
+
+def reference_bf16_logits(q, k, w):
+    # The reference formula run through bf16 matmuls (same FLOPs as ours, torch's GEMM).
+    dots = torch.matmul(q.bfloat16().reshape(-1, 128), k.bfloat16().t()).reshape(q.shape[0], q.shape[1], -1)
+    return (dots.float().relu() * w.unsqueeze(-1)).sum(1)
+
+
+def bench_topk(records, device, quick):
+    rows, topk = 64, 2048
+    for s_kv in ([4096, 32768] if quick else [4096, 32768, 131072]):
+        logits = torch.randn(rows, s_kv, device=device)
+        ks = torch.zeros(rows, dtype=torch.int32, device=device)
+        ke = torch.full((rows,), s_kv, dtype=torch.int32, device=device)
+        out = torch.empty(rows, topk, dtype=torch.int32, device=device)
+        ours = timeit(lambda: ops.topk_indices(logits, ks, ke, topk, out=out), device)
+        base = timeit(lambda: torch.topk(logits, topk, dim=1), device)
+        gbs = rows * s_kv * 4 / (ours * 1e-3) / 1e9
+        record(records, "topk", f"{rows}x{s_kv} k{topk}", s_kv, "indexcache", ours, "torch.topk", base, gb_per_s=gbs)
+
+
+def bench_indexer(records, device, quick, matmul_gflops):
+    s_q, h, topk = 64, 64, 2048
+    for s_kv in ([4096, 32768] if quick else [4096, 32768, 65536]):
+        q, k, w, qv, kv, ksc, wq, ks, ke = indexer_inputs(s_q, s_kv, h, device)
+        flops = 2 * s_q * h * s_kv * 128
+        shape = f"{s_q}q x {h}h x {s_kv}"
+        out = torch.empty(s_q, s_kv, device=device)
+        ours = timeit(lambda: ops.indexer_logits(qv, kv, ksc, wq, ks, ke, out=out), device, min_time=0.5, max_iters=10)
+        wf = ref.indexer_weights(w)
+        ref32 = timeit(lambda: ref.indexer_logits(q, k, None, wf, ks, ke), device, min_time=0.1, max_iters=3)
+        ref16 = timeit(lambda: reference_bf16_logits(q, k, wf), device, min_time=0.1, max_iters=3)
+        gf = flops / (ours * 1e-3) / 1e9
+        for name, b in (("reference_fp32", ref32), ("reference_bf16", ref16)):
+            record(records, "indexer_logits", shape, s_kv, "indexcache_fp8", ours, name, b, gflop_per_s=gf,
+                   matmul_fraction=gf / matmul_gflops)
+        buf = torch.empty(s_q, topk, dtype=torch.int32, device=device)
+        fused = timeit(lambda: ops.indexer_topk(qv, kv, ksc, wq, ks, ke, topk, out=buf), device, min_time=0.5, max_iters=10)
+        b32 = timeit(lambda: torch.topk(ref.indexer_logits(q, k, None, wf, ks, ke), topk, dim=1), device, min_time=0.1, max_iters=3)
+        b16 = timeit(lambda: torch.topk(reference_bf16_logits(q, k, wf), topk, dim=1), device, min_time=0.1, max_iters=3)
+        gf = flops / (fused * 1e-3) / 1e9
+        for name, b in (("reference_fp32", b32), ("reference_bf16", b16)):
+            record(records, "fused_logits_topk", shape, s_kv, "indexcache_fp8", fused, name, b, gflop_per_s=gf,
+                   matmul_fraction=gf / matmul_gflops, logits_bytes_avoided=s_q * s_kv * 4)
+
+
+def reference_bf16_mla(q, cache, idx, scale):
+    kv = cache.reshape(-1, 576)
+    valid = idx >= 0
+    g = kv[idx.clamp(min=0).long()]  # [s_q, k, 576] bf16
+    s = torch.matmul(q, g.transpose(1, 2)).float() * scale
+    s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    p = torch.softmax(s, dim=-1).bfloat16()
+    return torch.matmul(p, g[..., :512])
+
+
+def bench_mla(records, device, quick, matmul_gflops):
+    h, topk, bs = 128, 2048, 64
+    cases = [("sparse_mla_decode", 16 if quick else 64), ("sparse_mla_prefill", 32 if quick else 128)]
+    for op, s_q in cases:
+        s_kv = 8192 if op == "sparse_mla_decode" else 4096
+        blocks = s_kv // bs
+        cache = torch.randn(blocks, bs, 576, device=device).bfloat16()
+        q = torch.randn(s_q, h, 576, device=device).bfloat16()
+        if op == "sparse_mla_decode":
+            idx = torch.stack([torch.randperm(s_kv)[:topk] for _ in range(s_q)]).int().to(device)
+        else:  # causal prefill rows over the last s_q positions, short windows padded with -1
+            idx = torch.full((s_q, topk), -1, dtype=torch.int32)
+            for t in range(s_q):
+                n = min(topk, s_kv - s_q + t + 1)
+                idx[t, :n] = torch.randperm(s_kv - s_q + t + 1)[:n].int()
+            idx = idx.to(device)
+        scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
+        out = torch.empty(s_q, h, 512, device=device, dtype=torch.bfloat16)
+        lse = torch.empty(s_q, h, device=device)
+        ours = timeit(lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse), device, min_time=0.5, max_iters=10)
+        base = timeit(lambda: reference_bf16_mla(q, cache, idx, scale), device, min_time=0.3, max_iters=5)
+        n_valid = int((idx >= 0).sum())
+        flops = 2 * h * n_valid * (576 + 512)
+        gf = flops / (ours * 1e-3) / 1e9
+        record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, "indexcache", ours, "reference_bf16", base,
+               gflop_per_s=gf, matmul_fraction=gf / matmul_gflops)
+
+
+def bench_k_cache(records, device, quick):
+    n, bs = (8192 if quick else 32768), 64
+    k = torch.randn(n, 128, device=device)
+    slots = torch.randperm(n, device=device)
+    cache = torch.zeros(n // bs, bs * 132, dtype=torch.uint8, device=device)
+
+    def reference():
+        v, s = ref.quantize_fp8(k, ref.INDEX_K_EPS)
+        blk, off = slots // bs, slots % bs
+        cache[:, : bs * 128].view(-1, bs, 128)[blk, off] = v.view(torch.uint8)
+        cache[:, bs * 128:].view(-1, bs, 4)[blk, off] = s.view(torch.uint8).reshape(-1, 4)
+
+    ours = timeit(lambda: ops.index_k_cache_insert(k, slots, cache), device)
+    base = timeit(reference, device)
+    gbs = n * (128 * 4 + 132) / (ours * 1e-3) / 1e9
+    record(records, "k_quant_cache", f"{n} tokens x 128", n, "indexcache", ours, "reference_fp32", base, gb_per_s=gbs)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller shapes; under 5 minutes on 2 CPU cores")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    records: list = []
+    matmul = bf16_matmul_gflops(args.device)
+    print(f"device {args.device}, {torch.get_num_threads()} threads, bf16 matmul {matmul:.0f} GFLOP/s")
+    bench_topk(records, args.device, args.quick)
+    bench_k_cache(records, args.device, args.quick)
+    bench_indexer(records, args.device, args.quick, matmul)
+    bench_mla(records, args.device, args.quick, matmul)
+    head = f"{'op':<20} {'shape':<26} {'impl':<15} {'ms':>9} {'baseline':<15} {'base ms':>9} {'speedup':>8}  rate"
+    print(head)
+    print("-" * len(head))
+    for r in records:
+        rate = ""
+        if "gflop_per_s" in r:
+            rate = f"{r['gflop_per_s']:.0f} GFLOP/s ({100 * r['matmul_fraction']:.0f}% of bf16 matmul)"
+        elif "gb_per_s" in r:
+            rate = f"{r['gb_per_s']:.1f} GB/s"
+        print(f"{r['op']:<20} {r['shape']:<26} {r['impl']:<15} {r['ms']:>9.3f} {r['baseline']:<15} "
+              f"{r['baseline_ms']:>9.3f} {r['speedup']:>7.2f}x  {rate}")
+    if args.json:
+        meta = {"device": args.device, "threads": torch.get_num_threads(), "bf16_matmul_gflop_per_s": matmul,
+                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        for r in records:
+            r.update(meta)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
