@@ -57,7 +57,7 @@ def causal_windows(s_q, s_kv, device):
 @pytest.mark.parametrize("shape", [(1, 128), (9, 4, 128), (3, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hadamard", [False, True])
-def test_quantize_fp8(device, shape, dtype, hadamard):
+def test_quantize_fp8(device, cpu_isa, shape, dtype, hadamard):
     x = (torch.randn(shape) * torch.rand(shape[:-1] + (1,)) * 100).to(dtype).to(device)
     v, s = ops.quantize_fp8(x, ref.INDEX_Q_EPS, hadamard)
     rv, rs = ref.quantize_fp8(x.cpu(), ref.INDEX_Q_EPS, hadamard)
@@ -75,7 +75,7 @@ def test_ue8m0_scale_exact_at_powers_of_two():
     assert s.tolist() == [1.0, 2**-3, 2**-2, 2.0 ** math.ceil(math.log2(1e-4 / 448))]
 
 
-def test_index_k_cache_insert(device):
+def test_index_k_cache_insert(device, cpu_isa):
     n, blocks, bs = 150, 5, 64
     k = torch.randn(n, 128, device=device)
     slots = torch.randperm(blocks * bs)[:n].to(device)
@@ -474,3 +474,18 @@ def test_topk_long_rows_sampled_path(device, kind):
     ke = torch.full((2,), n, dtype=torch.int32, device=device)
     got = ops.topk_indices(logits, ks, ke, topk).cpu()
     assert torch.equal(got, ref.topk_indices(logits.cpu(), ks.cpu(), ke.cpu(), topk))
+
+
+def test_fp8_rounding_ties_and_subnormals(device, cpu_isa):
+    """Every e4m3 value, every midpoint between neighbours (ties to even) and points just
+    beside them, with scale 1 (amax 448), match torch's own rounding bit for bit."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (codes[:-1] + codes[1:]) / 2
+    vals = torch.cat([codes, mids, torch.nextafter(mids, torch.zeros_like(mids)), torch.nextafter(mids, mids + 1)])
+    vals = torch.cat([vals, -vals])
+    pad = (-vals.numel()) % 128
+    vals = torch.cat([vals, torch.full((pad,), 448.0)]).reshape(-1, 128)
+    vals[:, 0] = 448.0  # every group's amax is 448, so the scale is exactly 1
+    v, s = ops.quantize_fp8(vals.to(device), 1e-4)
+    assert (s.cpu() == 1).all()
+    assert torch.equal(v.cpu().view(torch.uint8), vals.to(torch.float8_e4m3fn).view(torch.uint8))

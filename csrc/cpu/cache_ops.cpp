@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <immintrin.h>
 
 #include "../checks.h"
 #include "indexcache/fp8.h"
@@ -17,17 +19,56 @@ inline float load_value(const void* base, DType dt, int64_t i) {
                                : bf16_to_float(static_cast<const uint16_t*>(base)[i]);
 }
 
+// e4m3 bytes of 128 values already scaled into [-448, 448], round to nearest even,
+// bit-identical to float_to_e4m3.
+__attribute__((target("avx512f,avx512bw"))) void to_e4m3_avx512(const float* x, uint8_t* dst) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  for (int i = 0; i < kQuantGroup; i += 16) {
+    const __m512i u = _mm512_loadu_si512(x + i);
+    const __m512i a = _mm512_and_si512(u, abs_mask);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+    // Normal: round the 20 dropped mantissa bits to even, rebias the exponent 127 -> 7.
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(a, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), lsb));
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+    // Subnormal (|x| < 2^-6): round |x| * 2^9 to the nearest even integer.
+    const __m512 scaled = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f));
+    const __m512i sub = _mm512_cvtps_epi32(_mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __mmask16 is_sub = _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x3C800000));  // 2^-6
+    const __m512i mag = _mm512_mask_blend_epi32(is_sub, normal, sub);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(_mm512_or_si512(mag, sign)));
+  }
+}
+
+bool quant_use_avx512() {
+#if defined(__x86_64__)
+  static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return v && cpu_isa() == 0;
+#else
+  return false;
+#endif
+}
+
 // One group of 128 values: optional Hadamard, ue8m0 scale, e4m3 bytes.
 inline float quantize_group(const void* src, DType dt, int64_t offset, float eps, bool hadamard,
                             uint8_t* dst) {
-  float buf[kQuantGroup];
-  for (int i = 0; i < kQuantGroup; ++i) buf[i] = load_value(src, dt, offset + i);
+  alignas(64) float buf[kQuantGroup];
+  if (dt == DType::kFloat32) {
+    std::memcpy(buf, static_cast<const float*>(src) + offset, sizeof buf);
+  } else {
+    for (int i = 0; i < kQuantGroup; ++i) buf[i] = load_value(src, dt, offset + i);
+  }
   if (hadamard) hadamard_128_inplace(buf);
   float amax = 0.f;
   for (int i = 0; i < kQuantGroup; ++i) amax = std::max(amax, std::fabs(buf[i]));
   const float scale = ue8m0_scale(amax, eps);
   const float inv = 1.0f / scale;  // exact: scale is a power of two
-  for (int i = 0; i < kQuantGroup; ++i) dst[i] = float_to_e4m3(buf[i] * inv);
+  if (quant_use_avx512()) {
+    for (int i = 0; i < kQuantGroup; ++i) buf[i] *= inv;
+    to_e4m3_avx512(buf, dst);
+  } else {
+    for (int i = 0; i < kQuantGroup; ++i) dst[i] = float_to_e4m3(buf[i] * inv);
+  }
   return scale;
 }
 
