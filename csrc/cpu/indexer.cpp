@@ -15,6 +15,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "../checks.h"
@@ -405,12 +406,24 @@ void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
 
 namespace {
 
-// Keys of x[0:n) that are >= floor, with their positions, in position order.
-__attribute__((target("avx512f"))) void filter_at_least_avx512(const float* x, int64_t n, uint32_t floor,
-                                                                 std::vector<uint32_t>& keys,
-                                                                 std::vector<int32_t>& pos) {
-  keys.resize(n + 16);
-  pos.resize(n + 16);
+// Grow-only scratch that is never value-initialised (a vector's resize would zero it).
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> data;
+  int64_t cap = 0;
+  T* get(int64_t n) {
+    if (n > cap) {
+      data.reset(new T[n]);
+      cap = n;
+    }
+    return data.get();
+  }
+};
+
+// Keys of x[0:n) that are >= floor, with their positions, in position order; returns
+// how many were written to keys/pos (each must hold n + 16).
+__attribute__((target("avx512f"))) int64_t filter_at_least_avx512(const float* x, int64_t n, uint32_t floor,
+                                                                    uint32_t* keys, int32_t* pos) {
   int64_t w = 0, i = 0;
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   const __m512i all = _mm512_set1_epi32(-1);
@@ -423,9 +436,11 @@ __attribute__((target("avx512f"))) void filter_at_least_avx512(const float* x, i
     const __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), neg, u, all);
     const __mmask16 keep = _mm512_cmpge_epu32_mask(key, fl);
     if (keep) {
-      _mm512_mask_compressstoreu_epi32(keys.data() + w, keep, key);
-      _mm512_mask_compressstoreu_epi32(pos.data() + w, keep,
-                                       _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i))));
+      // Compress in registers and store whole vectors (the buffers have 16 spare slots):
+      // a masked compress-store to memory is microcoded and very slow on some CPUs.
+      _mm512_storeu_si512(keys + w, _mm512_maskz_compress_epi32(keep, key));
+      _mm512_storeu_si512(pos + w, _mm512_maskz_compress_epi32(
+                                       keep, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i)))));
       w += __builtin_popcount(keep);
     }
   }
@@ -436,8 +451,7 @@ __attribute__((target("avx512f"))) void filter_at_least_avx512(const float* x, i
       pos[w++] = static_cast<int32_t>(i);
     }
   }
-  keys.resize(w);
-  pos.resize(w);
+  return w;
 }
 
 bool cpu_has_avx512f() {
@@ -454,18 +468,19 @@ bool cpu_has_avx512f() {
 // select runs on the survivors only. If fewer than k survive, the full radix select runs.
 // Either way the result is the exact top k under (value desc, position asc).
 int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector<uint32_t>& scratch,
-                 std::vector<uint32_t>& keys, std::vector<int32_t>& pos) {
+                 Scratch<uint32_t>& key_buf, Scratch<int32_t>& pos_buf) {
   int64_t j = 0;
   if (n >= 8 * k && n >= 4096 && cpu_has_avx512f() && g_isa_override.load() == 0) {
-    const int64_t m = 2048, stride = n / m;
-    keys.resize(m);
-    for (int64_t i = 0; i < m; ++i) keys[i] = cpu::order_key(x[i * stride]);
-    const double frac = static_cast<double>(k) / static_cast<double>(n);
-    const int64_t rank = std::min<int64_t>(m - 1, static_cast<int64_t>(m * frac * 1.5 + 4 * std::sqrt(m * frac) + 8));
-    std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
-    const uint32_t floor = keys[rank];
-    filter_at_least_avx512(x, n, floor, keys, pos);
-    const int64_t c = static_cast<int64_t>(keys.size());
+    constexpr int64_t m = 512;
+    const int64_t stride = n / m;
+    uint32_t sample[m];
+    for (int64_t i = 0; i < m; ++i) sample[i] = cpu::order_key(x[i * stride]);
+    const double expect = m * static_cast<double>(k) / static_cast<double>(n);
+    const int64_t rank = std::min<int64_t>(m - 1, static_cast<int64_t>(1.5 * expect + 4 * std::sqrt(expect) + 8));
+    std::nth_element(sample, sample + rank, sample + m, std::greater<uint32_t>());
+    uint32_t* keys = key_buf.get(n + 16);
+    int32_t* pos = pos_buf.get(n + 16);
+    const int64_t c = filter_at_least_avx512(x, n, sample[rank], keys, pos);
     if (c >= k) {
       const cpu::Threshold t = cpu::select_threshold(c, k, [&](int64_t i) { return keys[i]; }, scratch);
       cpu::emit_selected(c, t, [&](int64_t i) { return keys[i]; }, [&](int64_t i) { out[j++] = pos[i]; });
@@ -482,8 +497,9 @@ int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector
 
 void topk_cpu(const TopkParams& p, const TopkOut& o) {
   at::parallel_for(0, p.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> scratch, keys;
-    std::vector<int32_t> pos;
+    std::vector<uint32_t> scratch;
+    Scratch<uint32_t> keys;
+    Scratch<int32_t> pos;
     for (int64_t r = begin; r < end; ++r) {
       int32_t* out = o.out + r * o.stride;
       const int64_t lo = p.ks[r];
