@@ -54,28 +54,30 @@ def build(cfg, freq, ctx, dtype, src=None):
     return model
 
 
-def run_one(model, ctx, decode_steps, device):
+def run_one(model, ctx, decode_steps, device, repeats):
+    """Best of ``repeats`` runs (the first run of a shape pays one-off kernel/JIT setup)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    cache = model.allocate_cache(-(-(ctx + decode_steps + 1) // 64))
-    cache.manager.allocate(0, ctx + decode_steps + 1)
     ids = torch.randint(0, 256, (ctx + decode_steps,), generator=torch.Generator().manual_seed(1)).to(device)
-    # warm-up on a short request (one-off kernel setup stays out of the timings)
-    wcache = model.allocate_cache(2)
-    wcache.manager.allocate(0, 64)
-    model.forward_tokens(ids[:64], BatchMeta.paged_batch(wcache, [0], [0], [64]), wcache)
-    del wcache
-    pre = StageTimer()
-    sync()
-    t0 = time.perf_counter()
-    model.forward_tokens(ids[:ctx], BatchMeta.paged_batch(cache, [0], [0], [ctx]), cache, pre)
-    sync()
-    prefill = time.perf_counter() - t0
-    dec = StageTimer()
-    t0 = time.perf_counter()
-    for j in range(decode_steps):
-        model.forward_tokens(ids[ctx + j:ctx + j + 1], BatchMeta.paged_batch(cache, [0], [ctx + j], [1]), cache, dec)
-    sync()
-    decode = (time.perf_counter() - t0) / max(decode_steps, 1)
+    best = None
+    for _ in range(repeats):
+        cache = model.allocate_cache(-(-(ctx + decode_steps + 1) // 64))
+        cache.manager.allocate(0, ctx + decode_steps + 1)
+        pre = StageTimer()
+        sync()
+        t0 = time.perf_counter()
+        model.forward_tokens(ids[:ctx], BatchMeta.paged_batch(cache, [0], [0], [ctx]), cache, pre)
+        sync()
+        prefill = time.perf_counter() - t0
+        dec = StageTimer()
+        t0 = time.perf_counter()
+        for j in range(decode_steps):
+            model.forward_tokens(ids[ctx + j:ctx + j + 1], BatchMeta.paged_batch(cache, [0], [ctx + j], [1]), cache, dec)
+        sync()
+        decode = (time.perf_counter() - t0) / max(decode_steps, 1)
+        if best is None or prefill + decode < best[0] + best[2]:
+            best = (prefill, pre, decode, dec)
+        del cache
+    prefill, pre, decode, dec = best
     mem_params = sum(model.indexer_param_count()[: model.args.num_hidden_layers]) * model.dtype.itemsize
     mem_cache = model.plan.num_full * ctx * 132
     return {"prefill_s": prefill, "decode_s_per_token": decode,
@@ -94,10 +96,13 @@ def main(argv=None):
     ap.add_argument("--configs", default="tiny,medium")
     ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--freqs", default="1,2,4,8")
-    ap.add_argument("--decode-steps", type=int, default=4)
+    ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
+    ap.add_argument("--kernels", default="model", choices=["model", "native", "reference"],
+                    help="ops the model calls: as the model module imports them, indexcache.ops, or reference.py")
     ap.add_argument("--json", default=None, help="write all records here")
     ap.add_argument("--plot", default=None, help="PNG: speedup vs context per freq")
     ap.add_argument("--markdown", default=None, help="write the table as a Markdown file (e.g. docs/performance.md)")
@@ -105,6 +110,10 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    if a.kernels != "model":
+        from indexcache import ops, reference
+        from indexcache.models import deepseek_v32
+        deepseek_v32.ops = ops if a.kernels == "native" else reference
     freqs = [int(f) for f in a.freqs.split(",")]
     if 1 not in freqs:
         freqs = [1] + freqs
@@ -117,7 +126,7 @@ def main(argv=None):
             for freq in freqs:
                 model = build(cfg, freq, ctx, dtype, src).to(a.device)
                 src = src or model
-                r = run_one(model, ctx, a.decode_steps, a.device)
+                r = run_one(model, ctx, a.decode_steps, a.device, a.repeats)
                 r.update(config=name, context=ctx, freq=freq, layers=model.args.num_hidden_layers)
                 if freq == 1:
                     base = r
@@ -170,7 +179,7 @@ def plot(records, path):
 def markdown(records, a, png):
     out = ["# Model performance (CPU)", "",
            f"Command: `python bench/bench_model.py --configs {a.configs} --contexts {a.contexts} --freqs {a.freqs} "
-           f"--decode-steps {a.decode_steps} --dtype {a.dtype}`; torch {torch.__version__}, "
+           f"--decode-steps {a.decode_steps} --dtype {a.dtype} --repeats {a.repeats} --kernels {a.kernels}`; torch {torch.__version__}, "
            f"{torch.get_num_threads()} threads. Kernels: `{_kernels()}`.", "",
            "Speedups are against freq 1 of the same config and context; *bound* is Amdahl's from the indexer "
            "share measured at freq 1 and the fraction of layers kept F. Indexer memory = indexer parameters + "

@@ -1,4 +1,4 @@
-"""The ``indexcache`` command line. Sub-commands: plan (more arrive with the model)."""
+"""The ``indexcache`` command line: plan, generate, bench."""
 
 from __future__ import annotations
 
@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=131072, help="context length T for the cost estimate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
+    from .generate_cli import add_generate_parser
+
+    add_generate_parser(sub)
     return parser
 
 
