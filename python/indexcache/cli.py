@@ -1,4 +1,4 @@
-"""The ``indexcache`` command line: plan, generate, bench."""
+"""The ``indexcache`` command line: plan, generate, overlap, search, eval, train."""
 
 from __future__ import annotations
 
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .generate_cli import add_generate_parser
 
     add_generate_parser(sub)
+    from .pattern_cli import add_pattern_parsers
+
+    add_pattern_parsers(sub)
     return parser
 
 

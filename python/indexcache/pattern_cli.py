@@ -1,0 +1,240 @@
+"""``indexcache overlap | search | eval | train``: choose an F/S pattern for a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def _common(p: argparse.ArgumentParser, split: str, windows: int) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
+    p.add_argument("--text", default=None, help="a text file to use (default: a split of the standard library)")
+    p.add_argument("--split", default=split, choices=["train", "calib", "heldout"],
+                   help=f"standard-library split when no --text is given (default {split})")
+    p.add_argument("--context", type=int, default=None, help="tokens per window (default: min(1024, max positions))")
+    p.add_argument("--windows", type=int, default=windows, help=f"windows of text to use (default {windows})")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _setup(args):
+    import torch
+
+    from .models.tiny import default_model_path
+    from .patterns import load_all_full, text_windows
+    from .train import load_text
+
+    if args.windows < 1:
+        raise ValueError(f"--windows must be >= 1, got {args.windows}")
+    path = Path(args.model) if args.model else default_model_path()
+    model = load_all_full(path, dtype=torch.float32)
+    context = args.context or min(1024, model.args.max_position_embeddings)
+    if context > model.args.max_position_embeddings:
+        raise ValueError(f"--context {context} exceeds max_position_embeddings {model.args.max_position_embeddings}")
+    need = args.windows * context + 1
+    if args.text:
+        text = Path(args.text).read_bytes()
+    else:
+        text = load_text(args.split, need)
+    return path, model, text_windows(text, context, args.windows)
+
+
+def _plot(path, draw) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    draw(fig, ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_overlap(args) -> int:
+    from .config import IndexCacheConfig
+    from .patterns import overlap_matrix, source_overlap
+
+    path, model, windows = _setup(args)
+    m = overlap_matrix(model, windows)
+    n = m.shape[0]
+    pattern = None
+    if args.hf_overrides:
+        pattern = IndexCacheConfig.from_config({"num_hidden_layers": n}, args.hf_overrides).plan(n, 0).pattern
+    src = source_overlap(m, pattern) if pattern else None
+    if args.png:
+        def draw(fig, ax):
+            im = ax.imshow(m.numpy(), vmin=0, vmax=1, cmap="viridis")
+            ax.set_xlabel("layer j")
+            ax.set_ylabel("layer i")
+            ax.set_title(f"top-{model.args.index_topk} overlap: share of layer i's tokens that layer j also picks")
+            for i in range(n):
+                for j in range(n):
+                    ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                            color="white" if m[i, j] < 0.6 else "black")
+            fig.colorbar(im, ax=ax)
+        _plot(args.png, draw)
+    if args.json:
+        print(json.dumps({"model": str(path), "index_topk": model.args.index_topk, "context": windows.shape[1] - 1,
+                          "windows": windows.shape[0], "matrix": m.tolist(), "pattern": pattern,
+                          "source_overlap": src}))
+        return 0
+    print(f"top-{model.args.index_topk} overlap over {windows.shape[0]} x {windows.shape[1] - 1} tokens "
+          f"(row i: share of layer i's selection that layer j also selects)")
+    print("      " + "".join(f"{j:>6}" for j in range(n)))
+    for i in range(n):
+        print(f"{i:>5} " + "".join(f"{m[i, j]:>6.2f}" for j in range(n)))
+    adjacent = [float(m[i, i - 1]) for i in range(1, n)]
+    print(f"adjacent layers (i vs i-1): mean {sum(adjacent) / len(adjacent):.3f}, min {min(adjacent):.3f}")
+    if src:
+        print(f"pattern {pattern}: overlap with the F layer each layer reads")
+        print("  " + " ".join(f"{l}:{v:.2f}" for l, v in enumerate(src)))
+    if args.png:
+        print(f"heatmap: {args.png}")
+    return 0
+
+
+def cmd_search(args) -> int:
+    from .patterns import PatternRunner, budgets, greedy_search, hf_overrides_for, uniform_pattern
+
+    path, model, windows = _setup(args)
+    runner = PatternRunner(model, windows)
+    n = runner.num_layers
+    steps = greedy_search(runner, Path(args.log) if args.log else None, min_full=args.min_full,
+                          progress=not args.json)
+    uniform = {}
+    for freq in (2, 4, 8):
+        pat = uniform_pattern(n, freq)
+        uniform[freq] = {"pattern": pat, "num_full": pat.count("F"), "loss": runner.pattern_loss(pat)}
+    chosen = {}
+    for name, keep in budgets(n).items():
+        match = [s for s in steps if s["num_full"] == keep]
+        if match:
+            chosen[name] = {"num_full": keep, "pattern": match[0]["pattern"], "loss": match[0]["loss"],
+                            "hf_overrides": hf_overrides_for(match[0]["pattern"])}
+    if args.png:
+        def draw(fig, ax):
+            ax.plot([s["num_full"] for s in steps], [s["loss"] / math.log(2) for s in steps], "o-", label="greedy search")
+            for freq, u in uniform.items():
+                ax.plot(u["num_full"], u["loss"] / math.log(2), "s", markersize=9, label=f"uniform freq {freq}")
+            ax.set_xlabel("F layers (indexers kept)")
+            ax.set_ylabel("calibration loss (bits/byte)")
+            ax.invert_xaxis()
+            ax.legend()
+            ax.set_title("IndexCache greedy pattern search")
+        _plot(args.png, draw)
+    if args.json:
+        print(json.dumps({"model": str(path), "steps": steps, "budgets": chosen, "uniform": uniform}))
+        return 0
+    print(f"{'step':>4} {'turned S':>8} {'F':>3} {'loss bits/byte':>15}  pattern")
+    for s in steps:
+        print(f"{s['step']:>4} {'-' if s['layer'] is None else s['layer']:>8} {s['num_full']:>3} "
+              f"{s['loss'] / math.log(2):>15.4f}  {s['pattern']}")
+    print("\nuniform patterns on the same text:")
+    for freq, u in uniform.items():
+        print(f"  freq {freq}: {u['pattern']} ({u['num_full']} F) {u['loss'] / math.log(2):.4f} bits/byte")
+    print("\nbudgets:")
+    for name, c in chosen.items():
+        print(f"  {name} ({c['num_full']} F): {c['pattern']} {c['loss'] / math.log(2):.4f} bits/byte")
+        print(f"    --hf-overrides '{c['hf_overrides']}'")
+    if args.png:
+        print(f"plot: {args.png}")
+    return 0
+
+
+def _overrides_list(args) -> list:
+    from .config import parse_overrides
+    from .patterns import hf_overrides_for
+
+    items = []
+    if args.overrides_file:
+        try:
+            data = json.loads(Path(args.overrides_file).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--overrides-file {args.overrides_file} is not valid JSON ({e.msg})") from None
+        if not isinstance(data, list):
+            raise ValueError("--overrides-file must hold a JSON list of override objects")
+        items += data
+    items += list(args.overrides or [])
+    if args.search_log:
+        steps = [json.loads(line) for line in Path(args.search_log).read_text().splitlines() if line.strip()]
+        from .patterns import budgets
+
+        for keep in sorted(set(budgets(len(steps[0]["pattern"])).values()), reverse=True):
+            match = [s for s in steps if s["num_full"] == keep]
+            if match:
+                items.append(hf_overrides_for(match[0]["pattern"]))
+    if not items:
+        items = [None, {"use_index_cache": True, "index_topk_freq": 2}, {"use_index_cache": True, "index_topk_freq": 4},
+                 {"use_index_cache": True, "index_topk_freq": 8}]
+    for i, ov in enumerate(items):
+        if ov is not None:
+            try:
+                parse_overrides(ov)
+            except ValueError as e:
+                raise ValueError(f"overrides entry {i}: {e}") from None
+    return items
+
+
+def cmd_eval(args) -> int:
+    from .patterns import evaluate
+
+    path, model, windows = _setup(args)
+    del model
+    rows = evaluate(path, _overrides_list(args), windows)
+    if args.json:
+        print(json.dumps({"model": str(path), "rows": rows}))
+        return 0
+    print(f"held-out: {windows.shape[0]} windows x {windows.shape[1] - 1} bytes; prefill of one window timed")
+    print(f"{'pattern':<14} {'F kept':>7} {'ppl':>8} {'bits/byte':>10} {'prefill ms':>11} {'vs first':>9}  overrides")
+    for r in rows:
+        print(f"{r['pattern']:<14} {r['indexers_kept']:>7.3f} {r['perplexity']:>8.4f} {r['bits_per_byte']:>10.4f} "
+              f"{1e3 * r['prefill_s']:>11.1f} {r['prefill_ratio']:>8.2f}x  {r['hf_overrides'] or '(checkpoint)'}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .train import TrainSchedule, train
+
+    sched = TrainSchedule(dense_steps=args.dense_steps, warmup_steps=args.warmup_steps, sparse_steps=args.sparse_steps,
+                          batch=args.batch, context=args.context_len, seed=args.seed, eval_every=args.eval_every)
+    final = train(Path(args.out), sched)
+    print(f"checkpoint: {final}")
+    return 0
+
+
+def add_pattern_parsers(sub) -> None:
+    p = sub.add_parser("overlap", help="top-k overlap between every pair of layers")
+    _common(p, "heldout", 2)
+    p.add_argument("--hf-overrides", default=None, help="a pattern (as overrides) to report each layer's source overlap")
+    p.add_argument("--png", default=None, help="write the heatmap here")
+    p.set_defaults(func=cmd_overlap)
+
+    p = sub.add_parser("search", help="greedy training-free search of an F/S pattern")
+    _common(p, "calib", 4)
+    p.add_argument("--log", default=None, help="JSON-lines log; an existing one is resumed")
+    p.add_argument("--min-full", type=int, default=1, help="stop at this many F layers (default 1)")
+    p.add_argument("--png", default=None, help="write the loss-vs-F-layers plot here")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("eval", help="held-out perplexity and prefill time for a list of overrides")
+    _common(p, "heldout", 8)
+    p.add_argument("--overrides", action="append", help="an --hf-overrides JSON (repeatable)")
+    p.add_argument("--overrides-file", default=None, help="a JSON list of override objects")
+    p.add_argument("--search-log", default=None, help="add the 1/2, 1/4, 1/8 patterns from a search log")
+    p.set_defaults(func=cmd_eval)
+
+    from .train import TrainSchedule
+
+    p = sub.add_parser("train", help="train the small DSA model on the standard library (CPU)")
+    p.add_argument("--out", required=True, help="work directory (resumable); the checkpoint lands in OUT/checkpoint")
+    p.add_argument("--dense-steps", type=int, default=TrainSchedule.dense_steps)
+    p.add_argument("--warmup-steps", type=int, default=TrainSchedule.warmup_steps)
+    p.add_argument("--sparse-steps", type=int, default=TrainSchedule.sparse_steps)
+    p.add_argument("--batch", type=int, default=TrainSchedule.batch)
+    p.add_argument("--context-len", type=int, default=TrainSchedule.context)
+    p.add_argument("--eval-every", type=int, default=TrainSchedule.eval_every)
+    p.add_argument("--seed", type=int, default=TrainSchedule.seed)
+    p.set_defaults(func=cmd_train)

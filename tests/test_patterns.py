@@ -1,0 +1,140 @@
+"""Pattern tools (issue: choosing a pattern): overlap, greedy search, eval, training."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from indexcache.cli import main
+from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.tiny import tiny_config
+from indexcache.patterns import (PatternRunner, evaluate, greedy_search, load_all_full, overlap_matrix,
+                                 source_overlap, text_windows, uniform_pattern)
+
+CFG = tiny_config(num_hidden_layers=5, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, num_attention_heads=2, index_n_heads=2,
+                  index_topk=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                  num_nextn_predict_layers=0, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-dsa")
+    DeepseekV32ForCausalLM.from_config(CFG, dtype=torch.float32, seed=3).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def windows():
+    g = torch.Generator().manual_seed(7)
+    text = bytes(torch.randint(32, 127, (3 * 48 + 1,), generator=g).tolist())
+    return text_windows(text, 48, 3)
+
+
+def test_overlap_matrix(ckpt, windows):
+    m = overlap_matrix(load_all_full(ckpt), windows)
+    assert m.shape == (5, 5)
+    assert torch.allclose(m.diagonal(), torch.ones(5, dtype=m.dtype))
+    assert (m >= 0).all() and (m <= 1).all()
+    src = source_overlap(m, "FSSFS")
+    assert src[0] == 1.0 and src[3] == 1.0 and src[1] == float(m[1, 0]) and src[4] == float(m[4, 3])
+
+
+def test_search_is_greedy_and_matches_eval(ckpt, windows, tmp_path):
+    model = load_all_full(ckpt)
+    runner = PatternRunner(model, windows)
+    log = tmp_path / "search.jsonl"
+    steps = greedy_search(runner, log, progress=False)
+    assert [s["num_full"] for s in steps] == [5, 4, 3, 2, 1]
+    for prev, cur in zip(steps, steps[1:]):
+        assert cur["pattern"][0] == "F"  # layer 0 never turns S
+        cands = {int(k): v for k, v in cur["candidates"].items()}
+        assert 0 not in cands and set(cands) == {l for l in range(1, 5) if prev["pattern"][l] == "F"}
+        assert cur["loss"] == min(cands.values()) and cands[cur["layer"]] == cur["loss"]
+        # The incremental run (layers below the change reused) equals a full run of the pattern.
+        assert runner.pattern_loss(cur["pattern"]) == cur["loss"]
+    # The recorded loss equals `eval` of that pattern on the same text (a model built with it).
+    pat = steps[2]["pattern"]
+    rows = evaluate(ckpt, [None, {"use_index_cache": True, "index_topk_pattern": pat}], windows, timing_repeats=1)
+    assert rows[1]["pattern"] == pat and rows[1]["loss_nats"] == steps[2]["loss"]
+    assert rows[0]["loss_nats"] == steps[0]["loss"]
+
+
+def test_search_resumes_from_its_log(ckpt, windows, tmp_path):
+    runner = PatternRunner(load_all_full(ckpt), windows)
+    full = greedy_search(runner, tmp_path / "a.jsonl", progress=False)
+    log = tmp_path / "b.jsonl"
+    greedy_search(runner, log, min_full=3, progress=False)
+    resumed = greedy_search(runner, log, progress=False)
+    assert [s["pattern"] for s in resumed] == [s["pattern"] for s in full]
+    assert len(log.read_text().splitlines()) == len(full)
+
+
+def test_eval_all_full_equals_plain_loss(ckpt, windows):
+    rows = evaluate(ckpt, [None], windows, timing_repeats=1)
+    model = DeepseekV32ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    logits = model(windows[:, :-1])
+    plain = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    assert rows[0]["loss_nats"] == pytest.approx(float(plain), rel=1e-6)
+    assert rows[0]["bits_per_byte"] == pytest.approx(rows[0]["loss_nats"] / math.log(2))
+    assert rows[0]["prefill_ratio"] == 1.0
+
+
+def test_uniform_pattern_matches_plan():
+    import indexcache
+
+    for freq in (2, 4, 8):
+        plan = indexcache.build_layer_plan(61, use_index_cache=True, index_topk_freq=freq)
+        assert uniform_pattern(61, freq) == plan.pattern
+
+
+def test_bad_input(ckpt, tmp_path, capsys):
+    with pytest.raises(ValueError, match="shorter than one window"):
+        text_windows(b"short text", 48, 2)
+    runner = PatternRunner(load_all_full(ckpt), text_windows(b"x" * 200, 48, 1))
+    with pytest.raises(ValueError, match="at least one F layer"):
+        greedy_search(runner, None, min_full=0, progress=False)
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"y" * 1000)
+    assert main(["eval", "--model", str(ckpt), "--text", str(text), "--context", "48", "--windows", "1",
+                 "--overrides", '{"use_index_cache": true,']) == 2
+    assert "overrides entry 0" in capsys.readouterr().err
+    assert main(["search", "--model", str(ckpt), "--text", str(text), "--context", "2000", "--windows", "1"]) == 2
+    assert "exceeds max_position_embeddings" in capsys.readouterr().err
+    not_dsa = tmp_path / "dense"
+    not_dsa.mkdir()
+    cfg = dict(CFG)
+    del cfg["index_topk"]
+    (not_dsa / "config.json").write_text(json.dumps(cfg))
+    assert main(["overlap", "--model", str(not_dsa), "--text", str(text), "--context", "48", "--windows", "1"]) == 2
+    assert "index_topk" in capsys.readouterr().err
+
+
+def test_cli_search_json(ckpt, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 10)
+    assert main(["search", "--model", str(ckpt), "--text", str(text), "--context", "48", "--windows", "2",
+                 "--json", "--png", str(tmp_path / "s.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["budgets"]["1/2"]["num_full"] == 3
+    assert json.loads(out["budgets"]["1/4"]["hf_overrides"])["index_topk_pattern"] == out["budgets"]["1/4"]["pattern"]
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_training_loss_falls(tmp_path):
+    from indexcache import train as tr
+
+    cfg = dict(CFG, num_nextn_predict_layers=1, index_topk=8)
+    sched = tr.TrainSchedule(dense_steps=12, warmup_steps=3, sparse_steps=3, batch=2, context=32, lr=3e-3,
+                             eval_every=6, eval_bytes=4096)
+    lines = []
+    final = tr.train(tmp_path / "run", sched, log=lines.append, config=cfg, max_train_bytes=200_000)
+    hist = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [h["phase"] for h in hist] == ["dense"] * 12 + ["warmup"] * 3 + ["sparse"] * 3
+    dense = [h["lm_bits"] for h in hist[:12]]
+    assert sum(dense[-3:]) / 3 < sum(dense[:3]) / 3  # the loss falls
+    assert all(h["kl"] is not None for h in hist[12:])
+    model = DeepseekV32ForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert model.args.index_topk == 8
