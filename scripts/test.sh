@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-python -m pytest -q tests "$@"
+# tests/: every op, the model and the tools (CUDA cases skip without a GPU); csrc/tests/cuda_emu:
+# the CUDA kernels' own code run on the CPU through an emulator, so CI checks their logic too.
+python -m pytest -q tests csrc/tests/cuda_emu "$@"

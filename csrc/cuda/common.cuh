@@ -1,0 +1,279 @@
+// Device helpers shared by the CUDA kernels: order-preserving float keys, a block-wide
+// scan, the exact radix select used by every top-k kernel, and bf16 mma.sync fragments.
+// Torch-free (included by .cu files only).
+//
+// The same code also builds for the CPU with csrc/tests/cuda_emu/cuda_emu.h force-included
+// (IC_CUDA_EMULATION): threads become std::threads, so the kernels and their launch logic
+// can be tested on a machine with no GPU.
+#pragma once
+
+#ifndef IC_CUDA_EMULATION
+#include <cuda_runtime.h>
+#endif
+
+#include <cstdint>
+
+#include "indexcache/fp8.h"
+
+#ifdef IC_CUDA_EMULATION
+#define IC_LAUNCH(kernel, grid, block, smem, stream, ...) ::emu::launch(kernel, grid, block, smem, __VA_ARGS__)
+#define IC_DYNAMIC_SMEM(name) unsigned char* name = ::emu::dynamic_smem()
+#else
+#define IC_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#define IC_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace indexcache {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31); }
+__device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
+__device__ __forceinline__ uint32_t lanemask_lt() { return (1u << lane_id()) - 1u; }
+
+// Larger float -> larger key; NaN (sign clear) sorts above +inf, as on the CPU (select.h).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Unaligned-safe 4-byte float load (cache scales live at byte offsets).
+__device__ __forceinline__ float load_f32_bytes(const uint8_t* p) {
+  const uint32_t u = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+                     (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+  return __uint_as_float(u);
+}
+__device__ __forceinline__ void store_f32_bytes(uint8_t* p, float f) {
+  const uint32_t u = __float_as_uint(f);
+  p[0] = static_cast<uint8_t>(u);
+  p[1] = static_cast<uint8_t>(u >> 8);
+  p[2] = static_cast<uint8_t>(u >> 16);
+  p[3] = static_cast<uint8_t>(u >> 24);
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// e4m3 byte -> bf16 bits. Exact: every e4m3 value is a bf16 value (low 16 float bits are 0).
+__device__ __forceinline__ uint16_t e4m3_to_bf16_bits(uint8_t b) {
+  return static_cast<uint16_t>(__float_as_uint(e4m3_to_float(b)) >> 16);
+}
+
+// ------------------------------------------------------------------ block scan
+
+// Inclusive prefix sum over the NT threads of the block; `total` gets the block sum.
+// Every thread must call it (it contains barriers). warp_tot: shared [32].
+template <int NT>
+__device__ __forceinline__ uint32_t block_incl_scan(uint32_t v, uint32_t* warp_tot, uint32_t& total) {
+  static_assert(NT % 32 == 0 && NT <= 1024, "block size");
+  constexpr int NW = NT / 32;
+  const int lane = lane_id(), warp = warp_id();
+  uint32_t x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(kFullMask, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_tot[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    uint32_t w = lane < NW ? warp_tot[lane] : 0u;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t y = __shfl_up_sync(kFullMask, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < NW) warp_tot[lane] = w;  // each lane rewrites only the entry it read
+  }
+  __syncthreads();
+  const uint32_t res = x + (warp > 0 ? warp_tot[warp - 1] : 0u);
+  total = warp_tot[NW - 1];
+  __syncthreads();  // warp_tot may be reused right after
+  return res;
+}
+
+// ------------------------------------------------------------------ exact radix select
+//
+// Order: key descending, index ascending on equal keys (reference.topk_indices). The
+// selection is described by a threshold key T and take_eq: every element with key > T
+// plus the take_eq lowest-index elements with key == T. Histogram counts use shared
+// atomics, whose result does not depend on their order; positions are emitted through
+// per-warp counts and one prefix, so the output is deterministic.
+
+struct Threshold {
+  uint32_t key;
+  uint32_t take_eq;
+};
+
+// Selects everything that is valid (used when there are at most k valid elements).
+__device__ __forceinline__ Threshold select_all() { return Threshold{0u, 0xffffffffu}; }
+
+struct SelectShared {
+  uint32_t hist[2048];
+  uint32_t scan[32];
+  uint32_t cnt_gt[32];
+  uint32_t cnt_eq[32];
+  uint32_t bin;
+  uint32_t need;
+};
+
+// acc(i, key) -> bool: element i's key, false when element i is absent (not counted).
+// Requires 1 <= k <= (number of valid elements among [0, n)).
+template <int NT, typename Acc>
+__device__ Threshold block_threshold(int n, uint32_t k, const Acc& acc, SelectShared& sm) {
+  static_assert(2048 % NT == 0, "block size must divide 2048");
+  constexpr int BPT = 2048 / NT;  // histogram bins scanned by each thread
+  uint32_t prefix = 0, mask = 0, need = k;
+  for (int level = 0; level < 3; ++level) {
+    // 11 + 11 + 10 bits, most significant first.
+    const int shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
+    const uint32_t bmask = level == 2 ? 1023u : 2047u;
+    for (int b = threadIdx.x; b < 2048; b += NT) sm.hist[b] = 0;
+    __syncthreads();
+    for (int base = threadIdx.x; base < n; base += 4 * NT) {
+      uint32_t key[4] = {0, 0, 0, 0};
+      bool ok[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * NT;
+        ok[u] = i < n && acc(i, key[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (ok[u] && (key[u] & mask) == prefix) atomicAdd(&sm.hist[(key[u] >> shift) & bmask], 1u);
+    }
+    __syncthreads();
+    // Find the bin holding the need-th largest: above(b) < need <= above(b) + hist[b].
+    const int b0 = static_cast<int>(threadIdx.x) * BPT;
+    uint32_t local = 0;
+#pragma unroll
+    for (int j = 0; j < BPT; ++j) local += sm.hist[b0 + j];
+    uint32_t total;
+    const uint32_t incl = block_incl_scan<NT>(local, sm.scan, total);
+    uint32_t above = total - incl;  // elements in bins above this thread's range
+#pragma unroll
+    for (int j = BPT - 1; j >= 0; --j) {
+      const uint32_t h = sm.hist[b0 + j];
+      if (above < need && need <= above + h) {  // true for exactly one (thread, bin)
+        sm.bin = static_cast<uint32_t>(b0 + j);
+        sm.need = need - above;
+      }
+      above += h;
+    }
+    __syncthreads();
+    prefix |= sm.bin << shift;
+    mask |= bmask << shift;
+    need = sm.need;
+    // sm.bin / sm.need are next written after two more barriers; hist reads are done.
+  }
+  return Threshold{prefix, need};
+}
+
+// Calls emit(rank, i, key) for each selected element, ranks 0, 1, ... in increasing i.
+// Each warp owns one contiguous segment of [0, n): pass 1 counts, one prefix over the
+// warps, pass 2 writes. Ends with a barrier (emitted data visible to the block).
+template <int NT, typename Acc, typename Emit>
+__device__ uint32_t block_emit(int n, Threshold t, const Acc& acc, SelectShared& sm, Emit emit) {
+  constexpr int NW = NT / 32;
+  const int lane = lane_id(), warp = warp_id();
+  const int seg = ((n + NW - 1) / NW + 31) & ~31;
+  const int beg = min(n, warp * seg);
+  const int end = min(n, beg + seg);
+  uint32_t gt = 0, eq = 0;
+  for (int base = beg; base < end; base += 32) {
+    const int i = base + lane;
+    uint32_t key = 0;
+    const bool v = i < end && acc(i, key);
+    gt += __popc(__ballot_sync(kFullMask, v && key > t.key));
+    eq += __popc(__ballot_sync(kFullMask, v && key == t.key));
+  }
+  if (lane == 0) {
+    sm.cnt_gt[warp] = gt;
+    sm.cnt_eq[warp] = eq;
+  }
+  __syncthreads();
+  uint32_t gt_before = 0, eq_before = 0, gt_all = 0, eq_all = 0;
+  for (int w = 0; w < NW; ++w) {
+    if (w < warp) {
+      gt_before += sm.cnt_gt[w];
+      eq_before += sm.cnt_eq[w];
+    }
+    gt_all += sm.cnt_gt[w];
+    eq_all += sm.cnt_eq[w];
+  }
+  uint32_t out = gt_before + min(eq_before, t.take_eq);
+  uint32_t eqc = eq_before;
+  const uint32_t lt = lanemask_lt();
+  for (int base = beg; base < end; base += 32) {
+    const int i = base + lane;
+    uint32_t key = 0;
+    const bool v = i < end && acc(i, key);
+    const bool g = v && key > t.key;
+    const bool e = v && key == t.key;
+    const uint32_t eb = __ballot_sync(kFullMask, e);
+    const bool sel = g || (e && eqc + __popc(eb & lt) < t.take_eq);
+    const uint32_t sb = __ballot_sync(kFullMask, sel);
+    if (sel) emit(out + __popc(sb & lt), i, key);
+    out += __popc(sb);
+    eqc += __popc(eb);
+  }
+  __syncthreads();
+  return gt_all + min(eq_all, t.take_eq);  // number emitted
+}
+
+// ------------------------------------------------------------------ bf16 tensor cores
+//
+// mma.sync m16n8k16, bf16 in, fp32 accumulate (sm_80+). Fragment layouts (PTX ISA,
+// "Matrix fragments for mma.m16n8k16"), g = lane / 4, t = lane % 4:
+//   A (16x16, row-major): a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B (16x8):             b0 (k 2t..2t+1, n g)   b1 (k 2t+8..2t+9, n g)
+//   C (16x8):             c0,c1 (g, 2t..2t+1)    c2,c3 (g+8, 2t..2t+1)
+// Two bf16 in one 32-bit register: the lower index in the low half.
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef IC_CUDA_EMULATION
+  ::emu::mma_bf16_16816(c, a, b0, b1);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ uint32_t ld_u32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// A fragment of rows [row0, row0+16), columns [k0, k0+16) of a row-major bf16 matrix
+// (ld elements per row, even).
+__device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], const uint16_t* m, int ld, int row0, int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const uint16_t* p = m + (row0 + g) * ld + k0 + 2 * t;
+  a[0] = ld_u32(p);
+  a[1] = ld_u32(p + 8 * ld);
+  a[2] = ld_u32(p + 8);
+  a[3] = ld_u32(p + 8 * ld + 8);
+}
+
+// B fragment (k in [k0, k0+16), n in [n0, n0+8)) of a matrix stored n-major: m[n][k].
+__device__ __forceinline__ void load_b_frag_nk(uint32_t& b0, uint32_t& b1, const uint16_t* m, int ld, int n0, int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const uint16_t* p = m + (n0 + g) * ld + k0 + 2 * t;
+  b0 = ld_u32(p);
+  b1 = ld_u32(p + 8);
+}
+
+// B fragment of a matrix stored k-major: m[k][n] (two 16-bit loads per register).
+__device__ __forceinline__ void load_b_frag_kn(uint32_t& b0, uint32_t& b1, const uint16_t* m, int ld, int n0, int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const uint16_t* p = m + (k0 + 2 * t) * ld + n0 + g;
+  b0 = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[ld]) << 16);
+  b1 = static_cast<uint32_t>(p[8 * ld]) | (static_cast<uint32_t>(p[9 * ld]) << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+}
+
+}  // namespace cuda
+}  // namespace indexcache

@@ -1,0 +1,72 @@
+// torch glue of the indexer ops on CUDA; kernels in indexer_impl.cuh.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "indexer_impl.cuh"
+#include "torch_env.h"
+
+namespace indexcache {
+namespace cuda {
+namespace {
+
+// Longest sequence, from a host copy of seq_lens (syncs; the CPU op reads it the same way).
+int64_t max_seq_len(const at::Tensor& seq_lens) {
+  if (seq_lens.numel() == 0) return 0;
+  return std::max<int64_t>(0, seq_lens.max().item<int64_t>());
+}
+
+void indexer_logits_cuda_op(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_scale,
+                            const at::Tensor& weights, const at::Tensor& ks, const at::Tensor& ke, at::Tensor& out) {
+  const IndexerParams p = make_indexer_params(q, k, k_scale, weights, ks, ke);  // windows checked on the host
+  const LogitsOut o = make_logits_out(out, p.s_q, p.s_kv, q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  std::vector<at::Tensor> keep;
+  indexer_logits_cuda(p, o, torch_env(keep));
+}
+
+void indexer_logits_paged_cuda_op(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t next_n,
+                                  at::Tensor& out) {
+  const PagedIndexerParams p = make_paged_params(q, weights, cache, block_table, seq_lens, next_n);
+  const int64_t max_len = max_seq_len(seq_lens);
+  const LogitsOut o = make_logits_out(out, q.size(0), max_len, q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  std::vector<at::Tensor> keep;
+  indexer_logits_paged_cuda(p, max_len, o, torch_env(keep));
+}
+
+void indexer_topk_cuda_op(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_scale,
+                          const at::Tensor& weights, const at::Tensor& ks, const at::Tensor& ke, int64_t topk,
+                          at::Tensor& out) {
+  const IndexerParams p = make_indexer_params(q, k, k_scale, weights, ks, ke);
+  const TopkOut o = make_topk_out(out, p.s_q, topk, q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  std::vector<at::Tensor> keep;
+  indexer_topk_cuda(p, o, torch_env(keep));
+}
+
+void indexer_topk_paged_cuda_op(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                                const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t next_n,
+                                int64_t topk, at::Tensor& out) {
+  const PagedIndexerParams p = make_paged_params(q, weights, cache, block_table, seq_lens, next_n);
+  const TopkOut o = make_topk_out(out, q.size(0), topk, q);
+  const int64_t max_len = max_seq_len(seq_lens);
+  const c10::cuda::CUDAGuard guard(q.device());
+  std::vector<at::Tensor> keep;
+  indexer_topk_paged_cuda(p, max_len, o, torch_env(keep));
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(indexcache, CUDA, m) {
+  m.impl("indexer_logits", &cuda::indexer_logits_cuda_op);
+  m.impl("indexer_logits_paged", &cuda::indexer_logits_paged_cuda_op);
+  m.impl("indexer_topk", &cuda::indexer_topk_cuda_op);
+  m.impl("indexer_topk_paged", &cuda::indexer_topk_paged_cuda_op);
+}
+
+}  // namespace indexcache

@@ -1,0 +1,799 @@
+// CUDA indexer: scoring (prefill and paged decode) and fused scoring + top-k. Torch-free
+// kernels and launch code; the op glue is in indexer.cu.
+//
+// Both kernels share one tile routine. A CTA (4 warps) owns a block of up to 8 query rows
+// whose q (all heads) and weights stay in shared memory, and walks tiles of 64 keys:
+//   - fp8 / bf16 inputs: the tile is converted to bf16 (exact for e4m3) in shared memory,
+//     each warp keeps the B fragments of its 16 keys in registers, and mma.sync m16n8k16
+//     (bf16 in, fp32 accumulate) produces 16 heads x 8 keys per instruction; the
+//     ReLU-weighted head sum is folded in registers, then across the 8 lane groups.
+//   - fp32 inputs: a plain fp32 FMA loop (exact-enough for the 1e-5 bar; bf16 would not be).
+// The plain op writes a row's scores (-inf outside its window). The fused op never writes
+// scores: each row keeps a bounded candidate list in global scratch (2k + 64 entries),
+// appends keys above its running k-th best, compacts with the exact radix select when
+// full, and a merge kernel (topk.cu) selects the final k over the key-range splits.
+// The fused and plain ops compute every score with the same code, so they select alike.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <type_traits>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace indexcache {
+namespace cuda {
+namespace idx_detail {
+
+constexpr int kThreads = 128;       // 4 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kKeyTile = 64;        // 16 keys per warp
+constexpr int kD = kIndexHeadDim;   // 128
+constexpr int kLd = kD + 8;         // bf16 row stride in shared memory: conflict-free fragments
+constexpr int kLdF = kD + 1;        // fp32 key row stride (FMA path)
+constexpr int kLogitsTilesPerCta = 8;
+constexpr int kMaxRowBlock = 8;
+constexpr int kQBudget = 72 * 1024;  // shared bytes for the row block's q
+constexpr int kFusedMaxK = 2048;
+constexpr int kMaxSplits = 64;
+constexpr int64_t kScratchBudget = 256ll << 20;
+constexpr int kFusedSmemTarget = 100 * 1024;  // two CTAs per SM on sm_90 (228 KB)
+
+struct IdxArgs {
+  const void* q;            // [rows, h, 128]
+  const float* weights;     // [rows, h]
+  int64_t h;
+  int hpad;                 // heads padded to 16 (mma) or h (fp32)
+  // dense keys
+  const void* k;            // [s_kv, 128]
+  const float* k_scale;     // [s_kv] or nullptr
+  const int32_t* ks;        // [rows]
+  const int32_t* ke;
+  // paged keys
+  const uint8_t* cache;     // [num_blocks, block_size * 132]
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  int64_t block_size;
+  int64_t max_blocks;
+  int64_t next_n;
+  // launch shape
+  int rb;                   // rows per CTA
+  int64_t bpr;              // paged: row blocks per request
+  int64_t unit_begin;       // dense: rows [unit_begin, unit_end); paged: requests
+  int64_t unit_end;
+  int64_t out_row0;         // logits: output row of global row r is r - out_row0
+  bool vec;                 // 16-byte global loads allowed for q and keys
+};
+
+struct FusedArgs {
+  uint32_t* keys;  // [chunk rows, S, cap]
+  int32_t* pos;
+  int32_t* cnt;    // [chunk rows, S]
+  int S;
+  int cap;
+  int k;
+};
+
+// Shared memory carve-up (bytes, 16-aligned), the same on host and device.
+struct Layout {
+  int q, w, k, ksc, sc, tmp, lo, hi, cnt, thr, full, sel, st_keys, st_pos, total;
+};
+
+__host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
+
+__host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int stage_k, bool fused) {
+  Layout L{};
+  int off = 0;
+  auto take = [&off](int bytes) {
+    const int at = off;
+    off += align16(bytes);
+    return at;
+  };
+  L.q = take(mma ? rb * hpad * kLd * 2 : rb * hpad * kD * 4);
+  L.w = take(rb * hpad * 4);
+  L.k = take(mma ? kKeyTile * kLd * 2 : kKeyTile * kLdF * 4);
+  L.ksc = take(kKeyTile * 4);
+  L.sc = take(rb * kKeyTile * 4);
+  L.tmp = take(mma ? 0 : 2 * rb * kKeyTile * 4);
+  L.lo = take(rb * 4);
+  L.hi = take(rb * 4);
+  L.cnt = take(rb * 4);
+  L.thr = take(rb * 4);
+  L.full = take(rb * 4);
+  L.sel = take(fused ? static_cast<int>(sizeof(SelectShared)) : 0);
+  L.st_keys = take(fused ? stage_k * 4 : 0);
+  L.st_pos = take(fused ? stage_k * 4 : 0);
+  L.total = off;
+  return L;
+}
+
+struct RowBlock {
+  int64_t r0, r1, req;
+};
+
+template <bool Paged>
+__device__ __forceinline__ RowBlock row_block(const IdxArgs& a) {
+  const int64_t by = blockIdx.x;
+  RowBlock b;
+  if constexpr (Paged) {
+    b.req = a.unit_begin + by / a.bpr;
+    b.r0 = b.req * a.next_n + (by % a.bpr) * a.rb;
+    b.r1 = std::min<int64_t>(b.r0 + a.rb, (b.req + 1) * a.next_n);
+  } else {
+    b.req = 0;
+    b.r0 = a.unit_begin + by * a.rb;
+    b.r1 = std::min<int64_t>(b.r0 + a.rb, a.unit_end);
+  }
+  return b;
+}
+
+// Window [lo, hi) of global row r: dense [ks, ke) (checked on the host), paged
+// [0, seq_len - next_n + j + 1) clamped at 0.
+template <bool Paged>
+__device__ __forceinline__ void row_window(const IdxArgs& a, const RowBlock& b, int64_t r, int& lo, int& hi) {
+  if constexpr (Paged) {
+    const int64_t len = static_cast<int64_t>(a.seq_lens[b.req]) - a.next_n + (r - b.req * a.next_n) + 1;
+    lo = 0;
+    hi = static_cast<int>(len > 0 ? len : 0);
+  } else {
+    lo = a.ks[r];
+    hi = a.ke[r];
+  }
+}
+
+// Where key s of this CTA's rows lives (copies of the few fields it needs, so that no
+// pointer to the kernel's parameter block is taken).
+template <typename Elem, bool Paged>
+struct Keys {
+  const void* k;
+  const float* k_scale;
+  const uint8_t* cache;
+  const int32_t* table;  // this request's block-table row (paged)
+  int64_t block_size;
+
+  __device__ static Keys make(const IdxArgs& a, int64_t req) {
+    Keys x;
+    x.k = a.k;
+    x.k_scale = a.k_scale;
+    x.cache = a.cache;
+    x.table = Paged ? a.block_table + req * a.max_blocks : nullptr;
+    x.block_size = a.block_size;
+    return x;
+  }
+  __device__ __forceinline__ const uint8_t* block_of(int s) const {
+    return cache + static_cast<int64_t>(table[s / block_size]) * block_size * (kD + 4);
+  }
+  __device__ __forceinline__ const Elem* row(int s) const {
+    if constexpr (Paged) {
+      return reinterpret_cast<const Elem*>(block_of(s) + (s % block_size) * kD);
+    } else {
+      return static_cast<const Elem*>(k) + static_cast<int64_t>(s) * kD;
+    }
+  }
+  __device__ __forceinline__ float scale(int s) const {
+    if constexpr (Paged) {
+      return load_f32_bytes(block_of(s) + block_size * kD + (s % block_size) * 4);
+    } else {
+      return k_scale != nullptr ? k_scale[s] : 1.0f;
+    }
+  }
+};
+
+// ------------------------------------------------------------------ staging
+
+__device__ __forceinline__ uint16_t to_bf16_bits(uint8_t e4m3) { return e4m3_to_bf16_bits(e4m3); }
+__device__ __forceinline__ uint16_t to_bf16_bits(uint16_t bf16) { return bf16; }
+
+// Rows of 128 fp8 or bf16 values -> bf16 rows (stride kLd) in shared memory; row(j) ==
+// nullptr gives zeros. 16-byte chunks, one per thread and step.
+template <typename Elem, typename RowFn>
+__device__ __forceinline__ void stage_rows_bf16(int nrows, RowFn row, uint16_t* dst, bool vec) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(Elem));  // elements per 16-byte chunk
+  constexpr int kChunks = kD / kPer;
+  for (int c = threadIdx.x; c < nrows * kChunks; c += kThreads) {
+    const int j = c / kChunks, part = c % kChunks;
+    const Elem* src = row(j);
+    uint16_t v[kPer];
+    if (src == nullptr) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) v[i] = 0;
+    } else if (vec) {
+      const uint4 u = *reinterpret_cast<const uint4*>(src + part * kPer);
+      const Elem* e = reinterpret_cast<const Elem*>(&u);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) v[i] = to_bf16_bits(e[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) v[i] = to_bf16_bits(src[part * kPer + i]);
+    }
+    uint4* d = reinterpret_cast<uint4*>(dst + j * kLd + part * kPer);
+#pragma unroll
+    for (int q4 = 0; q4 < kPer / 8; ++q4) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = static_cast<uint32_t>(v[q4 * 8 + 2 * i]) | (static_cast<uint32_t>(v[q4 * 8 + 2 * i + 1]) << 16);
+      d[q4] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+template <typename RowFn>
+__device__ __forceinline__ void stage_rows_f32(int nrows, RowFn row, float* dst, int ld) {
+  for (int idx = threadIdx.x; idx < nrows * kD; idx += kThreads) {
+    const int j = idx / kD, c = idx % kD;
+    const float* src = row(j);
+    dst[j * ld + c] = src != nullptr ? src[c] : 0.f;
+  }
+}
+
+// ------------------------------------------------------------------ scoring
+
+// Scores of the rows in need_mask against the staged 64-key tile -> sc[rr][64] (times the
+// key scales). Every thread of the CTA must call it.
+__device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* ws, const uint16_t* kt,
+                                               const float* ksc, float* sc, int rb, int hpad, uint32_t need_mask) {
+  const int warp = warp_id(), lane = lane_id();
+  const int g = lane >> 2, t = lane & 3;
+  uint32_t bf[2][kD / 16][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) load_b_frag_nk(bf[nt][ks][0], bf[nt][ks][1], kt, kLd, warp * 16 + nt * 8, ks * 16);
+  for (int rr = 0; rr < rb; ++rr) {
+    if (!((need_mask >> rr) & 1u)) continue;
+    const uint16_t* qr = qs + rr * hpad * kLd;
+    const float* wr = ws + rr * hpad;
+    float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    for (int mt = 0; mt < hpad / 16; ++mt) {
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        uint32_t af[4];
+        load_a_frag(af, qr, kLd, mt * 16, ks * 16);
+        mma_bf16_16816(acc[0], af, bf[0][ks][0], bf[0][ks][1]);
+        mma_bf16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
+      }
+      const float wl = wr[mt * 16 + g], wh = wr[mt * 16 + g + 8];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          part[nt][e] = fmaf(wl, fmaxf(acc[nt][e], 0.f), part[nt][e]);      // head mt*16 + g
+          part[nt][e] = fmaf(wh, fmaxf(acc[nt][e + 2], 0.f), part[nt][e]);  // head mt*16 + g + 8
+        }
+      }
+    }
+    // Sum over the 8 lane groups (heads g): a fixed butterfly, the same for every key.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) part[nt][e] += __shfl_xor_sync(kFullMask, part[nt][e], o);
+    if (g == 0) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = warp * 16 + nt * 8 + 2 * t + e;
+          sc[rr * kKeyTile + j] = part[nt][e] * ksc[j];
+        }
+    }
+  }
+}
+
+// fp32: thread (key j, head parity) runs its heads, then the two parities are added.
+__device__ __forceinline__ void score_tile_fma(const float* qs, const float* ws, const float* kt, const float* ksc,
+                                               float* sc, float* tmp, int rb, int h, uint32_t need_mask) {
+  const int j = threadIdx.x & (kKeyTile - 1), par = threadIdx.x >> 6;
+  const float* kr = kt + j * kLdF;
+  for (int rr = 0; rr < rb; ++rr) {
+    if (!((need_mask >> rr) & 1u)) continue;
+    float acc = 0.f;
+    for (int hh = par; hh < h; hh += 2) {
+      const float* qh = qs + (rr * h + hh) * kD;
+      float d = 0.f;
+#pragma unroll 8
+      for (int c = 0; c < kD; ++c) d = fmaf(qh[c], kr[c], d);
+      acc = fmaf(ws[rr * h + hh], fmaxf(d, 0.f), acc);
+    }
+    tmp[(rr * 2 + par) * kKeyTile + j] = acc;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < rb * kKeyTile; idx += kThreads) {
+    const int rr = idx / kKeyTile, jj = idx % kKeyTile;
+    if ((need_mask >> rr) & 1u)
+      sc[idx] = (tmp[(rr * 2) * kKeyTile + jj] + tmp[(rr * 2 + 1) * kKeyTile + jj]) * ksc[jj];
+  }
+}
+
+// Shared state of one CTA: q block, weights and row windows staged, pointers carved.
+template <typename Elem, bool Paged>
+struct Cta {
+  static constexpr bool kMma = !std::is_same_v<Elem, float>;
+  Layout L;
+  unsigned char* smem;
+  RowBlock b;
+  int nrows;
+  Keys<Elem, Paged> keys;
+
+  __device__ int* lo() const { return reinterpret_cast<int*>(smem + L.lo); }
+  __device__ int* hi() const { return reinterpret_cast<int*>(smem + L.hi); }
+  __device__ float* sc() const { return reinterpret_cast<float*>(smem + L.sc); }
+  __device__ float* ksc() const { return reinterpret_cast<float*>(smem + L.ksc); }
+
+  // Row block and windows (lo(), hi()); ends with a barrier.
+  __device__ void init(const IdxArgs& a, unsigned char* sm, const Layout& layout) {
+    L = layout;
+    smem = sm;
+    b = row_block<Paged>(a);
+    nrows = static_cast<int>(b.r1 - b.r0);
+    keys = Keys<Elem, Paged>::make(a, b.req);
+    for (int rr = threadIdx.x; rr < a.rb; rr += kThreads) {
+      int l = 0, h = 0;
+      if (rr < nrows) row_window<Paged>(a, b, b.r0 + rr, l, h);
+      lo()[rr] = l;
+      hi()[rr] = h;
+    }
+    __syncthreads();
+  }
+
+  // q of the row block (bf16 or fp32, zero-padded heads) and the weights; ends with a
+  // barrier. Only CTAs that score anything pay for it.
+  __device__ void stage_q(const IdxArgs& a) {
+    const int hpad = a.hpad;
+    const int64_t h = a.h;
+    const int64_t r0 = b.r0;
+    const int nr = nrows;
+    const Elem* q = static_cast<const Elem*>(a.q);
+    auto qrow = [q, hpad, h, r0, nr](int j) -> const Elem* {
+      const int rr = j / hpad, hh = j % hpad;
+      if (rr >= nr || hh >= h) return nullptr;
+      return q + ((r0 + rr) * h + hh) * kD;
+    };
+    if constexpr (kMma) {
+      stage_rows_bf16<Elem>(a.rb * hpad, qrow, reinterpret_cast<uint16_t*>(smem + L.q), a.vec);
+    } else {
+      stage_rows_f32(a.rb * hpad, qrow, reinterpret_cast<float*>(smem + L.q), kD);
+    }
+    float* ws = reinterpret_cast<float*>(smem + L.w);
+    for (int idx = threadIdx.x; idx < a.rb * hpad; idx += kThreads) {
+      const int rr = idx / hpad, hh = idx % hpad;
+      ws[idx] = (rr < nr && hh < h) ? a.weights[(r0 + rr) * h + hh] : 0.f;
+    }
+    __syncthreads();
+  }
+
+  // Rows whose window [lo, hi) meets [s0, s0 + 64), among those in `rows`.
+  __device__ uint32_t need(uint32_t rows, int s0) const {
+    uint32_t m = 0;
+    for (int rr = 0; rr < nrows; ++rr)
+      if (((rows >> rr) & 1u) && lo()[rr] < s0 + kKeyTile && hi()[rr] > s0) m |= 1u << rr;
+    return m;
+  }
+
+  // Stages keys [s0, s0+64) ∩ [s_lo, s_hi) (zeros elsewhere), scores the rows in mask
+  // into sc(). Ends with a barrier.
+  __device__ void score(const IdxArgs& a, int s0, int s_lo, int s_hi, uint32_t mask) {
+    const Keys<Elem, Paged> kk = keys;
+    auto krow = [kk, s0, s_lo, s_hi](int j) -> const Elem* {
+      const int s = s0 + j;
+      return (s >= s_lo && s < s_hi) ? kk.row(s) : nullptr;
+    };
+    if constexpr (kMma) {
+      stage_rows_bf16<Elem>(kKeyTile, krow, reinterpret_cast<uint16_t*>(smem + L.k), a.vec);
+    } else {
+      stage_rows_f32(kKeyTile, krow, reinterpret_cast<float*>(smem + L.k), kLdF);
+    }
+    for (int j = threadIdx.x; j < kKeyTile; j += kThreads) {
+      const int s = s0 + j;
+      ksc()[j] = (s >= s_lo && s < s_hi) ? kk.scale(s) : 0.f;
+    }
+    __syncthreads();
+    if constexpr (kMma) {
+      score_tile_mma(reinterpret_cast<const uint16_t*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
+                     reinterpret_cast<const uint16_t*>(smem + L.k), ksc(), sc(), a.rb, a.hpad, mask);
+    } else {
+      score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
+                     reinterpret_cast<const float*>(smem + L.k), ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp),
+                     a.rb, a.hpad, mask);
+    }
+    __syncthreads();
+  }
+};
+
+// ------------------------------------------------------------------ plain scoring
+
+template <typename Elem, bool Paged>
+__global__ void __launch_bounds__(kThreads) indexer_logits_kernel(IdxArgs a, LogitsOut o) {
+  IC_DYNAMIC_SMEM(smem);
+  Cta<Elem, Paged> cta;
+  cta.init(a, smem, make_layout(Cta<Elem, Paged>::kMma, a.rb, a.hpad, 0, false));
+  const int nrows = cta.nrows;
+  int lo_all = INT_MAX, hi_all = 0;
+  uint32_t nonempty = 0;
+  for (int rr = 0; rr < nrows; ++rr) {
+    if (cta.hi()[rr] > cta.lo()[rr]) {
+      nonempty |= 1u << rr;
+      lo_all = min(lo_all, cta.lo()[rr]);
+      hi_all = max(hi_all, cta.hi()[rr]);
+    }
+  }
+  const int64_t c_begin = static_cast<int64_t>(blockIdx.y) * kLogitsTilesPerCta * kKeyTile;
+  const int64_t c_end = std::min<int64_t>(o.cols, c_begin + kLogitsTilesPerCta * kKeyTile);
+  const float ninf = -__int_as_float(0x7f800000);
+  if (nonempty != 0 && lo_all < c_end && hi_all > c_begin) cta.stage_q(a);  // uniform
+  for (int64_t s0l = c_begin; s0l < c_end; s0l += kKeyTile) {
+    const int s0 = static_cast<int>(s0l);
+    const uint32_t mask = cta.need(nonempty, s0);
+    if (mask != 0) cta.score(a, s0, lo_all, hi_all, mask);  // uniform branch
+    for (int idx = threadIdx.x; idx < nrows * kKeyTile; idx += kThreads) {
+      const int rr = idx / kKeyTile, j = idx % kKeyTile;
+      const int64_t col = s0l + j;
+      if (col >= c_end) continue;
+      const bool in = ((mask >> rr) & 1u) && col >= cta.lo()[rr] && col < cta.hi()[rr];
+      o.logits[(cta.b.r0 + rr - a.out_row0) * o.stride + col] = in ? cta.sc()[idx] : ninf;
+    }
+    __syncthreads();  // sc / key tile reused by the next tile
+  }
+}
+
+// ------------------------------------------------------------------ fused scoring + top-k
+
+template <typename Elem, bool Paged>
+__global__ void __launch_bounds__(kThreads) indexer_fused_kernel(IdxArgs a, FusedArgs f) {
+  IC_DYNAMIC_SMEM(smem);
+  Cta<Elem, Paged> cta;
+  const Layout L = make_layout(Cta<Elem, Paged>::kMma, a.rb, a.hpad, f.k, true);
+  int* cnt = reinterpret_cast<int*>(smem + L.cnt);
+  uint32_t* thr = reinterpret_cast<uint32_t*>(smem + L.thr);
+  int* full = reinterpret_cast<int*>(smem + L.full);
+  SelectShared& sel = *reinterpret_cast<SelectShared*>(smem + L.sel);
+  uint32_t* st_keys = reinterpret_cast<uint32_t*>(smem + L.st_keys);
+  int32_t* st_pos = reinterpret_cast<int32_t*>(smem + L.st_pos);
+  for (int rr = threadIdx.x; rr < a.rb; rr += kThreads) {
+    cnt[rr] = 0;
+    thr[rr] = 0;
+    full[rr] = 0;
+  }
+  cta.init(a, smem, L);  // windows; ends with a barrier
+  const int nrows = cta.nrows;
+  const int sp = static_cast<int>(blockIdx.y);
+  const int64_t local0 = Paged ? a.unit_begin * a.next_n : a.unit_begin;
+  // Rows whose window is <= k need no scoring (the merge writes 0..window-1).
+  uint32_t active = 0;
+  int lo_all = INT_MAX, hi_all = 0;
+  for (int rr = 0; rr < nrows; ++rr) {
+    if (cta.hi()[rr] - cta.lo()[rr] > f.k) {
+      active |= 1u << rr;
+      lo_all = min(lo_all, cta.lo()[rr]);
+      hi_all = max(hi_all, cta.hi()[rr]);
+    }
+  }
+  int c0 = 0, c1 = 0;
+  if (active != 0) {
+    const int64_t span = static_cast<int64_t>(hi_all) - lo_all;
+    const int64_t per = ((span + f.S - 1) / f.S + kKeyTile - 1) / kKeyTile * kKeyTile;
+    c0 = static_cast<int>(std::min<int64_t>(hi_all, lo_all + sp * per));
+    c1 = static_cast<int>(std::min<int64_t>(hi_all, static_cast<int64_t>(c0) + per));
+  }
+  const int warp = warp_id(), lane = lane_id();
+  const uint32_t lt = lanemask_lt();
+  if (c0 < c1) cta.stage_q(a);  // uniform
+  for (int s0 = c0; s0 < c1; s0 += kKeyTile) {
+    const uint32_t mask = cta.need(active, s0);
+    if (mask == 0) continue;  // uniform
+    cta.score(a, s0, c0, c1, mask);
+    // Append keys above each row's running threshold, in position order (one warp per row).
+    for (int rr = warp; rr < nrows; rr += kWarps) {
+      if (!((mask >> rr) & 1u)) continue;
+      const int lo = cta.lo()[rr], hi = cta.hi()[rr];
+      const bool is_full = full[rr] != 0;
+      const uint32_t t_key = thr[rr];
+      int n = cnt[rr];
+      const int64_t seg = ((cta.b.r0 + rr - local0) * f.S + sp) * static_cast<int64_t>(f.cap);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = half * 32 + lane;
+        const int s = s0 + j;
+        const uint32_t key = order_key(cta.sc()[rr * kKeyTile + j]);
+        const bool take = s >= lo && s < hi && s < c1 && (!is_full || key > t_key);
+        const uint32_t bal = __ballot_sync(kFullMask, take);
+        if (take) {
+          const int at = n + __popc(bal & lt);
+          f.keys[seg + at] = key;
+          f.pos[seg + at] = s - lo;
+        }
+        n += __popc(bal);
+      }
+      __syncwarp();  // every lane has read cnt[rr] before lane 0 rewrites it
+      if (lane == 0) cnt[rr] = n;
+    }
+    __syncthreads();
+    // Compact rows that could not take another tile: keep exactly their top k.
+    for (int rr = 0; rr < nrows; ++rr) {
+      const int n = cnt[rr];
+      if (n <= f.cap - kKeyTile) continue;  // uniform
+      const int64_t seg = ((cta.b.r0 + rr - local0) * f.S + sp) * static_cast<int64_t>(f.cap);
+      const uint32_t* kd = f.keys + seg;
+      const int32_t* pd = f.pos + seg;
+      auto acc = [kd](int i, uint32_t& key) {
+        key = kd[i];
+        return true;
+      };
+      const Threshold t = block_threshold<kThreads>(n, static_cast<uint32_t>(f.k), acc, sel);
+      block_emit<kThreads>(n, t, acc, sel, [st_keys, st_pos, pd](uint32_t rank, int i, uint32_t key) {
+        st_keys[rank] = key;
+        st_pos[rank] = pd[i];
+      });
+      for (int i = threadIdx.x; i < f.k; i += kThreads) {
+        f.keys[seg + i] = st_keys[i];
+        f.pos[seg + i] = st_pos[i];
+      }
+      if (threadIdx.x == 0) {
+        cnt[rr] = f.k;
+        thr[rr] = t.key;
+        full[rr] = 1;
+      }
+      __syncthreads();
+    }
+  }
+  for (int rr = threadIdx.x; rr < nrows; rr += kThreads) f.cnt[(cta.b.r0 + rr - local0) * f.S + sp] = cnt[rr];
+}
+
+// Paged windows as int32 [batch * next_n] bounds for the top-k kernel (fallback path).
+__global__ void __launch_bounds__(kThreads) paged_windows_kernel(const int32_t* seq_lens, int64_t batch, int64_t next_n,
+                                                                 int32_t* lo, int32_t* hi) {
+  const int64_t rows = batch * next_n;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t len = static_cast<int64_t>(seq_lens[r / next_n]) - next_n + (r % next_n) + 1;
+    lo[r] = 0;
+    hi[r] = static_cast<int32_t>(len > 0 ? len : 0);
+  }
+}
+
+// ------------------------------------------------------------------ host side
+
+struct Problem {
+  IdxArgs a;
+  DType dt;
+  bool paged;
+  int64_t units;      // dense rows or paged requests
+  int64_t rows;       // query rows
+  int64_t max_keys;   // s_kv or the longest sequence
+};
+
+// Rows per CTA so that the q block fits the budget.
+void choose_rows(Problem& pr) {
+  const bool mma = pr.dt != DType::kFloat32;
+  const int64_t hpad = mma ? (pr.a.h + 15) / 16 * 16 : pr.a.h;
+  TORCH_CHECK(hpad <= 4096, "the CUDA indexer supports at most 4096 heads, got ", pr.a.h);
+  pr.a.hpad = static_cast<int>(hpad);
+  const int64_t per_row = mma ? hpad * kLd * 2 : hpad * kD * 4;
+  int64_t rb = std::clamp<int64_t>(kQBudget / std::max<int64_t>(per_row, 1), 1, kMaxRowBlock);
+  if (pr.paged) rb = std::min<int64_t>(rb, pr.a.next_n);
+  pr.a.rb = static_cast<int>(std::max<int64_t>(1, rb));
+  pr.a.bpr = pr.paged ? (pr.a.next_n + pr.a.rb - 1) / pr.a.rb : 1;
+}
+
+int64_t row_blocks(const Problem& pr, int64_t units) {
+  return pr.paged ? units * pr.a.bpr : (units + pr.a.rb - 1) / pr.a.rb;
+}
+
+// Raises the kernel's dynamic shared memory limit when needed; h that cannot fit is an error.
+template <typename Kernel>
+int prepare_smem(Kernel kernel, const Layout& L, int64_t h, const DeviceEnv& env) {
+  TORCH_CHECK(L.total <= env.smem_optin, "the CUDA indexer needs ", L.total, " bytes of shared memory for h=", h,
+              " heads; the device allows ", env.smem_optin);
+  if (L.total > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total));
+  return L.total;
+}
+
+template <typename Elem, bool Paged>
+void launch_logits_t(const IdxArgs& a, const LogitsOut& o, int64_t blocks, const DeviceEnv& env) {
+  const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, 0, false);
+  auto kernel = indexer_logits_kernel<Elem, Paged>;
+  const int smem = prepare_smem(kernel, L, a.h, env);
+  const int64_t per_cta = kLogitsTilesPerCta * kKeyTile;
+  const int64_t col_ctas = (o.cols + per_cta - 1) / per_cta;
+  TORCH_CHECK(col_ctas <= 65535, "logits rows too long for the CUDA indexer: ", o.cols);
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(col_ctas));
+  IC_LAUNCH(kernel, grid, kThreads, smem, env.stream, a, o);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_logits(const Problem& pr, const LogitsOut& o, const DeviceEnv& env) {
+  const int64_t blocks = row_blocks(pr, pr.a.unit_end - pr.a.unit_begin);
+  if (blocks == 0 || o.cols == 0) return;
+  TORCH_CHECK(blocks <= INT_MAX, "too many query rows for the CUDA indexer");
+  if (pr.paged) {
+    launch_logits_t<uint8_t, true>(pr.a, o, blocks, env);
+  } else if (pr.dt == DType::kFp8E4M3) {
+    launch_logits_t<uint8_t, false>(pr.a, o, blocks, env);
+  } else if (pr.dt == DType::kBFloat16) {
+    launch_logits_t<uint16_t, false>(pr.a, o, blocks, env);
+  } else {
+    launch_logits_t<float, false>(pr.a, o, blocks, env);
+  }
+}
+
+template <typename Elem, bool Paged>
+void launch_fused_t(const IdxArgs& a, const FusedArgs& f, int64_t blocks, const DeviceEnv& env) {
+  const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, f.k, true);
+  auto kernel = indexer_fused_kernel<Elem, Paged>;
+  const int smem = prepare_smem(kernel, L, a.h, env);
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(f.S));
+  IC_LAUNCH(kernel, grid, kThreads, smem, env.stream, a, f);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// k > kFusedMaxK: score a bounded chunk of rows into a temporary, then the top-k kernel.
+// Memory is bounded by kScratchBudget, never by s_q * s_kv.
+void fused_fallback(const Problem& pr, const TopkOut& o, const DeviceEnv& env) {
+  const int64_t unit_rows = pr.paged ? pr.a.next_n : 1;
+  const int64_t cols = std::max<int64_t>(pr.max_keys, 1);
+  const int64_t units_per_chunk = std::max<int64_t>(1, kScratchBudget / (unit_rows * cols * 4));
+  const int32_t* ks = pr.a.ks;
+  const int32_t* ke = pr.a.ke;
+  if (pr.paged) {
+    int32_t* lo = static_cast<int32_t*>(env.alloc(pr.rows * 4));
+    int32_t* hi = static_cast<int32_t*>(env.alloc(pr.rows * 4));
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((pr.rows + kThreads - 1) / kThreads, 4096));
+    IC_LAUNCH(paged_windows_kernel, dim3(blocks), kThreads, 0, env.stream, pr.a.seq_lens, pr.units, pr.a.next_n, lo,
+              hi);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    ks = lo;
+    ke = hi;
+  }
+  float* tmp = static_cast<float*>(env.alloc(std::min(pr.units, units_per_chunk) * unit_rows * cols * 4));
+  for (int64_t u0 = 0; u0 < pr.units; u0 += units_per_chunk) {
+    const int64_t u1 = std::min(pr.units, u0 + units_per_chunk);
+    Problem c = pr;
+    c.a.unit_begin = u0;
+    c.a.unit_end = u1;
+    c.a.out_row0 = u0 * unit_rows;
+    const int64_t rows = (u1 - u0) * unit_rows;
+    launch_logits(c, LogitsOut{tmp, cols, cols}, env);
+    const TopkParams tp{tmp, ks + u0 * unit_rows, ke + u0 * unit_rows, rows, cols};
+    const TopkOut to{o.out + u0 * unit_rows * o.stride, o.stride, o.width, o.topk};
+    topk_cuda(tp, to, pr.max_keys, env);
+  }
+}
+
+void run_fused(const Problem& problem, const TopkOut& o, const DeviceEnv& env) {
+  if (problem.rows == 0) return;
+  if (o.topk > kFusedMaxK) {
+    fused_fallback(problem, o, env);
+    return;
+  }
+  const int k = static_cast<int>(o.topk);
+  // Fewer rows per CTA when the candidate staging makes the CTA too large for two per SM.
+  Problem pr = problem;
+  const bool mma = pr.dt != DType::kFloat32;
+  while (pr.a.rb > 1 && make_layout(mma, pr.a.rb, pr.a.hpad, k, true).total > kFusedSmemTarget) --pr.a.rb;
+  pr.a.bpr = pr.paged ? (pr.a.next_n + pr.a.rb - 1) / pr.a.rb : 1;
+  const int64_t all_blocks = row_blocks(pr, pr.units);
+  // Split each row block's key range so that there are about two CTAs per SM, keeping
+  // >= 4096 keys per split (the merge reads S * cap candidates per row).
+  int64_t S = (2 * static_cast<int64_t>(env.sms) + all_blocks - 1) / std::max<int64_t>(all_blocks, 1);
+  S = std::clamp<int64_t>(std::min<int64_t>(S, pr.max_keys / 4096), 1, kMaxSplits);
+  const int cap = 2 * k + kKeyTile;
+  const int64_t per_row = S * cap * 8 + S * 4;
+  const int64_t unit_rows = pr.paged ? pr.a.next_n : 1;
+  int64_t units_per_chunk = std::max<int64_t>(1, kScratchBudget / (per_row * unit_rows));
+  if (!pr.paged) units_per_chunk = std::max<int64_t>(pr.a.rb, units_per_chunk / pr.a.rb * pr.a.rb);
+  units_per_chunk = std::min(units_per_chunk, pr.units);
+  const int64_t chunk_rows = units_per_chunk * unit_rows;
+  FusedArgs f;
+  f.keys = static_cast<uint32_t*>(env.alloc(chunk_rows * S * cap * 4));
+  f.pos = static_cast<int32_t*>(env.alloc(chunk_rows * S * cap * 4));
+  f.cnt = static_cast<int32_t*>(env.alloc(chunk_rows * S * 4));
+  f.S = static_cast<int>(S);
+  f.cap = cap;
+  f.k = k;
+  WindowSrc w;
+  if (pr.paged) {
+    w.seq_lens = pr.a.seq_lens;
+    w.next_n = pr.a.next_n;
+  } else {
+    w.ks = pr.a.ks;
+    w.ke = pr.a.ke;
+  }
+  const CandidateSet cs{f.keys, f.pos, f.cnt, f.S, f.cap};
+  for (int64_t u0 = 0; u0 < pr.units; u0 += units_per_chunk) {
+    const int64_t u1 = std::min(pr.units, u0 + units_per_chunk);
+    IdxArgs a = pr.a;
+    a.unit_begin = u0;
+    a.unit_end = u1;
+    const int64_t blocks = row_blocks(pr, u1 - u0);
+    TORCH_CHECK(blocks <= INT_MAX, "too many query rows for the CUDA indexer");
+    if (pr.paged) {
+      launch_fused_t<uint8_t, true>(a, f, blocks, env);
+    } else if (pr.dt == DType::kFp8E4M3) {
+      launch_fused_t<uint8_t, false>(a, f, blocks, env);
+    } else if (pr.dt == DType::kBFloat16) {
+      launch_fused_t<uint16_t, false>(a, f, blocks, env);
+    } else {
+      launch_fused_t<float, false>(a, f, blocks, env);
+    }
+    launch_merge(cs, w, u0 * unit_rows, (u1 - u0) * unit_rows, o, env);
+  }
+}
+
+inline bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+Problem dense_problem(const IndexerParams& p) {
+  Problem pr{};
+  pr.a.q = p.q;
+  pr.a.weights = p.weights;
+  pr.a.h = p.h;
+  pr.a.k = p.k;
+  pr.a.k_scale = p.k_scale;
+  pr.a.ks = p.ks;
+  pr.a.ke = p.ke;
+  pr.a.next_n = 1;
+  pr.a.unit_begin = 0;
+  pr.a.unit_end = p.s_q;
+  pr.a.out_row0 = 0;
+  pr.a.vec = al16(p.q) && al16(p.k);
+  pr.dt = p.qk_dtype;
+  pr.paged = false;
+  pr.units = p.s_q;
+  pr.rows = p.s_q;
+  pr.max_keys = p.s_kv;
+  choose_rows(pr);
+  return pr;
+}
+
+Problem paged_problem(const PagedIndexerParams& p, int64_t max_len) {
+  Problem pr{};
+  pr.a.q = p.q;
+  pr.a.weights = p.weights;
+  pr.a.h = p.h;
+  pr.a.cache = p.cache;
+  pr.a.block_table = p.block_table;
+  pr.a.seq_lens = p.seq_lens;
+  pr.a.block_size = p.block_size;
+  pr.a.max_blocks = p.max_blocks;
+  pr.a.next_n = p.next_n;
+  pr.a.unit_begin = 0;
+  pr.a.unit_end = p.batch;
+  pr.a.out_row0 = 0;
+  pr.a.vec = al16(p.q) && al16(p.cache) && (p.block_size * (p.d + 4)) % 16 == 0;
+  pr.dt = DType::kFp8E4M3;
+  pr.paged = true;
+  pr.units = p.batch;
+  pr.rows = p.batch * p.next_n;
+  pr.max_keys = max_len;
+  choose_rows(pr);
+  return pr;
+}
+
+}  // namespace idx_detail
+
+void indexer_logits_cuda(const IndexerParams& p, const LogitsOut& o, const DeviceEnv& env) {
+  using namespace idx_detail;
+  launch_logits(dense_problem(p), o, env);
+}
+
+void indexer_logits_paged_cuda(const PagedIndexerParams& p, int64_t max_len, const LogitsOut& o, const DeviceEnv& env) {
+  using namespace idx_detail;
+  launch_logits(paged_problem(p, max_len), o, env);
+}
+
+void indexer_topk_cuda(const IndexerParams& p, const TopkOut& o, const DeviceEnv& env) {
+  using namespace idx_detail;
+  run_fused(dense_problem(p), o, env);
+}
+
+void indexer_topk_paged_cuda(const PagedIndexerParams& p, int64_t max_len, const TopkOut& o, const DeviceEnv& env) {
+  using namespace idx_detail;
+  run_fused(paged_problem(p, max_len), o, env);
+}
+
+}  // namespace cuda
+}  // namespace indexcache

@@ -1,0 +1,29 @@
+// torch glue of sparse_mla on CUDA; kernels in sparse_mla_impl.cuh.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "sparse_mla_impl.cuh"
+#include "torch_env.h"
+
+namespace indexcache {
+namespace cuda {
+namespace {
+
+void sparse_mla_cuda_op(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices, double sm_scale,
+                        int64_t d_v, at::Tensor& out, at::Tensor& lse) {
+  const SparseMlaParams p = make_sparse_mla_params(q, kv_cache, indices, sm_scale, d_v, out, lse);
+  check_slots_in_range(indices, p.num_slots, "indices");  // host copy (syncs), as on the CPU
+  const c10::cuda::CUDAGuard guard(q.device());
+  std::vector<at::Tensor> keep;
+  sparse_mla_cuda(p, torch_env(keep));
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(indexcache, CUDA, m) { m.impl("sparse_mla", &cuda::sparse_mla_cuda_op); }
+
+}  // namespace indexcache

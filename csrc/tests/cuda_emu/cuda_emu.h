@@ -1,0 +1,250 @@
+// A small CUDA emulator for testing csrc/cuda/*_impl.cuh on a machine with no GPU.
+// Force-included (-include cuda_emu.h) before the kernel headers: every CUDA thread of a
+// block becomes a std::thread, blocks run one after another, __syncthreads is a
+// std::barrier over the block, warp shuffles / ballots exchange through per-warp slots
+// between two warp barriers, and mma.sync m16n8k16 is computed from the fragments the 32
+// lanes hold, following the PTX ISA fragment layout. Function-scope __shared__ variables
+// become function statics (blocks never overlap). Only what the kernels here use.
+//
+// It checks index math, barrier placement (a missing or divergent barrier deadlocks or
+// pairs the wrong lanes), warp-uniformity of shuffles and results; it says nothing about
+// speed, and a data race shows up only if it changes a result (or under -fsanitize=thread).
+#pragma once
+
+#define IC_CUDA_EMULATION 1
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+using cudaStream_t = void*;
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+template <class F>
+inline int cudaFuncSetAttribute(F, cudaFuncAttribute, int) {
+  return 0;
+}
+
+namespace emu {
+template <class... A>
+std::string cat(const A&... a) {
+  std::ostringstream s;
+  (s << ... << a);
+  return s.str();
+}
+}  // namespace emu
+#define TORCH_CHECK(cond, ...)                                                   \
+  do {                                                                           \
+    if (!(cond)) throw std::runtime_error(::emu::cat("", ##__VA_ARGS__));        \
+  } while (0)
+#define C10_CUDA_KERNEL_LAUNCH_CHECK() \
+  do {                                 \
+  } while (0)
+#define C10_CUDA_CHECK(x) (void)(x)
+
+namespace emu {
+
+struct Idx {
+  unsigned x = 0, y = 0, z = 0;
+};
+
+struct Warp {
+  explicit Warp(int n) : bar(n) {}
+  std::barrier<> bar;
+  uint64_t slot[32] = {};
+  uint32_t a[32][4] = {};
+  uint32_t b[32][2] = {};
+};
+
+struct Block {
+  std::unique_ptr<std::barrier<>> bar;
+  std::vector<std::unique_ptr<Warp>> warps;
+  std::vector<unsigned char> smem;
+};
+
+inline thread_local Idx t_thread, t_block;
+inline Idx g_grid, g_blockdim;
+inline thread_local Block* t_blk = nullptr;
+
+inline unsigned char* dynamic_smem() { return t_blk->smem.data(); }
+inline int lane() { return static_cast<int>(t_thread.x & 31); }
+inline Warp& warp() { return *t_blk->warps[t_thread.x >> 5]; }
+
+template <class T>
+T exchange(T v, int src) {
+  static_assert(sizeof(T) <= 8, "shuffle of a wide type");
+  Warp& w = warp();
+  uint64_t u = 0;
+  std::memcpy(&u, &v, sizeof(T));
+  w.slot[lane()] = u;
+  w.bar.arrive_and_wait();
+  const uint64_t r = w.slot[src];
+  w.bar.arrive_and_wait();
+  T out;
+  std::memcpy(&out, &r, sizeof(T));
+  return out;
+}
+
+inline float bf16_lo(uint32_t r) {
+  const uint32_t u = r << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float bf16_hi(uint32_t r) {
+  const uint32_t u = r & 0xffff0000u;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// D = A B + C for one warp; each lane computes its own four outputs from the others' fragments.
+//   A (16x16): lane L = 4g + t holds a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+//   B (16x8):  b0 (k 2t..2t+1, n g), b1 (k 2t+8..2t+9, n g)
+//   C (16x8):  c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)
+inline void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  Warp& w = warp();
+  const int l = lane();
+  for (int i = 0; i < 4; ++i) w.a[l][i] = a[i];
+  w.b[l][0] = b0;
+  w.b[l][1] = b1;
+  w.bar.arrive_and_wait();
+  auto A = [&w](int row, int k) {
+    const int g = row & 7, t = (k & 7) >> 1;
+    const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    const uint32_t r = w.a[4 * g + t][reg];
+    return (k & 1) ? bf16_hi(r) : bf16_lo(r);
+  };
+  auto B = [&w](int k, int n) {
+    const int t = (k & 7) >> 1;
+    const uint32_t r = w.b[4 * n + t][k >= 8 ? 1 : 0];
+    return (k & 1) ? bf16_hi(r) : bf16_lo(r);
+  };
+  const int g = l >> 2, t = l & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    double s = 0.0;
+    for (int k = 0; k < 16; ++k) s += static_cast<double>(A(row, k)) * static_cast<double>(B(k, col));
+    c[i] = static_cast<float>(static_cast<double>(c[i]) + s);
+  }
+  w.bar.arrive_and_wait();
+}
+
+template <class K, class... Args>
+void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
+  const int nt = static_cast<int>(block.x * block.y * block.z);
+  if (block.y != 1 || block.z != 1) throw std::runtime_error("emu: 1-D blocks only");
+  g_grid = Idx{grid.x, grid.y, grid.z};
+  g_blockdim = Idx{block.x, block.y, block.z};
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        Block B;
+        B.bar = std::make_unique<std::barrier<>>(nt);
+        for (int w = 0; w * 32 < nt; ++w) B.warps.push_back(std::make_unique<Warp>(std::min(32, nt - 32 * w)));
+        B.smem.assign(smem, 0xA5);  // uninitialised shared memory is garbage
+        std::vector<std::thread> threads;
+        threads.reserve(nt);
+        for (int i = 0; i < nt; ++i) {
+          threads.emplace_back([&, i] {
+            t_thread = Idx{static_cast<unsigned>(i), 0, 0};
+            t_block = Idx{bx, by, bz};
+            t_blk = &B;
+            kernel(args...);
+            // An exited thread no longer takes part in barriers.
+            warp().bar.arrive_and_drop();
+            B.bar->arrive_and_drop();
+          });
+        }
+        for (auto& th : threads) th.join();
+      }
+}
+
+}  // namespace emu
+
+#define threadIdx (::emu::t_thread)
+#define blockIdx (::emu::t_block)
+#define gridDim (::emu::g_grid)
+#define blockDim (::emu::g_blockdim)
+
+inline void __syncthreads() { ::emu::t_blk->bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ::emu::warp().bar.arrive_and_wait(); }
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int m) {
+  return ::emu::exchange(v, ::emu::lane() ^ m);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+  const int l = ::emu::lane(), src = l - static_cast<int>(d);
+  return ::emu::exchange(v, src < 0 ? l : src);
+}
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  return ::emu::exchange(v, src & 31);
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+  ::emu::Warp& w = ::emu::warp();
+  w.slot[::emu::lane()] = pred ? 1 : 0;
+  w.bar.arrive_and_wait();
+  unsigned r = 0;
+  for (int i = 0; i < 32; ++i)
+    if (w.slot[i]) r |= 1u << i;
+  w.bar.arrive_and_wait();
+  return r;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+template <class T>
+inline T min(T a, T b) {
+  return b < a ? b : a;
+}
+template <class T>
+inline T max(T a, T b) {
+  return a < b ? b : a;
+}

@@ -1,0 +1,167 @@
+// The CUDA launchers of csrc/cuda/*_impl.cuh built for the CPU through cuda_emu.h, with a
+// flat C interface for ctypes (test_emu.py). "Device" pointers are host pointers here.
+//   g++ -std=c++20 -O1 -shared -fPIC -include cuda_emu.h -I../../include -I../../cuda \
+//       emu_ops.cpp -o libicemu.so -lpthread
+#include "cache_impl.cuh"
+#include "indexer_impl.cuh"
+#include "sparse_mla_impl.cuh"
+#include "topk_impl.cuh"
+
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+using namespace indexcache;
+using namespace indexcache::cuda;
+
+namespace {
+
+int g_sms = 132;
+int g_smem_optin = 227 * 1024;
+std::string g_error;
+
+struct Scratch {
+  std::vector<std::unique_ptr<unsigned char[]>> bufs;
+};
+
+// Scratch is filled with garbage, as fresh device memory would be.
+DeviceEnv env(Scratch& s) {
+  DeviceEnv e;
+  e.sms = g_sms;
+  e.smem_optin = g_smem_optin;
+  e.stream = nullptr;
+  e.alloc = [&s](int64_t bytes) -> void* {
+    s.bufs.emplace_back(new unsigned char[bytes + 256]);
+    unsigned char* p = s.bufs.back().get();
+    std::mt19937 rng(static_cast<unsigned>(bytes));
+    for (int64_t i = 0; i < bytes + 256; ++i) p[i] = static_cast<unsigned char>(rng());
+    return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(p) + 255) & ~uintptr_t{255});
+  };
+  return e;
+}
+
+template <class F>
+int guarded(F f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return 1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* emu_last_error() { return g_error.c_str(); }
+void emu_set_device(int sms, int smem_optin) {
+  g_sms = sms;
+  g_smem_optin = smem_optin;
+}
+
+int emu_quantize(const void* x, int dtype, uint8_t* values, float* scales, int64_t rows, int64_t d, float eps,
+                 int hadamard) {
+  return guarded([&] {
+    Scratch s;
+    quantize_fp8_cuda(QuantParams{x, values, scales, rows, d, eps, hadamard != 0, static_cast<DType>(dtype)}, env(s));
+  });
+}
+
+int emu_index_k_insert(const void* k, const int64_t* slots, uint8_t* cache, int64_t n, int64_t d, int64_t block_size,
+                       int64_t num_blocks, int hadamard, int dtype) {
+  return guarded([&] {
+    Scratch s;
+    index_k_insert_cuda(
+        IndexKInsertParams{k, slots, cache, n, d, block_size, num_blocks, hadamard != 0, static_cast<DType>(dtype)},
+        env(s));
+  });
+}
+
+int emu_mla_insert(const void* kv_c, const void* k_pe, const int64_t* slots, void* cache, int64_t n, int64_t num_slots,
+                   int src_dtype, int cache_dtype) {
+  return guarded([&] {
+    Scratch s;
+    mla_insert_cuda(MlaInsertParams{kv_c, k_pe, slots, cache, n, num_slots, static_cast<DType>(src_dtype),
+                                    static_cast<DType>(cache_dtype)},
+                    env(s));
+  });
+}
+
+int emu_positions_to_slots(const int32_t* pos, const int32_t* req, const int32_t* table, int32_t* slots, int64_t n,
+                           int64_t k, int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_blocks) {
+  return guarded([&] {
+    Scratch s;
+    positions_to_slots_cuda(SlotParams{pos, req, table, slots, n, k, batch, max_blocks, block_size, num_blocks}, env(s));
+  });
+}
+
+int emu_indexer_logits(const void* q, const void* k, const float* k_scale, const float* w, const int32_t* ks,
+                       const int32_t* ke, int64_t s_q, int64_t s_kv, int64_t h, int dtype, float* logits,
+                       int64_t stride, int64_t cols) {
+  return guarded([&] {
+    Scratch s;
+    indexer_logits_cuda(IndexerParams{q, k, k_scale, w, ks, ke, s_q, s_kv, h, 128, static_cast<DType>(dtype)},
+                        LogitsOut{logits, stride, cols}, env(s));
+  });
+}
+
+int emu_indexer_topk(const void* q, const void* k, const float* k_scale, const float* w, const int32_t* ks,
+                     const int32_t* ke, int64_t s_q, int64_t s_kv, int64_t h, int dtype, int32_t* out,
+                     int64_t out_stride, int64_t width, int64_t topk) {
+  return guarded([&] {
+    Scratch s;
+    indexer_topk_cuda(IndexerParams{q, k, k_scale, w, ks, ke, s_q, s_kv, h, 128, static_cast<DType>(dtype)},
+                      TopkOut{out, out_stride, width, topk}, env(s));
+  });
+}
+
+static PagedIndexerParams paged(const uint8_t* q, const float* w, const uint8_t* cache, const int32_t* table,
+                                const int32_t* lens, int64_t batch, int64_t next_n, int64_t h, int64_t block_size,
+                                int64_t max_blocks, int64_t num_blocks) {
+  return PagedIndexerParams{q, w, cache, table, lens, batch, next_n, h, 128, block_size, max_blocks, num_blocks};
+}
+
+int emu_indexer_logits_paged(const uint8_t* q, const float* w, const uint8_t* cache, const int32_t* table,
+                             const int32_t* lens, int64_t batch, int64_t next_n, int64_t h, int64_t block_size,
+                             int64_t max_blocks, int64_t num_blocks, int64_t max_len, float* logits, int64_t stride,
+                             int64_t cols) {
+  return guarded([&] {
+    Scratch s;
+    indexer_logits_paged_cuda(paged(q, w, cache, table, lens, batch, next_n, h, block_size, max_blocks, num_blocks),
+                              max_len, LogitsOut{logits, stride, cols}, env(s));
+  });
+}
+
+int emu_indexer_topk_paged(const uint8_t* q, const float* w, const uint8_t* cache, const int32_t* table,
+                           const int32_t* lens, int64_t batch, int64_t next_n, int64_t h, int64_t block_size,
+                           int64_t max_blocks, int64_t num_blocks, int64_t max_len, int32_t* out, int64_t out_stride,
+                           int64_t width, int64_t topk) {
+  return guarded([&] {
+    Scratch s;
+    indexer_topk_paged_cuda(paged(q, w, cache, table, lens, batch, next_n, h, block_size, max_blocks, num_blocks),
+                            max_len, TopkOut{out, out_stride, width, topk}, env(s));
+  });
+}
+
+int emu_topk(const float* logits, const int32_t* ks, const int32_t* ke, int64_t rows, int64_t stride, int32_t* out,
+             int64_t out_stride, int64_t width, int64_t topk, int64_t max_window) {
+  return guarded([&] {
+    Scratch s;
+    topk_cuda(TopkParams{logits, ks, ke, rows, stride}, TopkOut{out, out_stride, width, topk}, max_window, env(s));
+  });
+}
+
+int emu_sparse_mla(const void* q, const void* kv, const int32_t* indices, void* out, float* lse, int64_t s_q,
+                   int64_t h_q, int64_t topk, int64_t num_slots, int64_t d_v, float sm_scale, int q_dtype,
+                   int kv_dtype) {
+  return guarded([&] {
+    Scratch s;
+    sparse_mla_cuda(SparseMlaParams{q, kv, indices, out, lse, s_q, h_q, topk, num_slots, d_v, sm_scale,
+                                    static_cast<DType>(q_dtype), static_cast<DType>(kv_dtype)},
+                    env(s));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,441 @@
+"""The CUDA kernels and launch code (csrc/cuda/*_impl.cuh), run on the CPU through the
+cuda_emu.h emulator, against reference.py — the same bars as tests/test_ops.py, plus the
+paths only the CUDA code has (split top-k, candidate compaction, key-range splits, the
+k > 2048 fallback, the fp32 and tensor-core sparse MLA).
+
+    python -m pytest -q csrc/tests/cuda_emu/test_emu.py
+
+Builds libicemu.so with g++ (C++20) on first use. Slow by design (one OS thread per CUDA
+thread); shapes are small. Says nothing about speed or about the real hardware's mma.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import importlib.util
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+# reference.py is pure torch: load it directly, so no build of indexcache._C is needed.
+_spec = importlib.util.spec_from_file_location("indexcache_reference", ROOT / "python" / "indexcache" / "reference.py")
+ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ref)
+F32, BF16, FP8 = 0, 1, 2
+POISON_I = -7777
+
+
+def _build() -> ctypes.CDLL:
+    out = Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so"))
+    srcs = [HERE / "emu_ops.cpp", HERE / "cuda_emu.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
+            ROOT / "csrc" / "cuda" / "kernels.h", *sorted((ROOT / "csrc" / "include" / "indexcache").glob("*.h"))]
+    if not out.exists() or any(s.stat().st_mtime > out.stat().st_mtime for s in srcs):
+        cxx = shutil.which(os.environ.get("CXX", "g++"))
+        if cxx is None:
+            pytest.skip("no C++ compiler")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [cxx, "-std=c++20", "-O1", "-g", "-shared", "-fPIC", "-fno-strict-aliasing", "-include", "cuda_emu.h",
+               f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{HERE}", str(HERE / "emu_ops.cpp"),
+               "-o", str(out), "-lpthread"]
+        subprocess.run(cmd, check=True, cwd=HERE)
+    lib = ctypes.CDLL(str(out))
+    lib.emu_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+LIB = None
+
+
+def lib():
+    global LIB
+    if LIB is None:
+        LIB = _build()
+    return LIB
+
+
+def P(t):
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def I(x):
+    return ctypes.c_int64(int(x))
+
+
+def call(name, *args, sms=132, smem=227 * 1024):
+    L = lib()
+    L.emu_set_device(ctypes.c_int(sms), ctypes.c_int(smem))
+    rc = getattr(L, name)(*args)
+    if rc != 0:
+        raise RuntimeError(L.emu_last_error().decode())
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def dt_code(t):
+    return {torch.float32: F32, torch.bfloat16: BF16, torch.float8_e4m3fn: FP8, torch.uint8: FP8}[t.dtype]
+
+
+# ------------------------------------------------------------------ element-wise ops
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("shape", [(9, 4, 128), (3, 256)])
+def test_quantize(dtype, hadamard, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * torch.rand(shape[:-1] + (1,)) * 100).to(dtype).contiguous()
+    v = torch.full(shape, 0x55, dtype=torch.uint8)
+    s = torch.full(shape[:-1] + (shape[-1] // 128,), float("nan"))
+    rows = x.numel() // shape[-1]
+    call("emu_quantize", P(x), ctypes.c_int(dt_code(x)), P(v), P(s), I(rows), I(shape[-1]), ctypes.c_float(1e-10),
+         ctypes.c_int(int(hadamard)))
+    rv, rs = ref.quantize_fp8(x, 1e-10, hadamard)
+    assert torch.equal(v, rv.view(torch.uint8))
+    assert torch.equal(s, rs)
+
+
+def test_quantize_rounding_ties():
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (codes[:-1] + codes[1:]) / 2
+    vals = torch.cat([codes, mids, torch.nextafter(mids, torch.zeros_like(mids)), torch.nextafter(mids, mids + 1)])
+    vals = torch.cat([vals, -vals])
+    vals = torch.cat([vals, torch.full(((-vals.numel()) % 128,), 448.0)]).reshape(-1, 128).contiguous()
+    vals[:, 0] = 448.0
+    v = torch.empty(vals.shape, dtype=torch.uint8)
+    s = torch.empty(vals.shape[0], 1)
+    call("emu_quantize", P(vals), ctypes.c_int(F32), P(v), P(s), I(vals.shape[0]), I(128), ctypes.c_float(1e-4),
+         ctypes.c_int(0))
+    assert (s == 1).all()
+    assert torch.equal(v, vals.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_index_k_insert(dtype):
+    torch.manual_seed(1)
+    n, blocks, bs = 150, 5, 64
+    k = torch.randn(n, 128).to(dtype)
+    slots = torch.randperm(blocks * bs)[:n]
+    slots[::7] = -1
+    cache = torch.randint(0, 255, (blocks, bs * 132), dtype=torch.uint8)
+    expect = cache.clone()
+    call("emu_index_k_insert", P(k), P(slots), P(cache), I(n), I(128), I(bs), I(blocks), ctypes.c_int(0),
+         ctypes.c_int(dt_code(k)))
+    ref.index_k_cache_insert(k, slots, expect)
+    assert torch.equal(cache, expect)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+def test_mla_insert(cache_dtype, src):
+    torch.manual_seed(2)
+    n, blocks, bs = 70, 3, 32
+    kv_c, k_pe = torch.randn(n, 512).to(src), torch.randn(n, 64).to(src)
+    slots = torch.randperm(blocks * bs)[:n]
+    slots[3] = -1
+    width = 656 if cache_dtype == torch.uint8 else 576
+    cache = torch.full((blocks, bs, width), 3, dtype=cache_dtype)
+    expect = cache.clone()
+    call("emu_mla_insert", P(kv_c), P(k_pe), P(slots), P(cache), I(n), I(blocks * bs), ctypes.c_int(dt_code(kv_c)),
+         ctypes.c_int(dt_code(cache)))
+    ref.mla_kv_cache_insert(kv_c, k_pe, slots, expect)
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+
+
+def test_positions_to_slots():
+    torch.manual_seed(3)
+    n, k, batch, bs = 12, 40, 3, 16
+    table = torch.randperm(30, dtype=torch.int32).reshape(batch, 10)
+    pos = torch.randint(0, 160, (n, k), dtype=torch.int32)
+    pos[:, ::5] = -1
+    req = torch.randint(0, batch, (n,), dtype=torch.int32)
+    out = torch.full_like(pos, POISON_I)
+    call("emu_positions_to_slots", P(pos), P(req), P(table), P(out), I(n), I(k), I(batch), I(10), I(bs), I(30))
+    assert torch.equal(out, ref.positions_to_slots(pos, req, table, bs))
+
+
+# ------------------------------------------------------------------ top-k
+
+def run_topk(logits, ks, ke, topk, width=None, rows_buf=None, sms=132):
+    rows = logits.shape[0]
+    width = topk if width is None else width
+    out = torch.full((rows if rows_buf is None else rows_buf, width), POISON_I, dtype=torch.int32)
+    call("emu_topk", P(logits), P(ks), P(ke), I(rows), I(logits.stride(0)), P(out), I(width), I(width), I(topk),
+         I(logits.shape[1]), sms=sms)
+    return out
+
+
+@pytest.mark.parametrize("rows,n,topk", [(4, 10, 16), (3, 64, 64), (5, 1000, 64), (2, 5000, 2048), (6, 300, 1)])
+def test_topk_tie_free(rows, n, topk):
+    torch.manual_seed(4)
+    logits = torch.stack([torch.randperm(n).float() * 0.5 - n / 7 for _ in range(rows)])
+    ks = torch.zeros(rows, dtype=torch.int32)
+    ke = torch.full((rows,), n, dtype=torch.int32)
+    out = run_topk(logits, ks, ke, topk, topk + 5, rows + 3)
+    got = out[:rows]
+    assert (out[rows:] == POISON_I).all()
+    assert torch.equal(got, ref.topk_indices(logits, ks, ke, topk, topk + 5))
+
+
+def test_topk_windows_and_ties():
+    torch.manual_seed(5)
+    rows, n, topk = 40, 700, 50
+    logits = torch.randint(-5, 5, (rows, n)).float()
+    logits[3] = -math.inf
+    ks = torch.randint(0, n, (rows,), dtype=torch.int32)
+    ke = torch.minimum(ks + torch.randint(0, 300, (rows,), dtype=torch.int32), torch.tensor(n, dtype=torch.int32))
+    ks[3], ke[3] = 0, n
+    ks[4], ke[4] = 10, 10
+    ks[5], ke[5] = 100, 100 + topk
+    assert torch.equal(run_topk(logits, ks, ke, topk), ref.topk_indices(logits, ks, ke, topk))
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "nan_inf"])
+@pytest.mark.parametrize("sms", [132, 1])  # 132: few long rows take the split + merge path
+def test_topk_long_rows(kind, sms):
+    torch.manual_seed(6)
+    rows, n, topk = 2, 40000, 1024
+    if kind == "randn":
+        logits = torch.randn(rows, n)
+    elif kind == "ties":
+        logits = torch.randint(-3, 4, (rows, n)).float()
+    else:
+        logits = torch.randn(rows, n)
+        logits[:, ::97] = math.inf
+        logits[:, 5::89] = -math.inf
+        logits[0, 7::1001] = float("nan")
+    ks = torch.tensor([0, 17], dtype=torch.int32)
+    ke = torch.tensor([n, n - 1234], dtype=torch.int32)
+    got = run_topk(logits, ks, ke, topk, sms=sms)
+    assert torch.equal(got, ref.topk_indices(logits, ks, ke, topk))
+
+
+# ------------------------------------------------------------------ indexer
+
+def indexer_inputs(s_q, s_kv, h, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h, 128, generator=g) * 2 + 0.1
+    k = torch.randn(s_kv, 128, generator=g) + 0.05
+    w = torch.randn(s_q, h, generator=g)
+    if dtype == "fp8":
+        qv, qs = ref.quantize_fp8(q, ref.INDEX_Q_EPS)
+        kv, ksc = ref.quantize_fp8(k, ref.INDEX_K_EPS)
+        return qv, kv, ksc[:, 0].contiguous(), ref.indexer_weights(w, qs[..., 0]).contiguous()
+    t = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return q.to(t), k.to(t), None, ref.indexer_weights(w).contiguous()
+
+
+def causal_windows(s_q, s_kv):
+    a = s_kv // 2
+    ks, ke = [], []
+    for t in range(s_q):
+        if t % 2 == 0:
+            ks.append(0)
+            ke.append(max(1, a - (s_q - t)))
+        else:
+            ks.append(a)
+            ke.append(max(a + 1, s_kv - (s_q - t)))
+    return torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32)
+
+
+def run_logits(q, k, ksc, w, ks, ke, cols=None):
+    s_q, h = q.shape[0], q.shape[1]
+    s_kv = k.shape[0]
+    cols = s_kv if cols is None else cols
+    out = torch.full((s_q, cols), float("nan"))
+    call("emu_indexer_logits", P(q), P(k), P(ksc), P(w), P(ks), P(ke), I(s_q), I(s_kv), I(h),
+         ctypes.c_int(dt_code(q)), P(out), I(cols), I(cols))
+    return out
+
+
+def run_fused(q, k, ksc, w, ks, ke, topk, rows_buf=None, sms=132):
+    s_q, h = q.shape[0], q.shape[1]
+    out = torch.full((s_q if rows_buf is None else rows_buf, topk), POISON_I, dtype=torch.int32)
+    call("emu_indexer_topk", P(q), P(k), P(ksc), P(w), P(ks), P(ke), I(s_q), I(k.shape[0]), I(h),
+         ctypes.c_int(dt_code(q)), P(out), I(topk), I(topk), I(topk), sms=sms)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
+@pytest.mark.parametrize("s_q,s_kv,h", [(1, 1, 64), (7, 300, 64), (3, 33, 5), (10, 700, 12)])
+def test_indexer_logits(dtype, s_q, s_kv, h):
+    q, k, ksc, w = indexer_inputs(s_q, s_kv, h, dtype)
+    ks, ke = causal_windows(s_q, s_kv)
+    got = run_logits(q, k, ksc, w, ks, ke, cols=s_kv + 3)
+    expect = ref.indexer_logits(q, k, ksc, w, ks, ke)
+    assert not got.isnan().any()
+    assert torch.isinf(got[:, s_kv:]).all()
+    got = got[:, :s_kv]
+    assert torch.equal(torch.isinf(got), torch.isinf(expect))
+    fin = torch.isfinite(expect)
+    assert rel_err(got[fin], expect[fin]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,s_q,s_kv,h,topk,sms", [
+    ("fp8", 6, 200, 64, 16, 132),      # compactions (cap 96 over ~100 keys per row)
+    ("bf16", 9, 3000, 16, 256, 132),
+    ("fp32", 4, 50, 8, 64, 132),       # windows <= k: no scoring at all
+    ("fp8", 2, 9000, 4, 64, 132),      # two key-range splits
+    ("fp8", 5, 1200, 8, 8, 1),         # many compactions, one split
+    ("fp8", 2, 9000, 4, 2048, 132),    # k = 2048: the largest candidate lists
+    ("bf16", 3, 5000, 4, 2100, 132),   # k > 2048: chunked logits + top-k fallback
+])
+def test_indexer_topk(dtype, s_q, s_kv, h, topk, sms):
+    q, k, ksc, w = indexer_inputs(s_q, s_kv, h, dtype, seed=s_kv)
+    ks, ke = causal_windows(s_q, s_kv)
+    out = run_fused(q, k, ksc, w, ks, ke, topk, rows_buf=s_q + 2, sms=sms)
+    assert (out[s_q:] == POISON_I).all()
+    got = out[:s_q]
+    logits = run_logits(q, k, ksc, w, ks, ke)
+    # Same scores as the plain op, so exactly its selection (and the reference's on them).
+    assert torch.equal(got, ref.topk_indices(logits, ks, ke, topk))
+    expect = ref.indexer_topk(q, k, ksc, w, ks, ke, topk)
+    assert torch.equal((got >= 0).sum(1), (expect >= 0).sum(1))
+
+
+def paged_inputs(batch, next_n, h, bs, blocks, seq_lens, max_blocks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(blocks, generator=g, dtype=torch.int32)[: batch * max_blocks].reshape(batch, max_blocks)
+    cache = torch.zeros(blocks, bs * 132, dtype=torch.uint8)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        pos = torch.arange(n)
+        ref.index_k_cache_insert(torch.randn(n, 128, generator=g), table[b, pos // bs].long() * bs + pos % bs, cache)
+    qv, qs = ref.quantize_fp8(torch.randn(batch * next_n, h, 128, generator=g), ref.INDEX_Q_EPS)
+    w = ref.indexer_weights(torch.randn(batch * next_n, h, generator=g), qs[..., 0]).contiguous()
+    return qv, w, cache, table.contiguous()
+
+
+@pytest.mark.parametrize("bs", [64, 16, 5])  # 5: block rows not 16-byte aligned (scalar loads)
+def test_indexer_paged(bs):
+    batch, next_n, h = 3, 2, 64
+    seq_lens = torch.tensor([5, 130, 64], dtype=torch.int32)
+    max_blocks = (140 + bs - 1) // bs
+    blocks = batch * max_blocks + 2
+    qv, w, cache, table = paged_inputs(batch, next_n, h, bs, blocks, seq_lens, max_blocks)
+    max_len = 140
+    out = torch.full((batch * next_n, max_len), float("nan"))
+    args = [P(qv), P(w), P(cache), P(table), P(seq_lens), I(batch), I(next_n), I(h), I(bs), I(max_blocks), I(blocks)]
+    call("emu_indexer_logits_paged", *args, I(130), P(out), I(max_len), I(max_len))
+    expect = ref.indexer_logits_paged(qv, w, cache, table, seq_lens, next_n, max_len)
+    assert torch.equal(torch.isinf(out), torch.isinf(expect)) and not out.isnan().any()
+    fin = torch.isfinite(expect)
+    assert rel_err(out[fin], expect[fin]) < 1e-5
+    topk = 40
+    buf = torch.full((batch * next_n + 1, topk), POISON_I, dtype=torch.int32)
+    call("emu_indexer_topk_paged", *args, I(130), P(buf), I(topk), I(topk), I(topk))
+    windows = ref.decode_windows(seq_lens, next_n).int()
+    assert torch.equal(buf[:-1], ref.topk_indices(out, torch.zeros_like(windows), windows, topk))
+    assert (buf[-1] == POISON_I).all()
+
+
+def test_indexer_paged_long_splits_and_fallback():
+    batch, next_n, h, bs = 2, 3, 8, 64
+    seq_lens = torch.tensor([9000, 300], dtype=torch.int32)
+    max_blocks = 9000 // bs + 1
+    blocks = batch * max_blocks
+    qv, w, cache, table = paged_inputs(batch, next_n, h, bs, blocks, seq_lens, max_blocks, seed=3)
+    args = [P(qv), P(w), P(cache), P(table), P(seq_lens), I(batch), I(next_n), I(h), I(bs), I(max_blocks), I(blocks)]
+    out = torch.full((batch * next_n, 9000), float("nan"))
+    call("emu_indexer_logits_paged", *args, I(9000), P(out), I(9000), I(9000))
+    windows = ref.decode_windows(seq_lens, next_n).int()
+    for topk in (100, 2100):
+        buf = torch.full((batch * next_n, topk), POISON_I, dtype=torch.int32)
+        call("emu_indexer_topk_paged", *args, I(9000), P(buf), I(topk), I(topk), I(topk))
+        assert torch.equal(buf, ref.topk_indices(out, torch.zeros_like(windows), windows, topk))
+
+
+# ------------------------------------------------------------------ sparse MLA
+
+def make_mla(cache_kind, s_q, topk, blocks=3, bs=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = blocks * bs
+    width = 656 if cache_kind == "fp8" else 576
+    dt = {"fp8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}[cache_kind]
+    cache = torch.zeros(blocks, bs, width, dtype=dt)
+    ref.mla_kv_cache_insert(torch.randn(n, 512, generator=g), torch.randn(n, 64, generator=g), torch.arange(n), cache)
+    idx = torch.randint(0, n, (s_q, topk), dtype=torch.int32, generator=g)
+    idx[:, ::3] = -1
+    return cache, idx
+
+
+@pytest.mark.parametrize("cache_kind,q_dtype,bar", [("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2),
+                                                     ("fp8", torch.bfloat16, 1e-2), ("bf16", torch.float32, 1e-5),
+                                                     ("fp8", torch.float32, 1e-5)])
+@pytest.mark.parametrize("s_q,h,topk,d_v", [(3, 16, 64, 512), (2, 20, 200, 512), (3, 5, 7, 512), (2, 16, 40, 128)])
+def test_sparse_mla(cache_kind, q_dtype, bar, s_q, h, topk, d_v):
+    cache, idx = make_mla(cache_kind, s_q, topk)
+    idx[1 % s_q] = -1
+    q = torch.randn(s_q, h, 576, generator=torch.Generator().manual_seed(9)).to(q_dtype)
+    out = torch.full((s_q, h, d_v), float("nan"), dtype=q_dtype)
+    lse = torch.full((s_q, h), float("nan"))
+    scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
+    call("emu_sparse_mla", P(q), P(cache), P(idx), P(out), P(lse), I(s_q), I(h), I(topk), I(cache.shape[0] * cache.shape[1]),
+         I(d_v), ctypes.c_float(scale), ctypes.c_int(dt_code(q)), ctypes.c_int(dt_code(cache)))
+    ro, rl = ref.sparse_mla(q, cache, idx, scale, d_v)
+    got = out.float()
+    assert torch.isfinite(got).all()
+    assert (got[1 % s_q] == 0).all() and torch.isneginf(lse[1 % s_q]).all()
+    assert rel_err(got, ro.float()) < bar
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - rl[fin]).abs().max() < (1e-4 if bar < 1e-2 else 2e-2)
+
+
+# ------------------------------------------------------------------ misaligned inputs (scalar load paths)
+
+def misaligned(t):
+    """A copy of t whose data pointer is 1 element (fp8: 1 byte) off 16-byte alignment."""
+    flat = torch.empty(t.numel() + 16, dtype=t.dtype)
+    base = flat.data_ptr()
+    off = next(i for i in range(1, 16) if (base + i * t.element_size()) % 16 != 0)
+    view = flat[off:off + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 != 0
+    return view
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_indexer_misaligned(dtype):
+    q, k, ksc, w = indexer_inputs(5, 260, 16, dtype, seed=11)
+    ks, ke = causal_windows(5, 260)
+    expect = run_logits(q, k, ksc, w, ks, ke)
+    qm, km = misaligned(q.view(torch.uint8) if dtype == "fp8" else q), misaligned(k.view(torch.uint8) if dtype == "fp8" else k)
+    if dtype == "fp8":
+        qm, km = qm.view(torch.float8_e4m3fn), km.view(torch.float8_e4m3fn)
+    assert torch.equal(run_logits(qm, km, ksc, w, ks, ke), expect)
+    assert torch.equal(run_fused(qm, km, ksc, w, ks, ke, 32), run_fused(q, k, ksc, w, ks, ke, 32))
+
+
+def test_quantize_misaligned():
+    x = torch.randn(6, 256)
+    xm = misaligned(x)
+    v = torch.empty(6, 256, dtype=torch.uint8)
+    vm = misaligned(v)
+    s = torch.empty(6, 2)
+    call("emu_quantize", P(xm), ctypes.c_int(F32), P(vm), P(s), I(6), I(256), ctypes.c_float(1e-4), ctypes.c_int(1))
+    rv, rs = ref.quantize_fp8(x, 1e-4, True)
+    assert torch.equal(vm, rv.view(torch.uint8)) and torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
+def test_sparse_mla_misaligned(cache_kind):
+    cache, idx = make_mla(cache_kind, 2, 50, seed=4)
+    q = torch.randn(2, 16, 576).bfloat16()
+    scale = 0.1
+    outs = []
+    for qq, cc in ((q, cache), (misaligned(q), misaligned(cache))):
+        out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
+        lse = torch.empty(2, 16)
+        call("emu_sparse_mla", P(qq), P(cc), P(idx), P(out), P(lse), I(2), I(16), I(50), I(cache.shape[0] * cache.shape[1]),
+             I(512), ctypes.c_float(scale), ctypes.c_int(BF16), ctypes.c_int(dt_code(cache)))
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
