@@ -150,7 +150,7 @@ setup(
     description="IndexCache: cross-layer top-k index reuse for DeepSeek Sparse Attention models",
     package_dir={"": "python"},
     packages=find_packages("python"),
-    package_data={"indexcache": ["py.typed"]},
+    package_data={"indexcache": ["py.typed", "data/*/*"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",

@@ -127,7 +127,8 @@ def test_training_loss_falls(tmp_path):
     from indexcache import train as tr
 
     cfg = dict(CFG, num_nextn_predict_layers=1, index_topk=8)
-    sched = tr.TrainSchedule(dense_steps=12, warmup_steps=3, sparse_steps=3, batch=2, context=32, lr=3e-3,
+    sched = tr.TrainSchedule(dense_steps=12, warmup_steps=3, sparse_steps=3, batch=2, context=32, sparse_batch=1,
+                             sparse_context=40, lr=3e-3,
                              eval_every=6, eval_bytes=4096)
     lines = []
     final = tr.train(tmp_path / "run", sched, log=lines.append, config=cfg, max_train_bytes=200_000)

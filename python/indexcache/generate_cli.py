@@ -66,14 +66,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .config import parse_overrides
     from .generation import load_tokenizer
     from .loader import load_config
-    from .models.tiny import default_model_path
+    from .models.tiny import embedded_model_path
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible")
     if args.max_new_tokens < 1 or args.repeat_prompt < 1:
         raise ValueError("--max-new-tokens and --repeat-prompt must be >= 1")
     embedded = args.model is None
-    path = default_model_path() if embedded else args.model
+    path = embedded_model_path() if embedded else args.model
     tokenizer = load_tokenizer(path, load_config(path))
     runs = [(args.hf_overrides, *_run(path, args.hf_overrides, args, tokenizer))]
     if args.compare is not None:
@@ -91,7 +91,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         } for ov, m, res, text, notes in runs]
         print(json.dumps(out[0] if len(out) == 1 else out))
         return 0
-    where = f"{path} (embedded tiny default, random weights)" if embedded else str(path)
+    from .models.tiny import is_shipped
+
+    kind = "trained on the standard library" if is_shipped(path) else "random weights"
+    where = f"{path} (embedded default, {kind})" if embedded else str(path)
     print(f"model: {where}; {args.device} {args.dtype}; indexer {'fp32' if args.indexer_fp32 else 'fp8'}")
     for ov, model, res, text, notes in runs:
         for note in notes:

@@ -21,13 +21,13 @@ def _common(p: argparse.ArgumentParser, split: str, windows: int) -> None:
 def _setup(args):
     import torch
 
-    from .models.tiny import default_model_path
+    from .models.tiny import embedded_model_path
     from .patterns import load_all_full, text_windows
     from .train import load_text
 
     if args.windows < 1:
         raise ValueError(f"--windows must be >= 1, got {args.windows}")
-    path = Path(args.model) if args.model else default_model_path()
+    path = Path(args.model) if args.model else embedded_model_path()
     model = load_all_full(path, dtype=torch.float32)
     context = args.context or min(1024, model.args.max_position_embeddings)
     if context > model.args.max_position_embeddings:
@@ -199,8 +199,9 @@ def cmd_train(args) -> int:
     from .train import TrainSchedule, train
 
     sched = TrainSchedule(dense_steps=args.dense_steps, warmup_steps=args.warmup_steps, sparse_steps=args.sparse_steps,
-                          batch=args.batch, context=args.context_len, seed=args.seed, eval_every=args.eval_every)
-    final = train(Path(args.out), sched)
+                          batch=args.batch, context=args.context_len, sparse_batch=args.sparse_batch,
+                          sparse_context=args.sparse_context_len, seed=args.seed, eval_every=args.eval_every)
+    final = train(Path(args.out), sched, init=Path(args.init) if args.init else None)
     print(f"checkpoint: {final}")
     return 0
 
@@ -234,7 +235,11 @@ def add_pattern_parsers(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=TrainSchedule.warmup_steps)
     p.add_argument("--sparse-steps", type=int, default=TrainSchedule.sparse_steps)
     p.add_argument("--batch", type=int, default=TrainSchedule.batch)
-    p.add_argument("--context-len", type=int, default=TrainSchedule.context)
+    p.add_argument("--context-len", type=int, default=TrainSchedule.context, help="dense-phase context")
+    p.add_argument("--sparse-batch", type=int, default=TrainSchedule.sparse_batch)
+    p.add_argument("--sparse-context-len", type=int, default=TrainSchedule.sparse_context,
+                   help="context of the indexer warm-up and sparse phases")
     p.add_argument("--eval-every", type=int, default=TrainSchedule.eval_every)
     p.add_argument("--seed", type=int, default=TrainSchedule.seed)
+    p.add_argument("--init", default=None, help="start from this checkpoint (e.g. more warm-up with --dense-steps 0)")
     p.set_defaults(func=cmd_train)

@@ -187,15 +187,19 @@ def train_forward(model: DeepseekV32ForCausalLM, ids: torch.Tensor, mode: str, m
 
 @dataclass
 class TrainSchedule:
-    dense_steps: int = 600
-    warmup_steps: int = 60
-    sparse_steps: int = 140
-    batch: int = 4
-    context: int = 1024
+    """Defaults fit about 20 minutes on two CPU cores: the dense phase at context 512 (attention
+    cost per token halves), the indexer phases at the full context 1024, where top-64 is sparse."""
+    dense_steps: int = 360
+    warmup_steps: int = 20
+    sparse_steps: int = 30
+    batch: int = 8
+    context: int = 512
+    sparse_batch: int = 2
+    sparse_context: int = 1024
     lr: float = 2e-3
     indexer_lr: float = 3e-3
     seed: int = 0
-    eval_every: int = 100
+    eval_every: int = 40
     eval_bytes: int = 65536
 
     @property
@@ -225,13 +229,24 @@ def eval_bits_per_byte(model, data: torch.Tensor, context: int, mode: str = "den
 
 
 def train(out_dir: Path, schedule: TrainSchedule = TrainSchedule(), *, log=print, config: Optional[dict] = None,
-          stdlib_root: Optional[Path] = None, max_train_bytes: Optional[int] = None) -> Path:
-    """Run (or resume) training into ``out_dir``; returns the final checkpoint directory."""
+          stdlib_root: Optional[Path] = None, max_train_bytes: Optional[int] = None,
+          init: Optional[Path] = None) -> Path:
+    """Run (or resume) training into ``out_dir``; returns the final checkpoint directory.
+
+    ``init``: start from this checkpoint's weights (its config replaces ``config``), e.g. to run
+    more indexer warm-up and sparse steps on a finished model with ``dense_steps=0``.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if init is not None:
+        from .loader import load_config
+        config = load_config(init)
     config = dict(config or TRAIN_CONFIG)
     torch.manual_seed(schedule.seed)
     model = DeepseekV32ForCausalLM.from_config(config, dtype=torch.float32, seed=schedule.seed, indexer_fp8=False)
+    if init is not None:
+        start = DeepseekV32ForCausalLM.from_pretrained(init, dtype=torch.float32, indexer_fp8=False)
+        model.load_state_dict(start.state_dict())
     with torch.no_grad():
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
@@ -263,7 +278,10 @@ def train(out_dir: Path, schedule: TrainSchedule = TrainSchedule(), *, log=print
     while step < schedule.total:
         phase = schedule.phase(step)
         g = torch.Generator().manual_seed(schedule.seed * 1_000_003 + step)
-        ids = _windows(train_data, schedule.batch, schedule.context, g)
+        if phase == "dense":
+            ids = _windows(train_data, schedule.batch, schedule.context, g)
+        else:
+            ids = _windows(train_data, schedule.sparse_batch, schedule.sparse_context, g)
         model.train()
         lm, kl, mtp = train_forward(model, ids, phase)
         if phase == "dense":
@@ -296,8 +314,9 @@ def train(out_dir: Path, schedule: TrainSchedule = TrainSchedule(), *, log=print
         step += 1
         if step % schedule.eval_every == 0 or step == schedule.total:
             model.eval()
-            rec["heldout_bits"] = eval_bits_per_byte(model, heldout, schedule.context,
-                                                     "dense" if phase == "dense" else "sparse", 8)
+            dense = phase == "dense"
+            rec["heldout_bits"] = eval_bits_per_byte(model, heldout, schedule.context if dense else schedule.sparse_context,
+                                                     "dense" if dense else "sparse", 8 if dense else 4)
             log(json.dumps(rec))
         history.append(rec)
         if "heldout_bits" in rec:  # a resumable point: state and the log up to it

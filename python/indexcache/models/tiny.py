@@ -7,7 +7,9 @@ then BOS 256 and EOS 257). Its weights are random: the text it writes is noise, 
 path (MLA, indexer, MoE, MTP, caches) runs at a size where ``index_topk`` (32) is far below
 the context, so sparsity is real after a few hundred tokens.
 
-To ship a trained model instead, make :func:`default_model_path` return its directory.
+:func:`embedded_model_path` is what the command line runs on: the trained checkpoint that
+ships inside the package (``indexcache/data/dsa-tiny``, made by ``indexcache train``) when it
+is there, else this random one.
 """
 
 from __future__ import annotations
@@ -117,3 +119,17 @@ def default_model_path(*, seed: int = DEFAULT_SEED, fp8: bool = False, root: Opt
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "dsa-tiny"
+
+
+def embedded_model_path() -> Path:
+    """The checkpoint the CLI uses without --model: the shipped trained model, else the random tiny one."""
+    if (SHIPPED_MODEL / "config.json").is_file():
+        return SHIPPED_MODEL
+    return default_model_path()
+
+
+def is_shipped(path) -> bool:
+    return Path(path).resolve() == SHIPPED_MODEL
