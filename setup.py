@@ -112,8 +112,10 @@ def build_extension():
         ("INDEXCACHE_CXX_COMPILER", f'"{compiler_version(cxx)}"'),
     ]
     # torch >= 2.10 headers need C++20; -O3 for the CPU kernels, which dispatch on CPU
-    # features at run time (function target attributes), never at build time.
-    extra = {"cxx": ["-O3", "-std=c++20", "-fvisibility=hidden"]}
+    # features at run time (function target attributes), never at build time. at::parallel_for
+    # is an inline `#pragma omp parallel` in torch's headers: without -fopenmp every CPU kernel
+    # would silently run on one thread.
+    extra = {"cxx": ["-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp"]}
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]
@@ -133,6 +135,7 @@ def build_extension():
     print(f"indexcache: CUDA kernels {'ON, archs ' + os.environ['TORCH_CUDA_ARCH_LIST'] if with_cuda else 'OFF'}")
     ext = ext_cls(
         name="indexcache._C",
+        extra_link_args=["-fopenmp"],
         sources=sources,
         include_dirs=include_dirs,
         library_dirs=library_dirs,

@@ -471,10 +471,13 @@ int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector
                  Scratch<uint32_t>& key_buf, Scratch<int32_t>& pos_buf) {
   int64_t j = 0;
   if (n >= 8 * k && n >= 4096 && cpu_has_avx512f() && g_isa_override.load() == 0) {
-    constexpr int64_t m = 512;
-    const int64_t stride = n / m;
+    // 32 contiguous runs of 16 (one cache line each) spread over the row: as good a sample
+    // for the floor as 512 strided values, at 32 cache misses instead of 512.
+    constexpr int64_t m = 512, run = 16, runs = m / run;
+    const int64_t stride = (n - run) / (runs - 1);
     uint32_t sample[m];
-    for (int64_t i = 0; i < m; ++i) sample[i] = cpu::order_key(x[i * stride]);
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t i = 0; i < run; ++i) sample[r * run + i] = cpu::order_key(x[r * stride + i]);
     const double expect = m * static_cast<double>(k) / static_cast<double>(n);
     const int64_t rank = std::min<int64_t>(m - 1, static_cast<int64_t>(1.5 * expect + 4 * std::sqrt(expect) + 8));
     std::nth_element(sample, sample + rank, sample + m, std::greater<uint32_t>());
@@ -497,9 +500,11 @@ int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector
 
 void topk_cpu(const TopkParams& p, const TopkOut& o) {
   at::parallel_for(0, p.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> scratch;
-    Scratch<uint32_t> keys;
-    Scratch<int32_t> pos;
+    // Per-thread scratch kept across calls: a fresh 128 KB+ buffer per call is an mmap and
+    // page faults on every touch.
+    static thread_local std::vector<uint32_t> scratch;
+    static thread_local Scratch<uint32_t> keys;
+    static thread_local Scratch<int32_t> pos;
     for (int64_t r = begin; r < end; ++r) {
       int32_t* out = o.out + r * o.stride;
       const int64_t lo = p.ks[r];
