@@ -328,3 +328,36 @@ def train(out_dir: Path, schedule: TrainSchedule = TrainSchedule(), *, log=print
     model._cast_params(torch.bfloat16)  # ship bf16 (the indexer head weights stay fp32)
     model.save_pretrained(final)
     return final
+
+
+def plot_history(logs: list, png: Path) -> None:
+    """Loss curve of one or more consecutive train_log.jsonl files (steps continue across them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, lm, held, phases, offset = [], [], [], [], 0
+    for path in logs:
+        hist = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        for h in hist:
+            steps.append(offset + h["step"])
+            lm.append(h["lm_bits"])
+            phases.append(h["phase"])
+            held.append((offset + h["step"], h["heldout_bits"]) if "heldout_bits" in h else None)
+        offset = steps[-1] + 1 if steps else 0
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, lm, lw=0.6, alpha=0.6, label="train batch (bits/byte)")
+    pts = [p for p in held if p]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="held-out (bits/byte)")
+    for name, color in (("warmup", "tab:orange"), ("sparse", "tab:green")):
+        xs = [s for s, ph in zip(steps, phases) if ph == name]
+        if xs:
+            ax.axvspan(min(xs), max(xs), color=color, alpha=0.12, label=f"{name} phase")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.set_ylim(top=min(8.5, max(lm) + 0.2))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
