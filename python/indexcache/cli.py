@@ -11,18 +11,12 @@ from typing import Optional, Sequence
 
 
 def _load_config_file(path: str) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ValueError(f"--config: no config.json at {p}")
+    from .loader import load_config
+
     try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config: {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config: {p} must hold a JSON object")
-    return data
+        return load_config(path)
+    except ValueError as e:
+        raise ValueError(f"--config: {e}") from None
 
 
 def _human(n: float, unit: str) -> str:
