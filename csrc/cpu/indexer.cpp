@@ -539,13 +539,29 @@ void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
   const auto row_query = paged_query(p, bf16);
   int64_t max_keys = 0;
   for (int64_t b = 0; b < p.batch; ++b) max_keys = std::max<int64_t>(max_keys, p.seq_lens[b]);
-  // One row block per request: its draft rows share the request's keys.
-  fused_topk(p.batch * p.next_n, p.next_n, max_keys, lo.data(), hi.data(), o,
-             [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
-                 auto on_scores) {
-               const PagedKeys keys{p.cache, p.block_table + (r0 / p.next_n) * p.max_blocks, p.block_size, p.d};
-               score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, on_scores);
-             });
+  if (p.next_n <= kRowBlock) {
+    // Decode / MTP verify: one row block per request; its draft rows share the request's keys.
+    fused_topk(p.batch * p.next_n, p.next_n, max_keys, lo.data(), hi.data(), o,
+               [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
+                   auto on_scores) {
+                 const PagedKeys keys{p.cache, p.block_table + (r0 / p.next_n) * p.max_blocks, p.block_size, p.d};
+                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, on_scores);
+               });
+    return;
+  }
+  // Many rows per request (a prefill chunk scored as next_n decode rows): blocks of
+  // kRowBlock rows keep each block's queries in cache while its key tiles stream past.
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t base = b * p.next_n;
+    const PagedKeys keys{p.cache, p.block_table + b * p.max_blocks, p.block_size, p.d};
+    const TopkOut ob{o.out + base * o.stride, o.stride, o.width, o.topk};
+    auto query = [&](int64_t r, QueryRow& q) { row_query(base + r, q); };
+    fused_topk(p.next_n, kRowBlock, p.seq_lens[b], lo.data() + base, hi.data() + base, ob,
+               [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
+                   auto on_scores) {
+                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, query, on_scores);
+               });
+  }
 }
 
 }  // namespace indexcache
