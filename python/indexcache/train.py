@@ -187,8 +187,11 @@ def train_forward(model: DeepseekV32ForCausalLM, ids: torch.Tensor, mode: str, m
 
 @dataclass
 class TrainSchedule:
-    """Defaults fit about 20 minutes on two CPU cores: the dense phase at context 512 (attention
-    cost per token halves), the indexer phases at the full context 1024, where top-64 is sparse."""
+    """The defaults are the first stage of the shipped model, about 20 minutes on two idle CPU
+    cores: the dense phase at context 512 (attention cost per token halves), the indexer phases
+    at the full context 1024, where top-64 is sparse. The shipped model then ran a second stage
+    (``--init``, 120 more warm-up and 60 sparse steps at context 512; docs/patterns.md), because
+    20 warm-up steps left the indexers far from the attention they imitate."""
     dense_steps: int = 360
     warmup_steps: int = 20
     sparse_steps: int = 30
