@@ -11,4 +11,11 @@ python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "$TORCH_SPEC"
 python -m pip install -q -r requirements-dev.txt
 # CUDA kernels build whenever nvcc and a CUDA torch are present (INDEXCACHE_CUDA=auto).
-MAX_JOBS=${MAX_JOBS:-2} python -m pip install -q --no-build-isolation --no-deps -e .
+# Rebuild only when the native sources changed since the last build here (a build takes minutes).
+stamp=.venv/.indexcache-built
+if [ -f "$stamp" ] && python -c "import indexcache" 2>/dev/null && [ -z "$(find csrc setup.py -newer "$stamp" -print -quit)" ]; then
+  echo "indexcache: extension up to date"
+else
+  MAX_JOBS=${MAX_JOBS:-2} python -m pip install -q --no-build-isolation --no-deps -e .
+  touch "$stamp"
+fi
