@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM
+from .plan import build_layer_plan
 
 
 # ---------------------------------------------------------------------------- text windows
@@ -161,7 +162,9 @@ def source_overlap(matrix: torch.Tensor, pattern: str) -> list:
 # ---------------------------------------------------------------------------- greedy search
 
 def uniform_pattern(num_layers: int, freq: int, offset: int = 2) -> str:
-    return "".join("S" if max(l - offset + 1, 0) % freq != 0 else "F" for l in range(num_layers))
+    """The pattern the engines' freq/offset rule gives (the C++ plan builder's, DESIGN.md §2)."""
+    return build_layer_plan(num_layers, use_index_cache=True, index_topk_freq=freq,
+                            index_skip_topk_offset=offset).pattern
 
 
 def budgets(num_layers: int) -> dict:
