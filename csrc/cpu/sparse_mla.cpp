@@ -323,7 +323,7 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
         continue;
       }
       if (bf16) {
-        if (h0 == 0) row_bf16(p, t, slots);  // all heads of the row at once
+        row_bf16(p, t, slots);  // one task per row: hb == h_q on this path
       } else {
         row_f32(p, t, h0, nh, slots);
       }
