@@ -198,10 +198,45 @@ def cmd_eval(args) -> int:
 def cmd_train(args) -> int:
     from .train import TrainSchedule, train
 
-    sched = TrainSchedule(dense_steps=args.dense_steps, warmup_steps=args.warmup_steps, sparse_steps=args.sparse_steps,
-                          batch=args.batch, context=args.context_len, sparse_batch=args.sparse_batch,
-                          sparse_context=args.sparse_context_len, seed=args.seed, eval_every=args.eval_every)
+    if args.hf_overrides is not None or args.mode is not None:
+        return _cmd_train_aware(args)
+    d = TrainSchedule()
+
+    def pick(value, default):
+        return default if value is None else value
+
+    sched = TrainSchedule(dense_steps=args.dense_steps, warmup_steps=pick(args.warmup_steps, d.warmup_steps),
+                          sparse_steps=pick(args.sparse_steps, d.sparse_steps), batch=pick(args.batch, d.batch),
+                          context=pick(args.context_len, d.context), sparse_batch=args.sparse_batch,
+                          sparse_context=args.sparse_context_len, seed=args.seed,
+                          eval_every=pick(args.eval_every, d.eval_every))
     final = train(Path(args.out), sched, init=Path(args.init) if args.init else None)
+    print(f"checkpoint: {final}")
+    return 0
+
+
+def _cmd_train_aware(args) -> int:
+    """``train --hf-overrides``: training-aware IndexCache (train_aware.py)."""
+    from .train_aware import AwareSchedule, train_aware
+
+    if args.hf_overrides is None:
+        raise ValueError("--mode needs --hf-overrides with the pattern to train for")
+    if not args.init:
+        raise ValueError("training-aware IndexCache needs --init CHECKPOINT (the model whose indexers to retrain)")
+    d = AwareSchedule()
+
+    def pick(value, default):
+        return default if value is None else value
+
+    sched = AwareSchedule(warmup_steps=pick(args.warmup_steps, d.warmup_steps),
+                          sparse_steps=pick(args.sparse_steps, d.sparse_steps), batch=pick(args.batch, d.batch),
+                          context=pick(args.context_len, d.context), lr=pick(args.lr, d.lr),
+                          mode=pick(args.mode, d.mode), seed=args.seed, eval_every=pick(args.eval_every, d.eval_every),
+                          chunk_elems=pick(args.chunk_elems, d.chunk_elems))
+    train_text = Path(args.text).read_bytes() if args.text else None
+    held_text = Path(args.heldout_text).read_bytes() if args.heldout_text else None
+    final = train_aware(Path(args.out), Path(args.init), args.hf_overrides, sched, train_text=train_text,
+                        heldout_text=held_text, threads=args.threads)
     print(f"checkpoint: {final}")
     return 0
 
@@ -229,17 +264,34 @@ def add_pattern_parsers(sub) -> None:
 
     from .train import TrainSchedule
 
-    p = sub.add_parser("train", help="train the small DSA model on the standard library (CPU)")
+    p = sub.add_parser("train", help="train the small DSA model on the standard library (CPU), or with "
+                                     "--hf-overrides retrain a checkpoint's kept indexers for a pattern")
     p.add_argument("--out", required=True, help="work directory (resumable); the checkpoint lands in OUT/checkpoint")
     p.add_argument("--dense-steps", type=int, default=TrainSchedule.dense_steps)
-    p.add_argument("--warmup-steps", type=int, default=TrainSchedule.warmup_steps)
-    p.add_argument("--sparse-steps", type=int, default=TrainSchedule.sparse_steps)
-    p.add_argument("--batch", type=int, default=TrainSchedule.batch)
-    p.add_argument("--context-len", type=int, default=TrainSchedule.context, help="dense-phase context")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"indexer warm-up steps (default {TrainSchedule.warmup_steps}; training-aware 60)")
+    p.add_argument("--sparse-steps", type=int, default=None,
+                   help=f"sparse steps (default {TrainSchedule.sparse_steps}; training-aware 20)")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"dense-phase batch (default {TrainSchedule.batch}; training-aware: every step, 4)")
+    p.add_argument("--context-len", type=int, default=None,
+                   help=f"dense-phase context (default {TrainSchedule.context}; training-aware: every step, 512)")
     p.add_argument("--sparse-batch", type=int, default=TrainSchedule.sparse_batch)
     p.add_argument("--sparse-context-len", type=int, default=TrainSchedule.sparse_context,
                    help="context of the indexer warm-up and sparse phases")
-    p.add_argument("--eval-every", type=int, default=TrainSchedule.eval_every)
+    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (and resumable points)")
     p.add_argument("--seed", type=int, default=TrainSchedule.seed)
     p.add_argument("--init", default=None, help="start from this checkpoint (e.g. more warm-up with --dense-steps 0)")
+    g = p.add_argument_group("training-aware IndexCache (with --hf-overrides; needs --init)")
+    g.add_argument("--hf-overrides", default=None,
+                   help="the pattern to train for, e.g. '{\"use_index_cache\": true, \"index_topk_freq\": 4}': each F "
+                        "indexer learns the mean attention of every layer it serves; the checkpoint ships the pattern")
+    g.add_argument("--mode", choices=["indexers", "model"], default=None,
+                   help="indexers: only the kept indexers train (default); model: the main layers too, in the sparse stage")
+    g.add_argument("--lr", type=float, default=None, help="indexer learning rate (default 3e-3)")
+    g.add_argument("--text", default=None, help="training text file (default: the standard library's train split)")
+    g.add_argument("--heldout-text", default=None, help="held-out text file (default: the standard library's held-out split)")
+    g.add_argument("--chunk-elems", type=int, default=None,
+                   help="attention/indexer scores per query chunk (bounds memory on long contexts; default 2^24)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.set_defaults(func=cmd_train)

@@ -1,0 +1,169 @@
+"""Training-aware IndexCache (python/indexcache/train_aware.py): the multi-layer loss, training,
+saving a checkpoint for its pattern, and errors. Tiny random models, a few steps each."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import indexcache
+from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.tiny import tiny_config
+from indexcache.train_aware import (AwareSchedule, aware_forward, indexer_losses, load_for_pattern,
+                                    multi_layer_kl, serving_groups, served_target, train_aware)
+
+SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+             n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1, index_n_heads=2, index_topk=8,
+             max_position_embeddings=256, num_nextn_predict_layers=1)
+FREQ2 = {"use_index_cache": True, "index_topk_pattern": "FSSF"}
+
+
+def _text() -> bytes:
+    root = Path(indexcache.__file__).parent
+    return b"\n".join(p.read_bytes() for p in sorted(root.glob("*.py")))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("aware") / "init"
+    DeepseekV32ForCausalLM.from_config(tiny_config(**SMALL), dtype=torch.bfloat16, seed=3).save_pretrained(path)
+    return path
+
+
+def test_loss_equals_hand_computation():
+    # two layers served by one indexer, two heads each, two query rows over three keys
+    a = torch.tensor([[[[0.5, 0.3, 0.2], [0.8, 0.2, 0.0]],
+                       [[0.1, 0.1, 0.8], [0.8, 0.2, 0.0]]]])      # [B=1, H=2, rows=2, keys=3]
+    b = torch.tensor([[[[0.2, 0.2, 0.6], [0.5, 0.5, 0.0]],
+                       [[0.4, 0.4, 0.2], [0.5, 0.5, 0.0]]]])
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [0.0, 2.0, 100.0]]])  # the masked key's logit must not count
+    allowed = torch.tensor([[[True, True, True], [True, True, False]]])
+    target = [[0.3, 0.25, 0.45], [0.65, 0.35]]  # mean over layers of the head means
+
+    def kl(t, lg):
+        lse = math.log(sum(math.exp(v) for v in lg))
+        return sum(p * (math.log(p) - (v - lse)) for p, v in zip(t, lg))
+
+    want = (kl(target[0], [0.0, 1.0, 2.0]) + kl(target[1], [0.0, 2.0])) / 2
+    assert served_target([a, b])[0, 0].tolist() == pytest.approx(target[0], abs=1e-6)
+    assert float(multi_layer_kl(logits, [a, b], allowed)) == pytest.approx(want, rel=1e-5)
+    # one layer per indexer is the single-layer DSA loss
+    single = (kl([0.3, 0.2, 0.5], [0.0, 1.0, 2.0]) + kl([0.8, 0.2], [0.0, 2.0])) / 2
+    assert float(multi_layer_kl(logits, [a], allowed)) == pytest.approx(single, rel=1e-5)
+
+
+def test_serving_groups_follow_the_plan():
+    plan = indexcache.build_layer_plan(8, use_index_cache=True, index_topk_freq=4)
+    assert plan.pattern == "FFSSSFSS"
+    assert serving_groups(list(plan.source_layer), 8) == {0: [0], 1: [1, 2, 3, 4], 5: [5, 6, 7]}
+
+
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_chunked_loss_matches_whole_matrix(ckpt, stage):
+    from indexcache.train_aware import _allowed_rows, _attn_probs, _indexer_logits_rows, _indexer_qkw
+
+    torch.manual_seed(1)
+    model = load_for_pattern(ckpt, FREQ2)
+    groups = serving_groups(list(model.plan.source_layer), 4)
+    assert groups == {0: [0, 1, 2], 3: [3]}
+    ids = torch.randint(0, 256, (2, 41))
+    _, rec, rope, chunks = aware_forward(model, ids, stage, groups)
+    whole = indexer_losses(model, rec, rope, chunks, groups)
+    _, rec2, rope2, chunks2 = aware_forward(model, ids, stage, groups, chunk_elems=2 * 2 * 40 * 7)
+    assert len(chunks2) > 3
+    chunked = indexer_losses(model, rec2, rope2, chunks2, groups)
+    for f in groups:
+        assert chunked[f] == pytest.approx(whole[f], rel=1e-4)
+    # the same loss written out over whole [T, T] matrices
+    t = 40
+    allowed = _allowed_rows(rec[0].sel, 0, t, 2, "cpu")
+    probs = [_attn_probs(rec[l].q, rec[l].k, rec[l].scale, allowed) for l in groups[0]]
+    with torch.no_grad():
+        q, k, w = _indexer_qkw(model.model.layers[0].self_attn.indexer, rec[0].x, rec[0].qr, rope)
+        direct = multi_layer_kl(_indexer_logits_rows(q, k, w), probs, allowed)
+    assert whole[0] == pytest.approx(float(direct), rel=1e-4)
+    assert whole[0] > 0
+
+
+def test_training_lowers_loss_and_freezes_the_rest(ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    text = _text()
+    sched = AwareSchedule(warmup_steps=8, sparse_steps=2, batch=2, context=64, lr=1e-2, eval_every=5, eval_windows=1)
+    ids = torch.stack([torch.frombuffer(bytearray(text[i * 997:i * 997 + 65]), dtype=torch.uint8).long()
+                       for i in range(3)])
+
+    def loss_of(model):
+        groups = serving_groups(list(model.plan.source_layer), 4)
+        _, rec, rope, chunks = aware_forward(model, ids, "warmup", groups)
+        return sum(indexer_losses(model, rec, rope, chunks, groups).values())
+
+    before = loss_of(load_for_pattern(ckpt, FREQ2))
+    logs = []
+    out = train_aware(tmp_path / "run", ckpt, FREQ2, sched, train_text=text, heldout_text=text[-2000:],
+                      log=logs.append, progress=False)
+    after_model = load_for_pattern(out, None)  # the checkpoint ships its pattern
+    assert after_model.plan.pattern == "FSSF"
+    after = loss_of(after_model)
+    assert after < 0.9 * before, (before, after)
+    hist = [json.loads(line) for line in (tmp_path / "run" / "aware_log.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in hist] == list(range(10)) and hist[-1]["stage"] == "sparse"
+
+    init, trained = load_file(str(ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for name, t in trained.items():
+        if ".indexer." in name:
+            continue
+        assert torch.equal(t, init[name]), name  # bit-identical, MTP layer included
+    assert not torch.equal(trained["model.layers.0.self_attn.indexer.wk.weight"],
+                           init["model.layers.0.self_attn.indexer.wk.weight"])
+    # resuming a finished run trains nothing more and writes the same checkpoint
+    logs.clear()
+    again = train_aware(tmp_path / "run", ckpt, FREQ2, sched, train_text=text, heldout_text=text[-2000:],
+                        log=logs.append, progress=False)
+    assert any("resuming at step 10" in line for line in logs)
+    assert torch.equal(load_file(str(again / "model.safetensors"))["model.layers.3.self_attn.indexer.wq_b.weight"],
+                       trained["model.layers.3.self_attn.indexer.wq_b.weight"])
+
+
+def test_saved_checkpoint_carries_its_plan(ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    ov = {"use_index_cache": True, "index_topk_freq": 2}  # offset 2: F S F S -> "FFSF"
+    sched = AwareSchedule(warmup_steps=1, sparse_steps=1, batch=1, context=32, eval_every=2, eval_windows=1)
+    out = train_aware(tmp_path / "run", ckpt, ov, sched, train_text=_text(), heldout_text=_text()[:500],
+                      log=lambda s: None, progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["use_index_cache"] is True and cfg["indexer_types"] == ["full", "full", "shared", "full"]
+    assert "index_topk_freq" not in cfg and "index_topk_pattern" not in cfg
+    names = load_file(str(out / "model.safetensors")).keys()
+    assert not any(n.startswith("model.layers.2.self_attn.indexer.") for n in names)
+    assert all(any(n.startswith(f"model.layers.{l}.self_attn.indexer.") for n in names) for l in (0, 1, 3, 4))
+    model = DeepseekV32ForCausalLM.from_pretrained(out)  # no overrides needed
+    assert model.plan.pattern == "FFSF" and model.ic_config.shipped_by_checkpoint
+    assert model.model.layers[2].self_attn.indexer is None
+    assert torch.isfinite(model(torch.randint(0, 256, (1, 24)))).all()
+
+
+def test_bad_input_errors(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="has 5 layers, the checkpoint .* has 4"):
+        load_for_pattern(ckpt, {"use_index_cache": True, "index_topk_pattern": "FSFSF"})
+    with pytest.raises(ValueError, match="has 3 layers, the checkpoint .* has 4"):
+        load_for_pattern(ckpt, {"use_index_cache": True, "index_topk_pattern": "FSF"})
+    with pytest.raises(ValueError, match="indexer_types has 2 entries"):
+        load_for_pattern(ckpt, {"use_index_cache": True, "indexer_types": ["full", "shared"]})
+    with pytest.raises(ValueError, match="use_index_cache"):
+        load_for_pattern(ckpt, {"index_topk_freq": 2})
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(tiny_config(**{**SMALL, "index_topk": 0})))
+    with pytest.raises(ValueError, match="not a DSA checkpoint.*no indexer to train"):
+        load_for_pattern(dense, FREQ2)
+    from indexcache.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "x"), "--hf-overrides", json.dumps(FREQ2)]) == 2  # no --init
+    assert main(["train", "--out", str(tmp_path / "x"), "--init", str(ckpt), "--hf-overrides",
+                 '{"use_index_cache": true, "index_topk_pattern": "FSXF"}']) == 2
