@@ -102,3 +102,48 @@ def test_unknown_override_keys_warn_by_name():
 def test_plan_needs_layers():
     with pytest.raises(ValueError, match="num_hidden_layers is not in the config"):
         IndexCacheConfig.from_config({}).plan()
+
+
+GLM52 = {"num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3,
+         "indexer_types": ["full" if max(i - 2, 0) % 4 == 0 else "shared" for i in range(78)]}
+
+
+@pytest.mark.parametrize("key,value,want_full", [
+    ("index_topk_freq", 2, 3 + len(range(4, 78, 2))),   # offset 3 stays the checkpoint's
+    ("index_topk_pattern", "F" * 10 + "S" * 68, 10),
+    ("indexer_types", ["full"] * 40 + ["shared"] * 38, 40),
+])
+def test_user_per_layer_override_replaces_checkpoint_forms(key, value, want_full):
+    # DESIGN §2: any of freq / pattern / indexer_types from the user drops the checkpoint's per-layer forms
+    # (here indexer_types, which alone would keep 21 F), and the plan says what replaced what.
+    cfg = IndexCacheConfig.from_config(GLM52, {"use_index_cache": True, key: value})
+    assert cfg.plan().num_full == want_full
+    assert not cfg.shipped_by_checkpoint
+    assert cfg.replaced == [f"config.json's indexer_types replaced by --hf-overrides {key}"]
+    assert "config.json's indexer_types replaced by --hf-overrides " + key in cfg.describe(cfg.plan())
+
+
+def test_transformers_all_full_indexer_types_yield_to_user_freq():
+    # transformers writes indexer_types (all "full") into every GLM-5 config it saves
+    saved = {"num_hidden_layers": 78, "indexer_types": ["full"] * 78}
+    assert IndexCacheConfig.from_config(saved).plan().num_shared == 0
+    cfg = IndexCacheConfig.from_config(saved, {"use_index_cache": True, "index_topk_freq": 4, "index_skip_topk_offset": 3})
+    assert cfg.plan().num_full == 21 and cfg.replaced
+
+
+def test_offset_override_alone_keeps_checkpoint_pattern():
+    cfg = IndexCacheConfig.from_config(GLM52, {"use_index_cache": True, "index_skip_topk_offset": 5})
+    assert cfg.plan().num_full == 21 and cfg.replaced == []
+
+
+def test_disagreeing_pattern_and_indexer_types_in_one_source():
+    with pytest.raises(ValueError, match="disagree|differ"):
+        IndexCacheConfig.from_config({"num_hidden_layers": 4, "index_topk_pattern": "FSFS",
+                                      "indexer_types": ["full", "full", "full", "shared"]}).plan()
+    with pytest.raises(ValueError, match="disagree|differ"):
+        IndexCacheConfig.from_config({"num_hidden_layers": 4}, {"use_index_cache": True, "index_topk_pattern": "FSFS",
+                                                               "indexer_types": ["full", "full", "full", "shared"]}).plan()
+    # across sources the user's replaces the checkpoint's: no error
+    cfg = IndexCacheConfig.from_config({"num_hidden_layers": 4, "indexer_types": ["full", "full", "full", "shared"]},
+                                       {"use_index_cache": True, "index_topk_pattern": "FSFS"})
+    assert cfg.plan().pattern == "FSFS"

@@ -57,6 +57,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "use_index_cache": plan.enabled,
             "rule": plan.rule,
             "shipped_by_checkpoint": cfg.shipped_by_checkpoint,
+            "replaced": cfg.replaced,
             "hf_overrides": cfg.hf_overrides_json(),
             "layers": layers,
             "costs": costs,
@@ -65,17 +66,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
-    head = f"IndexCache plan: {plan.num_full} F / {plan.num_shared} S over {plan.num_hidden_layers} layers"
-    if plan.num_nextn_predict_layers:
-        head += f" (+{plan.num_nextn_predict_layers} MTP, always F)"
-    if plan.rule == "freq":
-        head += f"; freq {cfg.index_topk_freq}, offset {cfg.index_skip_topk_offset}"
-    elif plan.rule == "off":
-        head += "; IndexCache off"
-    else:
-        head += f"; from {plan.rule}"
-    if cfg.shipped_by_checkpoint:
-        head += "; settings shipped in the checkpoint's config.json"
+    head = cfg.describe(plan)
     print(head)
     print(f"pattern: {plan.pattern}")
     print(f"{'layer':>5}  type  reads indices of")

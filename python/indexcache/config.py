@@ -19,6 +19,10 @@ INDEX_CACHE_KEYS: dict[str, tuple[tuple[type, ...], Any]] = {
 }
 # Settings (other than the switch) whose presence in config.json means "trained this way".
 SHIPPED_KEYS = ("index_topk_freq", "index_topk_pattern", "index_skip_topk_offset", "indexer_types")
+# The per-layer forms; a user override of any of REPLACING_KEYS drops the checkpoint's (DESIGN.md §2:
+# transformers writes an all-"full" indexer_types into every GLM-5 config it saves).
+PER_LAYER_KEYS = ("index_topk_pattern", "indexer_types")
+REPLACING_KEYS = ("index_topk_freq", "index_topk_pattern", "indexer_types")
 
 
 def parse_overrides(hf_overrides: Union[None, str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -63,6 +67,7 @@ class IndexCacheConfig:
     num_hidden_layers: Optional[int] = None
     num_nextn_predict_layers: int = 0
     model_overrides: dict = field(default_factory=dict)  # non-IndexCache override keys
+    replaced: list = field(default_factory=list)  # "checkpoint key -> override keys" notes, for the printed plan
 
     @classmethod
     def from_config(
@@ -93,6 +98,14 @@ class IndexCacheConfig:
         enabled = explicit_on or (ships and switch is None)
         ic_overrides = [k for k in SHIPPED_KEYS if k in overrides]
         source = merged
+        replaced = []
+        replacing = [k for k in REPLACING_KEYS if overrides.get(k) is not None]
+        if explicit_on and replacing:
+            for key in PER_LAYER_KEYS:
+                if config.get(key) is not None:
+                    if key not in overrides:
+                        source = {k: v for k, v in source.items() if k != key}
+                    replaced.append(f"config.json's {key} replaced by --hf-overrides {', '.join(replacing)}")
         if ships and not explicit_on:
             source = config
             if ic_overrides and switch is None:
@@ -117,6 +130,7 @@ class IndexCacheConfig:
             num_hidden_layers=num_layers if isinstance(num_layers, int) else None,
             num_nextn_predict_layers=int(merged.get("num_nextn_predict_layers") or 0),
             model_overrides={k: v for k, v in overrides.items() if k not in INDEX_CACHE_KEYS},
+            replaced=replaced,
         )
 
     def plan(self, num_hidden_layers: Optional[int] = None, num_nextn_predict_layers: Optional[int] = None) -> LayerPlan:
@@ -136,6 +150,21 @@ class IndexCacheConfig:
             index_skip_topk_offset=self.index_skip_topk_offset,
             indexer_types=self.indexer_types,
         )
+
+    def describe(self, plan: LayerPlan) -> str:
+        """One line: the plan's F/S counts, the rule that made it, and where its settings came from."""
+        s = f"IndexCache plan: {plan.num_full} F / {plan.num_shared} S over {plan.num_hidden_layers} layers"
+        if plan.num_nextn_predict_layers:
+            s += f" (+{plan.num_nextn_predict_layers} MTP, always F)"
+        if plan.rule == "freq":
+            s += f"; freq {self.index_topk_freq}, offset {self.index_skip_topk_offset}"
+        elif plan.rule == "off":
+            s += "; IndexCache off"
+        else:
+            s += f"; from {plan.rule}"
+        if self.shipped_by_checkpoint:
+            s += "; settings shipped in the checkpoint's config.json"
+        return "; ".join([s] + self.replaced)
 
     def hf_overrides_json(self, pattern: Optional[str] = None) -> str:
         """The --hf-overrides JSON (vLLM / SGLang spelling) that reproduces these settings."""
