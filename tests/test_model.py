@@ -427,8 +427,15 @@ def test_bad_configs():
         make(config=dict(CFG, model_type="llama"))
     with pytest.raises(ValueError, match="index_topk"):
         make(config={k: v for k, v in CFG.items() if k != "index_topk"})
-    with pytest.raises(ValueError, match="kv_lora_rank"):
-        make(config=dict(CFG, kv_lora_rank=256))
+    with pytest.raises(ValueError, match="qk_rope_head_dim 7 even"):
+        make(config=dict(CFG, qk_rope_head_dim=7))
+    with pytest.raises(ValueError, match="index_head_dim 32 must be >= qk_rope_head_dim 64"):
+        make(config=dict(CFG, index_head_dim=32))
+    with pytest.raises(ValueError, match="mlp_layer_types must list"):
+        make(config=dict(CFG, mlp_layer_types=["dense", "moe"] + ["sparse"] * 4))
+    # other latent widths run on the CPU; the CUDA kernels refuse them before anything is built
+    with pytest.raises(ValueError, match="kv_lora_rank 256, qk_rope_head_dim 64, index_head_dim 128"):
+        DeepseekV32ForCausalLM.from_config(dict(CFG, kv_lora_rank=256), device="cuda")
     with pytest.raises(ValueError, match="starts with 'S'|first layer"):
         make({"use_index_cache": True, "index_topk_pattern": "SFFFFF"})
 

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from indexcache.models.deepseek_v32 import BatchMeta, StageTimer
+from indexcache.models.runtime import BatchMeta, StageTimer
 
 
 @dataclass
