@@ -487,11 +487,14 @@ def test_generate_cli(tmp_path, capsys, monkeypatch):
     data = json.loads(capsys.readouterr().out)
     assert data["pattern"] == "FFFFFF" and len(data["tokens"]) == 3
     args = parser.parse_args(["generate", "--model", str(path), "--max-new-tokens", "3", "--prompt", "ab",
-                              "--repeat-prompt", "20", "--compare", json.dumps(FREQ4), "--no-warmup"])
+                              "--repeat-prompt", "20", "--compare", json.dumps(FREQ4), "--compare",
+                              json.dumps({"use_index_cache": True, "index_topk_pattern": "FSSSFS"}), "--no-warmup"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "prefill: 41 tokens" in out and "IndexCache off" in out and "freq 4, offset 2" in out
-    assert "speedup: prefill x" in out
+    assert "from pattern" in out and "compare 2 FSSSFS" in out
+    assert "speedup: prefill/decode against the first run" in out
+    assert out.count("x1.00/x1.00") == 1 and out.count(" 3/3") >= 1  # the first run against itself
 
 
 def test_embedded_default_is_deterministic(tmp_path):

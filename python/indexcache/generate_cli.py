@@ -1,4 +1,4 @@
-"""``indexcache generate``: run the DeepSeek-V3.2 reference model on a prompt.
+"""``indexcache generate``: run a DSA model (DeepSeek-V3.2 or GLM-5.x) on a prompt.
 
 Without ``--model`` it runs on the embedded tiny default (built on first use, see
 :mod:`indexcache.models.tiny`). Prints the IndexCache plan, the text, and prefill / decode
@@ -14,7 +14,7 @@ import warnings
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("generate", help="generate text with the DeepSeek-V3.2 reference model",
+    p = subparsers.add_parser("generate", help="generate text with a DSA model (DeepSeek-V3.2, GLM-5.x)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--hf-overrides", default=None, help="JSON object, as vLLM's --hf-overrides")
@@ -32,20 +32,20 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--indexer-fp32", action="store_true", help="score the indexer in fp32 instead of fp8")
     p.add_argument("--prefill-chunk-size", type=int, default=None, help="tokens per prefill forward")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before timing")
-    p.add_argument("--compare", default=None, metavar="JSON",
-                   help="also run with these --hf-overrides and print both timings side by side, "
+    p.add_argument("--compare", action="append", default=[], metavar="JSON",
+                   help="also run with these --hf-overrides (repeatable) and print every run side by side, "
                         "e.g. '{\"use_index_cache\": true, \"index_topk_freq\": 4}'")
-    p.add_argument("--json", action="store_true", help="print one JSON object (a list of two with --compare)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list, one per run, with --compare)")
     p.set_defaults(func=cmd_generate)
     return p
 
 
 def _run(path, overrides, args, tokenizer):
-    from .models.deepseek_v32 import DeepseekV32ForCausalLM
+    from .models import from_pretrained
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = DeepseekV32ForCausalLM.from_pretrained(
+        model = from_pretrained(
             path, hf_overrides=overrides, dtype=args.dtype, device=args.device,
             indexer_fp8=False if args.indexer_fp32 else None)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
@@ -75,10 +75,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     embedded = args.model is None
     path = embedded_model_path() if embedded else args.model
     tokenizer = load_tokenizer(path, load_config(path))
-    runs = [(args.hf_overrides, *_run(path, args.hf_overrides, args, tokenizer))]
-    if args.compare is not None:
-        parse_overrides(args.compare)  # a bad JSON fails before the second load
-        runs.append((args.compare, *_run(path, args.compare, args, tokenizer)))
+    for ov in args.compare:
+        parse_overrides(ov)  # a bad JSON fails before any load
+    runs = [(ov, *_run(path, ov, args, tokenizer)) for ov in [args.hf_overrides] + args.compare]
     if args.json:
         out = [{
             "model": str(path), "embedded_default": embedded, "hf_overrides": ov, "pattern": m.plan.pattern,
@@ -110,14 +109,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if res.acceptance_rate is not None:
             line += f"; MTP acceptance {res.acceptance_rate:.2f} ({res.accepted_tokens}/{res.draft_tokens})"
         print(line)
-    if len(runs) == 2:
-        print(f"\n{'run':<8} {'pattern':<24} {'F/S':>7} {'prefill tok/s':>14} {'decode tok/s':>13}")
-        for name, (ov, model, res, _, _) in zip(("first", "compare"), runs):
+    if len(runs) > 1:
+        first = runs[0][2]
+        print(f"\n{'run':<9} {'pattern':<24} {'F/S':>7} {'prefill tok/s':>14} {'decode tok/s':>13} {'speedup':>15} "
+              f"{'tokens as first':>16}")
+        for i, (ov, model, res, _, _) in enumerate(runs):
             fs = f"{model.plan.num_full}/{model.plan.num_shared}"
-            print(f"{name:<8} {model.plan.pattern:<24} {fs:>7} {res.prefill_tokens_per_s:>14.1f} "
-                  f"{res.decode_tokens_per_s:>13.1f}")
-        a, b = runs[0][2], runs[1][2]
-        print(f"speedup: prefill x{b.prefill_tokens_per_s / a.prefill_tokens_per_s:.2f}, "
-              f"decode x{b.decode_tokens_per_s / a.decode_tokens_per_s:.2f}; "
-              f"same tokens: {a.tokens[0] == b.tokens[0]}")
+            same = next((j for j, (a, b) in enumerate(zip(res.tokens[0], first.tokens[0])) if a != b),
+                        min(len(res.tokens[0]), len(first.tokens[0])))
+            speed = (f"x{res.prefill_tokens_per_s / first.prefill_tokens_per_s:.2f}/"
+                     f"x{res.decode_tokens_per_s / first.decode_tokens_per_s:.2f}")
+            print(f"{'first' if i == 0 else f'compare {i}':<9} {model.plan.pattern:<24} {fs:>7} "
+                  f"{res.prefill_tokens_per_s:>14.1f} {res.decode_tokens_per_s:>13.1f} {speed:>15} "
+                  f"{f'{same}/{len(first.tokens[0])}':>16}")
+        print("speedup: prefill/decode against the first run; tokens as first: how many leading generated "
+              "tokens equal the first run's")
     return 0
