@@ -19,25 +19,29 @@ def _common(p: argparse.ArgumentParser, split: str, windows: int) -> None:
 
 
 def _setup(args):
+    """(checkpoint path, all-F model, token windows, text bytes per predicted token)."""
     import torch
 
+    from .generation import load_tokenizer
+    from .loader import load_config
     from .models.tiny import embedded_model_path
-    from .patterns import load_all_full, text_windows
+    from .patterns import load_all_full, token_windows
     from .train import load_text
 
     if args.windows < 1:
         raise ValueError(f"--windows must be >= 1, got {args.windows}")
     path = Path(args.model) if args.model else embedded_model_path()
+    tokenizer = load_tokenizer(path, load_config(path))
     model = load_all_full(path, dtype=torch.float32)
     context = args.context or min(1024, model.args.max_position_embeddings)
     if context > model.args.max_position_embeddings:
         raise ValueError(f"--context {context} exceeds max_position_embeddings {model.args.max_position_embeddings}")
-    need = args.windows * context + 1
     if args.text:
         text = Path(args.text).read_bytes()
-    else:
-        text = load_text(args.split, need)
-    return path, model, text_windows(text, context, args.windows)
+    else:  # enough bytes for the windows at any tokenizer's rate (a token is rarely over 16 bytes)
+        text = load_text(args.split, 16 * (args.windows * context + 1))
+    windows, bytes_per_token = token_windows(text, tokenizer, context, args.windows)
+    return path, model, windows, bytes_per_token
 
 
 def _plot(path, draw) -> None:
@@ -57,7 +61,7 @@ def cmd_overlap(args) -> int:
     from .config import IndexCacheConfig
     from .patterns import overlap_matrix, source_overlap
 
-    path, model, windows = _setup(args)
+    path, model, windows, _ = _setup(args)
     m = overlap_matrix(model, windows)
     n = m.shape[0]
     pattern = None
@@ -99,7 +103,8 @@ def cmd_overlap(args) -> int:
 def cmd_search(args) -> int:
     from .patterns import PatternRunner, budgets, greedy_search, hf_overrides_for, uniform_pattern
 
-    path, model, windows = _setup(args)
+    path, model, windows, bytes_per_token = _setup(args)
+    bits = 1 / (math.log(2) * bytes_per_token)  # nats per token -> bits per byte of the text
     runner = PatternRunner(model, windows)
     n = runner.num_layers
     steps = greedy_search(runner, Path(args.log) if args.log else None, min_full=args.min_full,
@@ -116,9 +121,9 @@ def cmd_search(args) -> int:
                             "hf_overrides": hf_overrides_for(match[0]["pattern"])}
     if args.png:
         def draw(fig, ax):
-            ax.plot([s["num_full"] for s in steps], [s["loss"] / math.log(2) for s in steps], "o-", label="greedy search")
+            ax.plot([s["num_full"] for s in steps], [s["loss"] * bits for s in steps], "o-", label="greedy search")
             for freq, u in uniform.items():
-                ax.plot(u["num_full"], u["loss"] / math.log(2), "s", markersize=9, label=f"uniform freq {freq}")
+                ax.plot(u["num_full"], u["loss"] * bits, "s", markersize=9, label=f"uniform freq {freq}")
             ax.set_xlabel("F layers (indexers kept)")
             ax.set_ylabel("calibration loss (bits/byte)")
             ax.invert_xaxis()
@@ -126,18 +131,19 @@ def cmd_search(args) -> int:
             ax.set_title("IndexCache greedy pattern search")
         _plot(args.png, draw)
     if args.json:
-        print(json.dumps({"model": str(path), "steps": steps, "budgets": chosen, "uniform": uniform}))
+        print(json.dumps({"model": str(path), "bytes_per_token": bytes_per_token, "steps": steps, "budgets": chosen,
+                          "uniform": uniform}))
         return 0
     print(f"{'step':>4} {'turned S':>8} {'F':>3} {'loss bits/byte':>15}  pattern")
     for s in steps:
         print(f"{s['step']:>4} {'-' if s['layer'] is None else s['layer']:>8} {s['num_full']:>3} "
-              f"{s['loss'] / math.log(2):>15.4f}  {s['pattern']}")
+              f"{s['loss'] * bits:>15.4f}  {s['pattern']}")
     print("\nuniform patterns on the same text:")
     for freq, u in uniform.items():
-        print(f"  freq {freq}: {u['pattern']} ({u['num_full']} F) {u['loss'] / math.log(2):.4f} bits/byte")
+        print(f"  freq {freq}: {u['pattern']} ({u['num_full']} F) {u['loss'] * bits:.4f} bits/byte")
     print("\nbudgets:")
     for name, c in chosen.items():
-        print(f"  {name} ({c['num_full']} F): {c['pattern']} {c['loss'] / math.log(2):.4f} bits/byte")
+        print(f"  {name} ({c['num_full']} F): {c['pattern']} {c['loss'] * bits:.4f} bits/byte")
         print(f"    --hf-overrides '{c['hf_overrides']}'")
     if args.png:
         print(f"plot: {args.png}")
@@ -181,13 +187,14 @@ def _overrides_list(args) -> list:
 def cmd_eval(args) -> int:
     from .patterns import evaluate
 
-    path, model, windows = _setup(args)
+    path, model, windows, bytes_per_token = _setup(args)
     del model
-    rows = evaluate(path, _overrides_list(args), windows)
+    rows = evaluate(path, _overrides_list(args), windows, bytes_per_token=bytes_per_token)
     if args.json:
-        print(json.dumps({"model": str(path), "rows": rows}))
+        print(json.dumps({"model": str(path), "bytes_per_token": bytes_per_token, "rows": rows}))
         return 0
-    print(f"held-out: {windows.shape[0]} windows x {windows.shape[1] - 1} bytes; prefill of one window timed")
+    print(f"held-out: {windows.shape[0]} windows x {windows.shape[1] - 1} tokens ({bytes_per_token:.2f} bytes/token); "
+          "perplexity per token; prefill of one window timed")
     print(f"{'pattern':<14} {'F kept':>7} {'ppl':>8} {'bits/byte':>10} {'prefill ms':>11} {'vs first':>9}  overrides")
     for r in rows:
         print(f"{r['pattern']:<14} {r['indexers_kept']:>7.3f} {r['perplexity']:>8.4f} {r['bits_per_byte']:>10.4f} "
@@ -271,9 +278,9 @@ def add_pattern_parsers(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=None,
                    help=f"indexer warm-up steps (default {TrainSchedule.warmup_steps}; training-aware 60)")
     p.add_argument("--sparse-steps", type=int, default=None,
-                   help=f"sparse steps (default {TrainSchedule.sparse_steps}; training-aware 20)")
+                   help=f"sparse steps (default {TrainSchedule.sparse_steps}; training-aware 10)")
     p.add_argument("--batch", type=int, default=None,
-                   help=f"dense-phase batch (default {TrainSchedule.batch}; training-aware: every step, 4)")
+                   help=f"dense-phase batch (default {TrainSchedule.batch}; training-aware: every step, 2)")
     p.add_argument("--context-len", type=int, default=None,
                    help=f"dense-phase context (default {TrainSchedule.context}; training-aware: every step, 512)")
     p.add_argument("--sparse-batch", type=int, default=TrainSchedule.sparse_batch)

@@ -17,8 +17,7 @@ recipe's own indexer loss (``train.py``).
 Memory stays bounded on long contexts: the forward keeps O(T) tensors per layer (queries,
 keys, the selected positions), and attention rows, targets and indexer logits are computed in
 query chunks of at most ``chunk_elems`` scores (``[B, H, rows, keys]``), never a whole
-``[T, T]`` per layer; the indexer's KL is checkpointed per chunk, so its backward recomputes
-the chunk instead of keeping it.
+``[T, T]`` per layer; the indexer's KL is back-propagated chunk by chunk.
 
 Modes: ``indexers`` (default) trains the kept indexers only; every other weight is frozen
 and comes out bit-identical. ``model`` also trains the main layers on the language-model
@@ -116,17 +115,32 @@ def _attn_chunk(q, k, v, scale, allowed):
     return _attn_probs(q, k, scale, allowed).to(v.dtype) @ v
 
 
-def _indexer_qkw(indexer, x: torch.Tensor, qr: torch.Tensor, rope):
-    """Indexer queries ``[B, T, H, D]``, keys ``[B, T, D]`` and head weights ``[B, T, H]`` (fp32,
-    scales folded; unquantized, so the Hadamard rotation of the fp8 path, being orthonormal,
-    changes nothing here)."""
+def _rope_rows(rope, b: int, t: int, r0: int, r1: int):
+    m = rope.cos.shape[-1]
+    return SimpleNamespace(cos=rope.cos.view(b, t, m)[:, r0:r1].reshape(-1, m),
+                           sin=rope.sin.view(b, t, m)[:, r0:r1].reshape(-1, m))
+
+
+def _indexer_qw(indexer, x: torch.Tensor, qr: torch.Tensor, rope):
+    """Indexer queries ``[B, T, H, D]`` and head weights ``[B, T, H]`` (fp32, scales folded;
+    unquantized, so the orthonormal Hadamard rotation of the fp8 path changes nothing here)."""
     b, t, _ = x.shape
     q = indexer.wq_b(qr.reshape(b * t, -1)).view(b * t, indexer.n_heads, indexer.head_dim)
-    k = indexer.k_norm(indexer.wk(x.reshape(b * t, -1)))
     q = indexer._rope(q, rope).float().view(b, t, indexer.n_heads, -1)
-    k = indexer._rope(k, rope).float().view(b, t, -1)
     w = indexer.weights_proj(x.reshape(b * t, -1).float()).view(b, t, -1)
-    return q, k, w * (indexer.n_heads ** -0.5) * (indexer.head_dim ** -0.5)
+    return q, w * (indexer.n_heads ** -0.5) * (indexer.head_dim ** -0.5)
+
+
+def _indexer_k(indexer, x: torch.Tensor, rope) -> torch.Tensor:
+    """Indexer keys ``[B, T, D]`` (fp32)."""
+    b, t, _ = x.shape
+    k = indexer.k_norm(indexer.wk(x.reshape(b * t, -1)))
+    return indexer._rope(k, rope).float().view(b, t, -1)
+
+
+def _indexer_qkw(indexer, x: torch.Tensor, qr: torch.Tensor, rope):
+    q, w = _indexer_qw(indexer, x, qr, rope)
+    return q, _indexer_k(indexer, x, rope), w
 
 
 def _indexer_logits_rows(q_rows: torch.Tensor, k: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
@@ -247,38 +261,33 @@ def aware_forward(model, ids: torch.Tensor, stage: str, groups: dict, *, grad: b
     return lm, records, rope, chunks
 
 
-def _kl_chunk(iq, ik, iw, served_q, served_k, scale, sel, r0, r1):
-    b = iq.shape[0]
-    allowed = _allowed_rows(sel, r0, r1, b, iq.device)
-    with torch.no_grad():
-        target = served_target([_attn_probs(q[:, :, r0:r1], k[:, :, :r1], scale, allowed)
-                                for q, k in zip(served_q, served_k)])
-    return kl_rows(_indexer_logits_rows(iq, ik, iw), target, allowed).sum()
-
-
 def indexer_losses(model, records: dict, rope, chunks, groups: dict, *, backward: bool = False,
                    weight: float = 1.0) -> dict:
-    """Multi-layer KL of every F indexer (nats, mean over query rows), chunked over rows. With
-    ``backward`` each F layer's ``weight * loss / len(groups)`` is back-propagated into its
-    indexer right away (the chunks are checkpointed), so no graph outlives its layer."""
+    """Multi-layer KL of every F indexer (nats, mean over query rows), chunked over query rows.
+    With ``backward`` each chunk's share of ``weight * loss / len(groups)`` is back-propagated
+    into its indexer right away (its queries and keys recomputed from the layer input), so no
+    chunk's ``[rows, keys]`` tensors outlive it."""
     out = {}
     for f, served in groups.items():
         rec = records[f]
         indexer = model.model.layers[f].self_attn.indexer
         b, t = rec.x.shape[:2]
-        with torch.set_grad_enabled(backward):
-            iq, ik, iw = _indexer_qkw(indexer, rec.x, rec.qr, rope)
-            total = None
-            sq = [records[l].q for l in served]
-            sk = [records[l].k for l in served]
-            for r0, r1 in chunks:
-                args = (iq[:, r0:r1], ik[:, :r1], iw[:, r0:r1], sq, sk, rec.scale, rec.sel, r0, r1)
-                part = checkpoint(_kl_chunk, *args, use_reentrant=False) if backward else _kl_chunk(*args)
-                total = part if total is None else total + part
-            loss = total / (b * t)
-            if backward:
-                (loss * (weight / len(groups))).backward()
-        out[f] = float(loss.detach())
+        rows_total = b * t
+        total = 0.0
+        for r0, r1 in chunks:
+            allowed = _allowed_rows(rec.sel, r0, r1, b, rec.x.device)
+            with torch.no_grad():
+                target = served_target([_attn_probs(records[l].q[:, :, r0:r1], records[l].k[:, :, :r1],
+                                                    records[l].scale, allowed) for l in served])
+            with torch.set_grad_enabled(backward):
+                q, w = _indexer_qw(indexer, rec.x[:, r0:r1], rec.qr[:, r0:r1], _rope_rows(rope, b, t, r0, r1))
+                k = _indexer_k(indexer, rec.x[:, :r1], _rope_rows(rope, b, t, 0, r1))
+                part = kl_rows(_indexer_logits_rows(q, k, w), target, allowed).sum() / rows_total
+                if backward:
+                    (part * (weight / len(groups))).backward()
+            total += float(part.detach())
+            del target, allowed, part
+        out[f] = total
     return out
 
 
@@ -304,7 +313,7 @@ def load_for_pattern(init, hf_overrides, *, dtype=torch.float32, device="cpu"):
     types = ov.get("indexer_types")
     if isinstance(types, list) and len(types) != n:
         raise ValueError(f"indexer_types has {len(types)} entries, the checkpoint {init} has {n} layers")
-    if ov and ov.get("use_index_cache") is not True:
+    if any(k in ov for k in PATTERN_KEYS) and ov.get("use_index_cache") is not True:
         raise ValueError('--hf-overrides for training-aware IndexCache need "use_index_cache": true')
     try:
         from .models import from_pretrained as load  # any DSA layout the loader reads (V3.2, GLM-5)
@@ -350,14 +359,14 @@ def save_for_pattern(model, path) -> Path:
 class AwareSchedule:
     """Defaults: a few minutes on two CPU cores for the shipped 8-layer model."""
     warmup_steps: int = 60
-    sparse_steps: int = 20
-    batch: int = 4
+    sparse_steps: int = 10
+    batch: int = 2
     context: int = 512
     lr: float = 3e-3
     main_lr: float = 3e-4
     mode: str = "indexers"
     seed: int = 0
-    eval_every: int = 20
+    eval_every: int = 10
     eval_windows: int = 2
     chunk_elems: int = CHUNK_ELEMS
 
@@ -523,3 +532,71 @@ def trained_source_overlap(base, trained, windows: torch.Tensor) -> list:
                 out[layer] = float(m[layer, f])
         ix.load_state_dict(base_state[f])
     return out
+
+
+# ---------------------------------------------------------------------------- the held-out table
+
+def heldout_table(base, entries: Sequence[dict], *, windows: int = 8, context: int = 1024, overlap_windows: int = 2,
+                  log: Callable = print) -> list:
+    """Held-out rows for docs/patterns.md, in one run: per entry ``{"label", "model", "overrides"}``
+    (``model`` None = ``base``; ``overrides`` None = the checkpoint as it ships) the pattern,
+    perplexity, bits per byte and prefill time (``patterns.evaluate``: the inference ops, fp8
+    scoring), and each S layer's top-k overlap with its source F layer over the first
+    ``overlap_windows`` windows: from the base all-F model for a training-free pattern, against
+    the trained source indexer (:func:`trained_source_overlap`) for a trained checkpoint."""
+    from .patterns import evaluate, load_all_full, overlap_matrix, source_overlap, text_windows
+    from .train import load_text
+
+    win = text_windows(load_text("heldout", windows * context + 1), context, windows)
+    matrix = overlap_matrix(load_all_full(base), win[:overlap_windows])
+    rows = []
+    for e in entries:
+        path = Path(e.get("model") or base)
+        t0 = time.time()
+        r = evaluate(path, [e.get("overrides")], win)[0]
+        if Path(path).resolve() == Path(base).resolve():
+            src = source_overlap(matrix, r["pattern"])
+        else:
+            src = trained_source_overlap(base, path, win[:overlap_windows])
+        r.update(label=e.get("label", ""), model=str(e.get("model") or base),
+                 source_overlap=[None if c == "F" else round(v, 3) for c, v in zip(r["pattern"], src)],
+                 eval_s=round(time.time() - t0, 1))
+        rows.append(r)
+        log(f"{r['label']:<34} {r['pattern']} ppl {r['perplexity']:.3f} bits/byte {r['bits_per_byte']:.4f}")
+    base_s = rows[0]["prefill_s"] if rows else 1.0
+    for r in rows:
+        r["prefill_ratio"] = r["prefill_s"] / base_s
+    return rows
+
+
+def _main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m indexcache.train_aware",
+                                description="held-out table of training-free and training-aware patterns")
+    p.add_argument("--entries", required=True, help='JSON list of {"label", "model", "overrides"}')
+    p.add_argument("--base", default=None, help="the all-F checkpoint (default: the embedded model)")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from .models.tiny import embedded_model_path
+
+    entries = json.loads(Path(args.entries).read_text())
+    rows = heldout_table(args.base or embedded_model_path(), entries, windows=args.windows, context=args.context)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    print("| pattern | F kept | perplexity | bits/byte | prefill vs all-F | S layer: overlap with its source | what |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        ov = ", ".join(f"{l}:{v:.2f}" for l, v in enumerate(r["source_overlap"]) if v is not None) or "–"
+        print(f"| `{r['pattern']}` | {r['indexers_kept']:.3f} | {r['perplexity']:.3f} | {r['bits_per_byte']:.3f} | "
+              f"{r['prefill_ratio']:.2f} | {ov} | {r['label']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
