@@ -246,7 +246,9 @@ def test_e_save_load_fp8_and_dropped_indexers(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # S-layer indexer weights must drop without a word
-        dst = DeepseekV32ForCausalLM.from_pretrained(tmp_path, hf_overrides=FREQ4, dtype=torch.float32, indexer_fp8=True)
+        # weights="bf16": dequantized at load (the default "auto" keeps an FP8 checkpoint FP8: test_parallel.py)
+        dst = DeepseekV32ForCausalLM.from_pretrained(tmp_path, hf_overrides=FREQ4, dtype=torch.float32, indexer_fp8=True,
+                                                     weights="bf16")
     assert dst.plan.pattern == "FFSSSF"
     src_sd, dst_sd = src.state_dict(), dst.state_dict()
     assert not any(k.startswith(f"model.layers.{i}.self_attn.indexer") for k in dst_sd for i in (2, 3, 4))

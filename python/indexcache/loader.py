@@ -3,9 +3,12 @@
 Reading: a directory with ``config.json`` and either one or more ``*.safetensors`` files or a
 sharded set indexed by ``model.safetensors.index.json``. Tensor names are the official ones
 (DESIGN.md §6). FP8 block-quantized weights (e4m3 ``weight`` + fp32 ``weight_scale_inv``, one
-scale per 128x128 block) are dequantized as they are read. Indexer weights of layers the plan
-marks S are dropped without a word. Each tensor is read through ``safe_open`` (mmap) and copied
-straight into its parameter, so the checkpoint is never held twice in memory.
+scale per 128x128 block) stay FP8 where the model holds them FP8 (``weights="fp8"``) and are
+dequantized as they are read otherwise. Indexer weights of layers the plan marks S are never
+read. Each rank of a tensor/pipeline-parallel model reads only its own parameters, and of each
+only its slice (``safe_open(...).get_slice``, memory-mapped), copied straight into the parameter:
+peak host memory is about the rank's share plus one slice. Names, shapes and files are all
+checked against the checkpoint's headers before the first tensor is read.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from typing import Optional, Union
 
 import torch
 
+from indexcache.parallel import FP8_LINEAR_NAMES
+
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 FP8_BLOCK = (128, 128)
 # Linear weights that the official checkpoint stores in fp8 (and the writer quantizes).
-FP8_WEIGHTS = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj"
-                         r"|wq_b|wk)\.weight$")
+FP8_WEIGHTS = re.compile(r"\.(" + "|".join(FP8_LINEAR_NAMES) + r")\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _PROGRESS_BYTES = 256 << 20  # show a progress bar above this checkpoint size
 
@@ -69,15 +73,23 @@ def _weight_files(path: Path) -> dict:
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, name: str,
-                          block: tuple = FP8_BLOCK) -> torch.Tensor:
-    """``weight`` e4m3 ``[out, in]`` times its per-block ``scale_inv`` ``[ceil(out/b0), ceil(in/b1)]``."""
+                          block: tuple = FP8_BLOCK, offset: tuple = (0, 0)) -> torch.Tensor:
+    """``weight`` e4m3 ``[out, in]`` times its per-block ``scale_inv`` ``[ceil(out/b0), ceil(in/b1)]``.
+    ``offset``: where a slice's first row/column sits inside its first block (slices read per rank)."""
     rows, cols = weight.shape
-    want = (-(-rows // block[0]), -(-cols // block[1]))
+    ro, co = offset
+    want = (-(-(rows + ro) // block[0]), -(-(cols + co) // block[1]))
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"{name}_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for a "
                          f"{rows}x{cols} weight in {block[0]}x{block[1]} blocks")
-    s = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    s = scale_inv.float().repeat_interleave(block[0], 0)[ro:ro + rows].repeat_interleave(block[1], 1)[:, co:co + cols]
     return weight.float() * s
+
+
+def is_fp8_checkpoint(config: dict) -> bool:
+    """config.json declares block-FP8 weights (the official DeepSeek-V3.2 / GLM-5 FP8 releases)."""
+    qc = config.get("quantization_config") or {}
+    return qc.get("quant_method") == "fp8"
 
 
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,50 +120,117 @@ def _should_drop(name: str, model) -> bool:
     return rest.startswith("embed_tokens.")  # MTP copy of the embedding; the main one is shared
 
 
+def _targets(model) -> list:
+    """(parameter name, checkpoint name, module, attribute) for each parameter this rank holds once."""
+    out, seen = [], set()
+    tied_head = model.args.tie_word_embeddings
+    for mod_name, mod in model.named_modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            if id(p) in seen or attr == "weight_scale_inv":  # scales are read with their weight
+                continue
+            seen.add(id(p))
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            ckpt = "model.embed_tokens.weight" if tied_head and name == "lm_head.weight" else name
+            out.append((name, ckpt, mod, attr))
+    return out
+
+
+def _slice_of(mod, attr: str):
+    """(dim, (start, stop)) of the checkpoint tensor this parameter holds, or (None, None): whole."""
+    if attr == "weight" and hasattr(mod, "checkpoint_slice"):
+        return mod.checkpoint_slice()
+    return None, None
+
+
+def _full_shape(mod, attr: str, p: torch.Tensor) -> tuple:
+    dim, shard = _slice_of(mod, attr)
+    if dim is None:
+        return tuple(p.shape)
+    shape = list(p.shape)
+    shape[dim] = getattr(mod, "full_shape", None)[dim] if hasattr(mod, "full_shape") else getattr(mod, "vocab")
+    return tuple(shape)
+
+
 @torch.no_grad()
 def load_weights(model, path: Union[str, Path], *, progress: Optional[bool] = None) -> None:
-    """Copy every parameter of ``model`` from the checkpoint at ``path`` (see module docstring)."""
+    """Copy every parameter of ``model`` (this rank's) from the checkpoint at ``path`` (see module docstring)."""
     from safetensors import safe_open
     path = Path(path)
-    files = _weight_files(path)
+    files = _weight_files(path)  # a shard the index names but the directory lacks: error here
     qc = model.config.get("quantization_config") or {}
     block = tuple(qc.get("weight_block_size") or FP8_BLOCK)
-    params = dict(model.named_parameters())  # tied lm_head appears once, under the embedding
-    problems = []
-    for name, p in params.items():
-        if name not in files:
-            problems.append(f"{name} is missing (expected shape {tuple(p.shape)})")
-    if problems:
-        raise ValueError(f"checkpoint {path} lacks weights the model needs: " + "; ".join(problems[:8])
-                         + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
+    targets = _targets(model)
     handles = {}
 
-    def read(name):
+    def handle(name):
         f = files[name]
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        return handles[f].get_tensor(name)
+        return handles[f]
 
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    show = progress if progress is not None else total > _PROGRESS_BYTES
-    items = list(params.items())
+    problems = []
+    for name, ckpt, mod, attr in targets:
+        p = getattr(mod, attr)
+        if ckpt not in files:
+            problems.append(f"{ckpt} is missing (expected shape {_full_shape(mod, attr, p)})")
+    if problems:
+        raise ValueError(f"checkpoint {path} lacks weights the model needs: " + "; ".join(problems[:8])
+                         + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
+    for name, ckpt, mod, attr in targets:  # shapes from the headers, before any tensor is read
+        p = getattr(mod, attr)
+        have, want = tuple(handle(ckpt).get_slice(ckpt).get_shape()), _full_shape(mod, attr, p)
+        if have != want:
+            raise ValueError(f"{ckpt} has shape {have} in the checkpoint, the model expects {want}")
+
+    def read(ckpt, dim, lo, hi):
+        sl = handle(ckpt).get_slice(ckpt)
+        if dim is None:
+            return sl[:]
+        return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+    def read_scale(ckpt, dim, lo, hi, shape):
+        sname = ckpt + "_scale_inv"
+        if sname not in files:
+            raise ValueError(f"{ckpt} is stored in fp8 but {sname} is missing")
+        if dim is None:
+            return read(sname, None, 0, 0), (0, 0)
+        b = block[dim]
+        off = (lo % b, 0) if dim == 0 else (0, lo % b)
+        return read(sname, dim, lo // b, -(-hi // b)), off
+
+    rank0 = getattr(model, "par", None) is None or model.par.rank == 0
+    total = sum(getattr(m, a).numel() * getattr(m, a).element_size() for _, _, m, a in targets)
+    show = (progress if progress is not None else total > _PROGRESS_BYTES) and rank0
+    items = targets
     if show:
         from tqdm import tqdm
         items = tqdm(items, desc=f"loading {path.name}", unit="tensor")
     used = set()
-    for name, p in items:
-        t = read(name)
-        used.add(name)
+    for name, ckpt, mod, attr in items:
+        p = getattr(mod, attr)
+        dim, shard = _slice_of(mod, attr)
+        lo, hi = shard if shard is not None else (0, 0)
+        t = read(ckpt, dim, lo, hi)
+        used.add(ckpt)
+        fp8_param = p.dtype == torch.float8_e4m3fn
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            sname = name + "_scale_inv"
-            if sname not in files:
-                raise ValueError(f"{name} is stored in fp8 but {sname} is missing")
-            t = dequantize_fp8_blocks(t, read(sname), name, block)
-            used.add(sname)
-        if tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"{name} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(p.shape)}")
-        p.copy_(t)
+            s, off = read_scale(ckpt, dim, lo, hi, t.shape)
+            used.add(ckpt + "_scale_inv")
+            if fp8_param and t.dtype == torch.float8_e4m3fn and block == FP8_BLOCK:
+                if tuple(s.shape) != tuple(mod.weight_scale_inv.shape):
+                    raise ValueError(f"{ckpt}_scale_inv slice has shape {tuple(s.shape)}, expected "
+                                     f"{tuple(mod.weight_scale_inv.shape)}")
+                p.copy_(t)
+                mod.weight_scale_inv.copy_(s)
+                continue
+            t = dequantize_fp8_blocks(t, s, ckpt, block, off)
+        if fp8_param:
+            mod.set_dense(t)  # a bf16 checkpoint held FP8 (weights="fp8"): quantized in aligned blocks
+        else:
+            p.copy_(t)
         del t
+    if getattr(model, "par", None) is not None and model.par.distributed:
+        return  # each rank reads a subset by design: no "unused tensor" report
     unexpected = [n for n in files if n not in used and not n.endswith("_scale_inv") and not _should_drop(n, model)]
     if unexpected:
         warnings.warn(f"checkpoint tensors not used by the model: {', '.join(unexpected[:8])}"
@@ -165,13 +244,24 @@ def save_pretrained(model, path: Union[str, Path], *, fp8: bool = False, max_sha
     from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if getattr(model, "par", None) is not None and model.par.distributed:
+        raise ValueError("save_pretrained writes a whole checkpoint from one process; this model is one rank of "
+                         f"{model.par.world_size} (the checkpoint each rank read is already on disk)")
     tensors = {}
     seen = set()
-    for name, p in model.named_parameters():  # named_parameters skips the tied duplicate
-        if id(p) in seen:
+    params = dict(model.named_parameters())
+    for name, p in params.items():  # named_parameters skips the tied duplicate
+        if id(p) in seen or name.endswith("weight_scale_inv"):
             continue
         seen.add(id(p))
         t = p.detach().to("cpu").contiguous()
+        if t.dtype == torch.float8_e4m3fn:  # held FP8 (weights="fp8"): written as is, or dequantized
+            scale = params[name + "_scale_inv"].detach().to("cpu").contiguous()
+            if fp8:
+                tensors[name], tensors[name + "_scale_inv"] = t, scale
+            else:
+                tensors[name] = dequantize_fp8_blocks(t, scale, name).to(model.compute_dtype)
+            continue
         if fp8 and FP8_WEIGHTS.search(name):
             q, s = quantize_fp8_blocks(t)
             tensors[name], tensors[name + "_scale_inv"] = q, s

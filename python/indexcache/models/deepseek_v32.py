@@ -20,23 +20,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from indexcache.config import IndexCacheConfig
-from indexcache.plan import LayerPlan
+from indexcache.parallel import (WEIGHTS_CHOICES, ParallelContext, ShardedLinear, head_logits, make_embedding,
+                                 make_lm_head, stage_bounds, stage_start_full_pattern)
+from indexcache.plan import LayerPlan, build_layer_plan
 
 from .args import (ATTN_CHUNK_ELEMS, BLOCK_SIZE, FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS,  # noqa: F401
                    INDEXER_CHUNK_ELEMS, MLA_LATENT, MLA_ROPE, ModelArgs, _dtype, split_overrides)
-from .layers import (MLA, MLP, DecoderLayer, Gate, Indexer, LayerNorm, MoE, MTPLayer, RMSNorm,  # noqa: F401
+from .layers import (MLA, MLP, AbsentLayer, DecoderLayer, Gate, Indexer, LayerNorm, MoE, MTPLayer, RMSNorm,  # noqa: F401
                      SharedHead, SparseAttention, _linear, apply_rope, rope_inv_freq, yarn_get_mscale)
 from .runtime import BatchMeta, CacheManager, ForwardContext, PagedKVCache, StageTimer, _kv_dtype  # noqa: F401
 
 
 class DeepseekV32Model(nn.Module):
-    def __init__(self, args: ModelArgs, plan: LayerPlan, indexer_fp8: bool):
+    """Embedding, layers, final norm. Under pipeline parallelism a stage builds only its own layers
+    (the others are ``AbsentLayer``), the embedding on the first stage, the norm on the last."""
+
+    def __init__(self, args: ModelArgs, plan: LayerPlan, indexer_fp8: bool, par: Optional[ParallelContext] = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        layers = [DecoderLayer(args, i, not plan.skip_topk[i], indexer_fp8) for i in range(args.num_hidden_layers)]
-        layers += [MTPLayer(args, args.num_hidden_layers + j, indexer_fp8) for j in range(args.num_nextn_predict_layers)]
+        par = par or ParallelContext()
+        L = args.num_hidden_layers
+        self.embed_tokens = make_embedding(args.vocab_size, args.hidden_size, par) if par.first_stage else None
+        layers = [DecoderLayer(args, i, not plan.skip_topk[i], indexer_fp8, par) if par.owns_layer(i, L)
+                  else AbsentLayer(i) for i in range(L)]
+        layers += [MTPLayer(args, L + j, indexer_fp8, par) if par.owns_layer(L + j, L) else AbsentLayer(L + j)
+                   for j in range(args.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if par.last_stage else None
 
 
 
@@ -49,18 +58,22 @@ class DeepseekV32ForCausalLM(nn.Module):
     model_type = "deepseek_v32"
 
     def __init__(self, args: ModelArgs, plan: LayerPlan, *, indexer_fp8: Optional[bool] = None,
-                 config: Optional[dict] = None, ic_config: Optional[IndexCacheConfig] = None):
+                 config: Optional[dict] = None, ic_config: Optional[IndexCacheConfig] = None,
+                 parallel: Optional[ParallelContext] = None):
         super().__init__()
         if len(plan.skip_topk) != args.num_hidden_layers + args.num_nextn_predict_layers:
             raise ValueError(f"plan covers {len(plan.skip_topk)} layers, the model has "
                              f"{args.num_hidden_layers} + {args.num_nextn_predict_layers} MTP")
+        self.par = par = parallel or ParallelContext()
+        validate_parallel(args, par)
         self.args, self.plan, self.ic_config = args, plan, ic_config
         self.config = dict(config or {})
         self.indexer_fp8 = indexer_fp8 is None or bool(indexer_fp8)
-        self.model = DeepseekV32Model(args, plan, self.indexer_fp8)
-        self.lm_head = _linear(args.hidden_size, args.vocab_size)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.compute_dtype = torch.float32  # set by _cast_params
+        self.model = DeepseekV32Model(args, plan, self.indexer_fp8, par)
+        self.lm_head = make_lm_head(args.hidden_size, args.vocab_size, par) if par.last_stage else None
+        if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight  # same vocabulary rows on every rank
         self.register_buffer("topk_buffer", torch.empty(0, dtype=torch.int32), persistent=False)
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self._init_buffers()
@@ -68,7 +81,7 @@ class DeepseekV32ForCausalLM(nn.Module):
     # ---------------------------------------------------------------- construction
 
     def _init_buffers(self) -> None:
-        device = self.lm_head.weight.device
+        device = next(self.parameters()).device
         device = torch.device("cpu") if device.type == "meta" else device
         inv, self.rope_attn_factor = rope_inv_freq(self.args)
         self.rope_inv_freq = inv.to(device)
@@ -77,9 +90,13 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], hf_overrides=None, *, dtype=torch.float32, device="cpu",
-                    indexer_fp8: Optional[bool] = None, init: str = "random", seed: int = 0) -> "DeepseekV32ForCausalLM":
+                    indexer_fp8: Optional[bool] = None, init: str = "random", seed: int = 0,
+                    parallel: Optional[ParallelContext] = None,
+                    pp_stage_starts_full: bool = False) -> "DeepseekV32ForCausalLM":
         """Build from a config dict. ``init='random'`` draws seeded weights; ``'empty'`` leaves them
-        uninitialised (for loading); ``'meta'`` builds on the meta device."""
+        uninitialised (for loading); ``'meta'`` builds on the meta device. ``parallel``: this rank's
+        place in a tensor/pipeline-parallel run (default: one process); ``pp_stage_starts_full``:
+        the engines' fallback, every pipeline stage's first layer forced to F (docs/parallel.md)."""
         config = dict(config)
         merged, ic_overrides = split_overrides(config, hf_overrides)
         args = ModelArgs.from_config(merged)
@@ -92,8 +109,12 @@ class DeepseekV32ForCausalLM(nn.Module):
                              f"{args.qk_rope_head_dim}, index_head_dim {args.index_head_dim} (run it on the CPU)")
         ic = IndexCacheConfig.from_config(config, ic_overrides)
         plan = ic.plan(args.num_hidden_layers, args.num_nextn_predict_layers)
+        par = parallel or ParallelContext()
+        if pp_stage_starts_full and par.pp_size > 1:
+            plan = stage_full_plan(plan, par.pp_size)
+        validate_parallel(args, par)
         with torch.device("meta"):
-            model = cls(args, plan, indexer_fp8=indexer_fp8, config=merged, ic_config=ic)
+            model = cls(args, plan, indexer_fp8=indexer_fp8, config=merged, ic_config=ic, parallel=par)
         model._cast_params(_dtype(dtype))
         if init == "meta":
             return model
@@ -107,11 +128,24 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: Union[str, Path], *, hf_overrides=None, dtype=torch.bfloat16, device="cpu",
-                        indexer_fp8: Optional[bool] = None, progress: Optional[bool] = None) -> "DeepseekV32ForCausalLM":
-        """Load an HF-format DeepSeek-V3.2 checkpoint directory (DESIGN.md §10)."""
+                        indexer_fp8: Optional[bool] = None, progress: Optional[bool] = None,
+                        tp_size: Optional[int] = None, pp_size: int = 1, weights: str = "auto",
+                        pp_stage_starts_full: bool = False) -> "DeepseekV32ForCausalLM":
+        """Load an HF-format DeepSeek-V3.2 checkpoint directory (DESIGN.md §10, §11).
+
+        Inside an initialised ``torch.distributed`` default group, ``tp_size`` (None: world size //
+        ``pp_size``) x ``pp_size`` ranks each read only their own slices. ``weights``: ``"auto"``
+        keeps an FP8 checkpoint FP8 in memory, else the checkpoint's dtype; ``"fp8"`` holds the
+        checkpoint's fp8 linears as e4m3 + 128x128 scales (quantizing a bf16 checkpoint's); ``"bf16"``
+        dequantizes at load into ``dtype``. Every mismatch is an error before any weight is read."""
         from indexcache import loader
+        if weights not in WEIGHTS_CHOICES:
+            raise ValueError(f"weights {weights!r}: choose one of {', '.join(WEIGHTS_CHOICES)}")
         config = loader.load_config(path)
-        model = cls.from_config(config, hf_overrides, dtype=dtype, device=device, indexer_fp8=indexer_fp8, init="empty")
+        fp8 = weights == "fp8" or (weights == "auto" and loader.is_fp8_checkpoint(config))
+        par = ParallelContext.create(tp_size, pp_size, fp8=fp8)
+        model = cls.from_config(config, hf_overrides, dtype=dtype, device=device, indexer_fp8=indexer_fp8, init="empty",
+                                parallel=par, pp_stage_starts_full=pp_stage_starts_full)
         loader.load_weights(model, path, progress=progress)
         model.eval()
         return model
@@ -121,14 +155,24 @@ class DeepseekV32ForCausalLM(nn.Module):
         loader.save_pretrained(self, path, fp8=fp8, max_shard_bytes=max_shard_bytes)
 
     def _cast_params(self, dtype: torch.dtype) -> None:
+        self.compute_dtype = dtype
         for name, p in self.named_parameters():
+            if p.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv"):
+                continue  # FP8 weights and their fp32 block scales stay as they are
             p.data = p.data.to(torch.float32 if name.endswith(_FP32_PARAMS) else dtype)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> "DeepseekV32ForCausalLM":
         """Deterministic random weights: drawn in fp32 on the CPU from one seeded generator."""
         g = torch.Generator().manual_seed(seed)
+        fp8_owner = {id(m.weight): m for m in self.modules() if isinstance(m, ShardedLinear) and m.fp8}
         for name, p in self.named_parameters():
+            if name.endswith("weight_scale_inv"):
+                continue  # filled with its weight
+            if id(p) in fp8_owner:
+                full = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+                fp8_owner[id(p)].set_dense(full)
+                continue
             if name.endswith(("norm.weight", "layernorm.weight")):
                 t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
             elif name.endswith(("norm.bias", "e_score_correction_bias")):
@@ -144,20 +188,31 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        # the LM head's dtype (kept fp32), as before; pipeline stages without the head report the same
+        return self.lm_head.weight.dtype if self.lm_head is not None else torch.float32
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.topk_buffer.device
 
     @property
     def mtp_layers(self) -> list:
+        """The MTP layers (``AbsentLayer`` placeholders on pipeline stages other than the last)."""
         return list(self.model.layers[self.args.num_hidden_layers:])
 
     def indexer_param_count(self) -> list:
-        """Indexer parameters per layer (0 for S layers)."""
-        return [0 if l.self_attn.indexer is None else sum(p.numel() for p in l.self_attn.indexer.parameters())
-                for l in self.model.layers]
+        """Indexer parameters per layer (0 for S layers and for layers of other pipeline stages)."""
+        return [0 if l.self_attn is None or l.self_attn.indexer is None
+                else sum(p.numel() for p in l.self_attn.indexer.parameters()) for l in self.model.layers]
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (FP8 weights at 1 B, their scales included)."""
+        seen, total = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
 
     def plan_summary(self) -> str:
         head = self.ic_config.describe(self.plan) if self.ic_config is not None else \
@@ -167,7 +222,8 @@ class DeepseekV32ForCausalLM(nn.Module):
     def set_mtp_skip_topk(self, skip: bool) -> None:
         """vLLM's ``set_skip_topk`` for MTP layers: later draft steps reuse step 0's indices."""
         for layer in self.mtp_layers:
-            layer.self_attn.skip_topk = skip
+            if layer.self_attn is not None:
+                layer.self_attn.skip_topk = skip
 
     def allocate_cache(self, num_blocks: int, kv_cache_dtype: str = "auto", block_size: int = BLOCK_SIZE) -> PagedKVCache:
         return PagedKVCache(self, num_blocks, kv_cache_dtype, block_size)
@@ -211,14 +267,39 @@ class DeepseekV32ForCausalLM(nn.Module):
                        timer: Optional[StageTimer] = None) -> torch.Tensor:
         """Main layers over a flattened batch; returns the final-normed hidden states ``[N, hidden]``."""
         ctx = self._context(meta, cache, timer)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers[: self.args.num_hidden_layers]:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+        par, n, L = self.par, meta.num_tokens, self.args.num_hidden_layers
+        if par.first_stage:
+            x = self.model.embed_tokens(input_ids)
+        else:  # the previous stage's residual stream and, if this stage begins on an S layer, its top-k rows
+            x = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
+            ctx.topk_valid = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank) else None)
+        for layer in self.model.layers[:L]:
+            if not isinstance(layer, AbsentLayer):
+                x = layer(x, ctx)
+        if not par.last_stage:
+            par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1) else None, ctx.topk_valid)
+            h = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
+        else:
+            h = self.model.norm(x)
+        if par.pp_size > 1:  # every rank returns the same hidden states and holds the same top-k rows
+            par.broadcast_from_last(h)
+            par.broadcast_from_last(ctx.topk_rows)
+        return h
+
+    def _stage_needs_rows(self, stage: int) -> bool:
+        """Whether pipeline stage ``stage`` begins on an S layer (and so needs the previous top-k rows)."""
+        b = stage_bounds(self.args.num_hidden_layers, self.par.pp_size)[stage]
+        return stage > 0 and bool(self.plan.skip_topk[b])
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.lm_head.weight.float())
+        """fp32 full-vocabulary logits, on every rank."""
+        par = self.par
+        if par.last_stage:
+            logits = head_logits(self.lm_head, hidden, self.args.vocab_size, par)
+        else:
+            logits = torch.empty(*hidden.shape[:-1], self.args.vocab_size, device=self.device)
+        return par.broadcast_from_last(logits)
 
     @torch.no_grad()
     def forward_mtp(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMeta,
@@ -235,17 +316,60 @@ class DeepseekV32ForCausalLM(nn.Module):
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers is 0)")
         layer = self.mtp_layers[mtp_index % len(self.mtp_layers)]
         ctx = self._context(meta, cache, timer)
+        par, n = self.par, meta.num_tokens
         if reuse_topk is not None:
             ctx.topk_rows.copy_(reuse_topk)
             ctx.topk_valid = True
-        self.set_mtp_skip_topk(reuse_topk is not None)
-        try:
-            h = layer.forward_mtp(self.model.embed_tokens(input_ids), prev_hidden, ctx)
-        finally:
-            self.set_mtp_skip_topk(False)
-        return h, F.linear(layer.shared_head.norm(h).float(), layer.shared_head.head.weight.float())
+        if par.pp_size == 1:
+            embeds = self.model.embed_tokens(input_ids)
+        elif par.first_stage:  # the MTP layer (last stage) shares the first stage's embedding
+            par.send_to_last(self.model.embed_tokens(input_ids))
+        elif par.last_stage:
+            embeds = par.recv_from_first(torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype,
+                                                     device=self.device))
+        if par.last_stage:
+            self.set_mtp_skip_topk(reuse_topk is not None)
+            try:
+                h = layer.forward_mtp(embeds, prev_hidden, ctx)
+            finally:
+                self.set_mtp_skip_topk(False)
+            logits = head_logits(layer.shared_head.head, layer.shared_head.norm(h), self.args.vocab_size, par)
+        else:
+            h = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
+            logits = torch.empty(n, self.args.vocab_size, device=self.device)
+        if par.pp_size > 1:
+            for t in (h, logits, ctx.topk_rows):
+                par.broadcast_from_last(t)
+        return h, logits
 
     def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
         """Batched generation with paged caches; see :func:`indexcache.generation.generate`."""
         from indexcache.generation import generate
         return generate(self, prompts, max_new_tokens, **kwargs)
+
+
+def validate_parallel(args: ModelArgs, par: ParallelContext) -> None:
+    """Every layout mismatch as one clear ValueError (before any weight is read)."""
+    tp, pp = par.tp_size, par.pp_size
+    if tp == 1 and pp == 1:
+        return
+    bad = []
+    for what, n in (("num_attention_heads", args.num_attention_heads), ("n_routed_experts", args.n_routed_experts),
+                    ("intermediate_size (dense MLP)", args.intermediate_size),
+                    ("shared-expert width (moe_intermediate_size x n_shared_experts)",
+                     args.moe_intermediate_size * args.n_shared_experts)):
+        if n % tp:
+            bad.append(f"{what} {n} is not divisible by tp_size {tp}")
+    if args.num_hidden_layers < pp:
+        bad.append(f"num_hidden_layers {args.num_hidden_layers} is fewer than pp_size {pp} (each stage needs a layer)")
+    if bad:
+        raise ValueError("cannot split this model over tp_size %d x pp_size %d: %s" % (tp, pp, "; ".join(bad)))
+
+
+def stage_full_plan(plan: LayerPlan, pp_size: int) -> LayerPlan:
+    """The plan with every pipeline stage's first main layer forced to F (vLLM's fallback)."""
+    pattern = stage_start_full_pattern(plan.pattern, plan.num_hidden_layers, pp_size)
+    if pattern == plan.pattern:
+        return plan
+    return build_layer_plan(plan.num_hidden_layers, plan.num_nextn_predict_layers, use_index_cache=True,
+                            index_topk_pattern=pattern)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from indexcache import ops, reference
+from indexcache.parallel import ParallelContext, dense_weight, make_lm_head
 
 from .args import (ATTN_CHUNK_ELEMS, INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, LATENT_NORM_EPS,
                    MLA_LATENT, MLA_ROPE, ModelArgs)
@@ -93,13 +94,15 @@ class Indexer(nn.Module):
     other widths score in fp32 through the same top-k op (``docs/model.md``: widths).
     """
 
-    def __init__(self, args: ModelArgs, layer_id: int, fp8: bool):
+    def __init__(self, args: ModelArgs, layer_id: int, fp8: bool, par: ParallelContext | None = None):
         super().__init__()
+        par = par or ParallelContext()
         self.layer_id, self.fp8, self.hadamard = layer_id, fp8 and args.native_indexer, args.indexer_hadamard
         self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
         self.topk, self.rope_interleave = args.index_topk, args.indexer_rope_interleave
-        self.wq_b = _linear(args.q_lora_rank, self.n_heads * self.head_dim)
-        self.wk = _linear(args.hidden_size, self.head_dim)
+        # replicated on every tensor-parallel rank (DESIGN §11): identical inputs, identical top-k rows
+        self.wq_b = par.linear(args.q_lora_rank, self.n_heads * self.head_dim, "wq_b")
+        self.wk = par.linear(args.hidden_size, self.head_dim, "wk")
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = _linear(args.hidden_size, self.n_heads)  # kept in fp32
 
@@ -115,7 +118,8 @@ class Indexer(nn.Module):
             k = self._rope(self.k_norm(self.wk(x)), ctx)
             w = self.weights_proj(x.float())
             if self.fp8:
-                q_in, q_scale = ops.quantize_fp8(q, INDEX_Q_EPS, self.hadamard)
+                # DeepSeek's act_quant floors every amax at 1e-4; vLLM's q quantization at 1e-10
+                q_in, q_scale = ops.quantize_fp8(q, INDEX_K_EPS if self.hadamard else INDEX_Q_EPS, self.hadamard)
                 weights = ops.indexer_weights(w, q_scale.squeeze(-1))
             else:
                 q_in, weights = q.float(), _indexer_weights_fp32(w, self.head_dim)
@@ -216,22 +220,28 @@ class SparseAttention(nn.Module):
 class MLA(nn.Module):
     """Multi-head latent attention with q/kv LoRA; attention runs absorbed over the latent cache."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool, indexer_fp8: bool):
+    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool, indexer_fp8: bool,
+                 par: ParallelContext | None = None):
         super().__init__()
+        self.par = par = par or ParallelContext()
         self.layer_id = layer_id
-        self.n_heads, self.nope, self.rope, self.v_dim = (args.num_attention_heads, args.qk_nope_head_dim,
-                                                          args.qk_rope_head_dim, args.v_head_dim)
+        self.nope, self.rope, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        # tensor parallel: this rank's heads [h0, h1); n_heads is the local count
+        h0, h1 = par.split(args.num_attention_heads, "num_attention_heads")
+        self.n_heads = h1 - h0
         self.latent = args.kv_lora_rank
+        qk, kvb = args.qk_head_dim, self.nope + self.v_dim
         # The latent norms use DeepSeek's reference epsilon (1e-6, as transformers does for both
         # families), not rms_norm_eps: see docs/model.md.
-        self.q_a_proj = _linear(args.hidden_size, args.q_lora_rank)
+        self.q_a_proj = par.linear(args.hidden_size, args.q_lora_rank, "q_a_proj")
         self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
-        self.q_b_proj = _linear(args.q_lora_rank, self.n_heads * args.qk_head_dim)
-        self.kv_a_proj_with_mqa = _linear(args.hidden_size, self.latent + self.rope)
+        self.q_b_proj = par.linear(args.q_lora_rank, args.num_attention_heads * qk, "q_b_proj", "col", (h0 * qk, h1 * qk))
+        self.kv_a_proj_with_mqa = par.linear(args.hidden_size, self.latent + self.rope, "kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
-        self.kv_b_proj = _linear(self.latent, self.n_heads * (self.nope + self.v_dim))
-        self.o_proj = _linear(self.n_heads * self.v_dim, args.hidden_size)
-        self.indexer = Indexer(args, layer_id, indexer_fp8) if build_indexer else None
+        self.kv_b_proj = par.linear(self.latent, args.num_attention_heads * kvb, "kv_b_proj", "col", (h0 * kvb, h1 * kvb))
+        self.o_proj = par.linear(args.num_attention_heads * self.v_dim, args.hidden_size, "o_proj", "row",
+                                 (h0 * self.v_dim, h1 * self.v_dim))
+        self.indexer = Indexer(args, layer_id, indexer_fp8, par) if build_indexer else None
         self.skip_topk = not build_indexer  # MTP layers flip this at runtime (set_skip_topk)
         ys = args.rope_scaling or {}
         scale = ops.mla_softmax_scale(self.nope, self.rope, ys.get("mscale_all_dim", 0.0), ys.get("factor", 1.0))
@@ -247,7 +257,7 @@ class MLA(nn.Module):
             kv = self.kv_a_proj_with_mqa(x)
             kv_c = self.kv_a_layernorm(kv[:, :self.latent])
             k_pe = apply_rope(kv[:, self.latent:], ctx.cos, ctx.sin, interleaved=True)
-            w_kv = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.latent)
+            w_kv = dense_weight(self.kv_b_proj, q_nope.dtype).view(h, self.nope + self.v_dim, self.latent)
             q_abs = torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :self.nope]), q_pe), dim=-1)
             if meta.paged:
                 kv_cache = ctx.cache.kv[self.layer_id]
@@ -264,13 +274,25 @@ class MLA(nn.Module):
         with ctx.stage(self.layer_id, "attention"):
             out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size)
             o = torch.einsum("thc,hdc->thd", out, w_kv[:, self.nope:])
-            return self.o_proj(o.reshape(n, h * self.v_dim))
+            return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, inter: int):
+    """SwiGLU. ``shard``: split column/row over the tensor-parallel ranks (dense MLP, shared
+    experts); the caller sums the partial outputs (``DecoderLayer``, ``MoE``). Routed experts are
+    whole on the rank that owns them."""
+
+    def __init__(self, dim: int, inter: int, par: ParallelContext | None = None, shard: bool = False):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(dim, inter), _linear(dim, inter), _linear(inter, dim)
+        par = par or ParallelContext()
+        if shard and par.tp_size > 1:
+            cut = par.split(inter, "the MLP intermediate size")
+            col, row = ("col", cut), ("row", cut)
+        else:
+            col = row = (None, None)
+        self.gate_proj = par.linear(dim, inter, "gate_proj", *col)
+        self.up_proj = par.linear(dim, inter, "up_proj", *col)
+        self.down_proj = par.linear(inter, dim, "down_proj", *row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -303,66 +325,98 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Group-limited sigmoid MoE. Expert parallel: the gate is replicated, this rank holds the
+    routed experts ``[e0, e1)`` (an ``nn.ModuleDict`` keyed by the global id, so parameter names stay
+    the checkpoint's) and its shard of the shared experts; one all-reduce sums all of it."""
+
+    def __init__(self, args: ModelArgs, par: ParallelContext | None = None):
         super().__init__()
+        self.par = par = par or ParallelContext()
         self.gate = Gate(args)
-        self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.n_routed_experts))
-        self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+        self.n_experts = args.n_routed_experts
+        self.e0, self.e1 = par.split(args.n_routed_experts, "n_routed_experts")
+        if par.tp_size == 1:
+            self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size, par)
+                                         for _ in range(args.n_routed_experts))
+        else:
+            self.experts = nn.ModuleDict({str(e): MLP(args.hidden_size, args.moe_intermediate_size, par)
+                                          for e in range(self.e0, self.e1)})
+        self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, par, shard=True)
                                if args.n_shared_experts else None)
+
+    def expert(self, e: int) -> nn.Module:
+        return self.experts[e] if isinstance(self.experts, nn.ModuleList) else self.experts[str(e)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.gate(x)
         k = idx.shape[1]
         flat = idx.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         w = weights.flatten()
         start = 0
         for e, c in enumerate(counts):
-            if c:
+            if c and self.e0 <= e < self.e1:
                 sel = order[start:start + c]
                 tok = sel // k
-                y.index_add_(0, tok, self.experts[e](x[tok]).float() * w[sel].unsqueeze(-1))
-                start += c
+                y.index_add_(0, tok, self.expert(e)(x[tok]).float() * w[sel].unsqueeze(-1))
+            start += c
         if self.shared_experts is not None:
             y += self.shared_experts(x).float()
-        return y.to(x.dtype)
+        return self.par.all_reduce(y.to(x.dtype), "moe_all_reduce")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool, indexer_fp8: bool):
+    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool, indexer_fp8: bool,
+                 par: ParallelContext | None = None):
         super().__init__()
+        self.par = par = par or ParallelContext()
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = MLA(args, layer_id, build_indexer, indexer_fp8)
+        self.self_attn = MLA(args, layer_id, build_indexer, indexer_fp8, par)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MoE(args) if args.is_moe_layer(layer_id) else MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = MoE(args, par) if args.is_moe_layer(layer_id) else \
+            MLP(args.hidden_size, args.intermediate_size, par, shard=True)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         with ctx.stage(self.layer_id, "moe" if isinstance(self.mlp, MoE) else "mlp"):
-            return x + self.mlp(self.post_attention_layernorm(x))
+            y = self.mlp(self.post_attention_layernorm(x))
+            if not isinstance(self.mlp, MoE):  # the MoE reduces its routed and shared parts itself
+                y = self.par.all_reduce(y, "mlp_all_reduce")
+            return x + y
 
 
 class SharedHead(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, par: ParallelContext | None = None):
         super().__init__()
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = _linear(args.hidden_size, args.vocab_size)
+        self.head = make_lm_head(args.hidden_size, args.vocab_size, par or ParallelContext())
 
 
 class MTPLayer(DecoderLayer):
     """Next-n prediction: ``eh_proj([enorm(embed(token_{i+1})), hnorm(h_i)])`` through a full
     decoder layer; its own head predicts token i+2. Always builds an indexer (F)."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, indexer_fp8: bool):
-        super().__init__(args, layer_id, True, indexer_fp8)
+    def __init__(self, args: ModelArgs, layer_id: int, indexer_fp8: bool, par: ParallelContext | None = None):
+        super().__init__(args, layer_id, True, indexer_fp8, par)
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.eh_proj = _linear(2 * args.hidden_size, args.hidden_size)
-        self.shared_head = SharedHead(args)
+        self.eh_proj = _linear(2 * args.hidden_size, args.hidden_size)  # bf16 in the official checkpoint
+        self.shared_head = SharedHead(args, self.par)
 
     def forward_mtp(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden.to(embeds.dtype))), dim=-1))
         return super().forward(h, ctx)
+
+
+class AbsentLayer(nn.Module):
+    """A layer another pipeline stage runs: no parameters, no caches (``self_attn`` is None)."""
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id, self.self_attn = layer_id, None
+
+    def forward(self, x, ctx):
+        raise RuntimeError(f"layer {self.layer_id} lives on another pipeline stage")

@@ -124,7 +124,8 @@ class PagedKVCache:
     every production model; bf16/fp32) or uint8 ``[num_blocks, block, 656]`` (``fp8_ds_mla``, 512 +
     64 only). ``index_k[i]``: uint8 ``[num_blocks, block * 132]`` (fp8 keys + fp32 scales) for layers
     whose indexer scores in fp8, fp32 ``[num_blocks, block, index_head_dim]`` for fp32 scoring, and
-    None for S layers.
+    None for S layers. Under pipeline parallelism a rank holds only its stage's layers (None for
+    the others); under tensor parallelism every rank holds the whole latent and index-K caches.
     """
 
     def __init__(self, model: "DeepseekV32ForCausalLM", num_blocks: int, kv_cache_dtype: str = "auto",
@@ -142,6 +143,10 @@ class PagedKVCache:
         self.manager = CacheManager(num_blocks, block_size)
         self.kv, self.index_k = [], []
         for layer in model.model.layers:
+            if layer.self_attn is None:  # a layer of another pipeline stage: its caches live there
+                self.kv.append(None)
+                self.index_k.append(None)
+                continue
             if kv_dtype == torch.uint8:
                 self.kv.append(torch.zeros(num_blocks, block_size, FP8_DS_MLA_BYTES, dtype=torch.uint8, device=self.device))
             else:
@@ -159,7 +164,7 @@ class PagedKVCache:
         """(MLA KV bytes, index-K bytes) held for one layer."""
         ik = self.index_k[layer_id]
         kv = self.kv[layer_id]
-        return kv.numel() * kv.element_size(), 0 if ik is None else ik.numel() * ik.element_size()
+        return 0 if kv is None else kv.numel() * kv.element_size(), 0 if ik is None else ik.numel() * ik.element_size()
 
     def nbytes(self) -> dict:
         per = [self.layer_bytes(i) for i in range(len(self.kv))]
