@@ -348,7 +348,12 @@ def load_tokenizer(path: Union[str, Path], config: Optional[dict] = None):
     path = Path(path)
     config = config if config is not None else json.loads((path / "config.json").read_text())
     if (path / "tokenizer.json").is_file():
-        return HFTokenizer(path / "tokenizer.json", config.get("bos_token_id"))
+        tok = HFTokenizer(path / "tokenizer.json", config.get("bos_token_id"))
+        size, vocab = tok.tok.get_vocab_size(with_added_tokens=True), config.get("vocab_size")
+        if isinstance(vocab, int) and size > vocab:
+            raise ValueError(f"{path / 'tokenizer.json'} has {size} tokens but the model's vocab_size is {vocab}: "
+                             "the tokenizer does not belong to this checkpoint")
+        return tok
     if config.get("indexcache_tokenizer") == "bytes":
         return ByteTokenizer(config.get("bos_token_id"), config.get("eos_token_id"))
     raise ValueError(f"{path} has no tokenizer.json (and is not marked byte-level)")

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM
+from .models import BatchMeta, DeepseekV32ForCausalLM, from_pretrained
 from .plan import build_layer_plan
 
 
@@ -27,14 +27,40 @@ from .plan import build_layer_plan
 
 def text_windows(text: bytes, context: int, max_windows: int) -> torch.Tensor:
     """Non-overlapping windows of ``context + 1`` bytes: ``LongTensor [n, context + 1]``."""
+    return _windows(list(text), context, max_windows, "bytes")
+
+
+def _windows(ids: Sequence[int], context: int, max_windows: int, unit: str) -> torch.Tensor:
     if context < 2:
         raise ValueError(f"context must be >= 2 tokens, got {context}")
-    n = min(max_windows, (len(text) - 1) // context)
+    n = min(max_windows, (len(ids) - 1) // context)
     if n < 1:
-        raise ValueError(f"the text has {len(text)} bytes, shorter than one window of {context + 1} "
-                         f"(the context plus the next byte); give a longer text or a smaller --context")
-    data = torch.frombuffer(bytearray(text[: n * context + 1]), dtype=torch.uint8).long()
+        raise ValueError(f"the text has {len(ids)} {unit}, shorter than one window of {context + 1} "
+                         f"(the context plus the next token); give a longer text or a smaller --context")
+    data = torch.tensor(ids[: n * context + 1], dtype=torch.long)
     return torch.stack([data[i * context: i * context + context + 1] for i in range(n)])
+
+
+def token_windows(text: bytes, tokenizer, context: int, max_windows: int) -> tuple[torch.Tensor, float]:
+    """Windows of ``context + 1`` tokens of ``text`` under the checkpoint's tokenizer, and the text
+    bytes per predicted token (so that a loss per token converts to bits per byte of the text).
+
+    A byte-level tokenizer (the small models this project ships) reads the bytes as they are; an
+    ``HFTokenizer`` encodes the UTF-8 text (undecodable bytes replaced) and counts, per window, the
+    bytes of the span its predicted tokens cover, from the tokenizer's character offsets.
+    """
+    from .generation import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return text_windows(text, context, max_windows), 1.0
+    s = text.decode("utf-8", errors="replace")
+    enc = tokenizer.tok.encode(s, add_special_tokens=False)
+    windows = _windows(enc.ids, context, max_windows, "tokens")
+    covered = 0
+    for i in range(windows.shape[0]):
+        first, last = i * context + 1, i * context + context  # the predicted tokens of window i
+        covered += len(s[enc.offsets[first][0]:enc.offsets[last][1]].encode("utf-8"))
+    return windows, max(covered, 1) / (windows.shape[0] * context)
 
 
 def check_dsa(model: DeepseekV32ForCausalLM) -> None:
@@ -44,8 +70,8 @@ def check_dsa(model: DeepseekV32ForCausalLM) -> None:
 
 def load_all_full(path, *, dtype=torch.float32, device="cpu", indexer_fp8=None) -> DeepseekV32ForCausalLM:
     """The checkpoint with every main layer F (IndexCache off), for search and overlap."""
-    model = DeepseekV32ForCausalLM.from_pretrained(path, hf_overrides={"use_index_cache": False}, dtype=dtype,
-                                                   device=device, indexer_fp8=indexer_fp8)
+    model = from_pretrained(path, hf_overrides={"use_index_cache": False}, dtype=dtype, device=device,
+                            indexer_fp8=indexer_fp8)
     check_dsa(model)
     return model
 
@@ -241,13 +267,13 @@ def hf_overrides_for(pattern: str) -> str:
 
 @torch.no_grad()
 def evaluate(path, overrides_list: Sequence, windows: torch.Tensor, *, dtype=torch.float32, device="cpu",
-             indexer_fp8=None, timing_repeats: int = 3) -> list:
+             indexer_fp8=None, timing_repeats: int = 3, bytes_per_token: float = 1.0) -> list:
     """Held-out loss of each ``--hf-overrides`` (dict or JSON string; None = the checkpoint as is),
-    with the prefill time of one full-context window relative to the first entry."""
+    with the prefill time of one full-context window relative to the first entry. Perplexity is
+    per token; bits per byte divide by ``bytes_per_token`` (see :func:`token_windows`)."""
     rows = []
     for ov in overrides_list:
-        model = DeepseekV32ForCausalLM.from_pretrained(path, hf_overrides=ov, dtype=dtype, device=device,
-                                                       indexer_fp8=indexer_fp8)
+        model = from_pretrained(path, hf_overrides=ov, dtype=dtype, device=device, indexer_fp8=indexer_fp8)
         check_dsa(model)
         runner = PatternRunner(model, windows)
         nats = cross_entropy(model, model.forward_tokens(runner.inputs, runner.meta), runner.targets)
@@ -261,7 +287,7 @@ def evaluate(path, overrides_list: Sequence, windows: torch.Tensor, *, dtype=tor
         rows.append({"hf_overrides": ov if isinstance(ov, (str, type(None))) else json.dumps(ov),
                      "pattern": model.plan.pattern, "num_full": model.plan.num_full,
                      "indexers_kept": model.plan.num_full / model.plan.num_hidden_layers,
-                     "loss_nats": nats, "perplexity": math.exp(nats), "bits_per_byte": nats / math.log(2),
+                     "loss_nats": nats, "perplexity": math.exp(nats), "bits_per_byte": nats / math.log(2) / bytes_per_token,
                      "prefill_s": min(times), "context": int(one.shape[1])})
     base = rows[0]["prefill_s"] if rows else 1.0
     for r in rows:
