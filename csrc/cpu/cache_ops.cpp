@@ -60,7 +60,11 @@ inline float quantize_group(const void* src, DType dt, int64_t offset, float eps
   }
   if (hadamard) hadamard_128_inplace(buf);
   float amax = 0.f;
-  for (int i = 0; i < kQuantGroup; ++i) amax = std::max(amax, std::fabs(buf[i]));
+  for (int i = 0; i < kQuantGroup; ++i) amax = nan_max(amax, std::fabs(buf[i]));
+  if (!is_finite_f(amax)) {  // a NaN or inf in the group: NaN scale and values (docs/ops.md)
+    std::memset(dst, kE4m3NaN, kQuantGroup);
+    return quiet_nan();
+  }
   const float scale = ue8m0_scale(amax, eps);
   const float inv = 1.0f / scale;  // exact: scale is a power of two
   if (quant_use_avx512()) {
@@ -110,7 +114,12 @@ void mla_insert_cpu(const MlaInsertParams& p) {
         for (int g = 0; g < kMlaLatent / kQuantGroup; ++g) {
           float amax = 0.f;
           for (int j = 0; j < kQuantGroup; ++j)
-            amax = std::max(amax, std::fabs(load_value(p.kv_c, p.src_dtype, i * kMlaLatent + g * kQuantGroup + j)));
+            amax = nan_max(amax, std::fabs(load_value(p.kv_c, p.src_dtype, i * kMlaLatent + g * kQuantGroup + j)));
+          if (!is_finite_f(amax)) {  // NaN scale and values, as quantize_fp8 (docs/ops.md)
+            scales[g] = quiet_nan();
+            std::memset(row + g * kQuantGroup, kE4m3NaN, kQuantGroup);
+            continue;
+          }
           const float scale = std::max(amax, kMlaFp8Eps) / kFp8Max;
           scales[g] = scale;
           for (int j = 0; j < kQuantGroup; ++j) {

@@ -173,8 +173,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void heads_bf16(co
   const __m512 zero = _mm512_setzero_ps();
   for (int i = 0; i < HB; ++i) {
     const __m512 wv = _mm512_set1_ps(w[i]);
-    o0 = _mm512_fmadd_ps(_mm512_max_ps(acc0[i], zero), wv, o0);
-    o1 = _mm512_fmadd_ps(_mm512_max_ps(acc1[i], zero), wv, o1);
+    // max_ps returns its second operand when either is NaN: ReLU keeps a NaN dot.
+    o0 = _mm512_fmadd_ps(_mm512_max_ps(zero, acc0[i]), wv, o0);
+    o1 = _mm512_fmadd_ps(_mm512_max_ps(zero, acc1[i]), wv, o1);
   }
 }
 
@@ -203,7 +204,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void score_tile_f32
       for (int j = 0; j < kTile; ++j) acc[j] += qv * kt[c * kTile + j];
     }
     const float w = q.w[hh];
-    for (int j = 0; j < kTile; ++j) o[j] += w * (acc[j] > 0.f ? acc[j] : 0.f);
+    for (int j = 0; j < kTile; ++j) o[j] += w * (acc[j] < 0.f ? 0.f : acc[j]);  // NaN kept
   }
   for (int j = 0; j < kTile; ++j) out[j] = o[j] * t.scale[j];
 }
@@ -255,7 +256,7 @@ void write_short_row(int32_t* out, int64_t window, const TopkOut& o) {
 // even when there are few rows (decode), while each split keeps >= kMinSplitKeys keys.
 int64_t key_splits(int64_t row_blocks, int64_t keys) {
   const int64_t threads = at::get_num_threads();
-  if (row_blocks >= 2 * threads) return 1;
+  if (row_blocks == 0 || row_blocks >= 2 * threads) return 1;  // 0: an empty batch (was a SIGFPE)
   const int64_t want = (2 * threads + row_blocks - 1) / row_blocks;
   return std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinSplitKeys));
 }
@@ -433,7 +434,11 @@ __attribute__((target("avx512f"))) int64_t filter_at_least_avx512(const float* x
     const __m512i u = _mm512_loadu_si512(x + i);
     // order_key: negative -> ~u, else u | sign.
     const __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-    const __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), neg, u, all);
+    __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), neg, u, all);
+    // As order_key: -0 is +0, every NaN is the largest key.
+    key = _mm512_mask_mov_epi32(key, _mm512_cmpeq_epi32_mask(u, sign), sign);
+    const __m512 xf = _mm512_castsi512_ps(u);
+    key = _mm512_mask_mov_epi32(key, _mm512_cmp_ps_mask(xf, xf, _CMP_UNORD_Q), all);
     const __mmask16 keep = _mm512_cmpge_epu32_mask(key, fl);
     if (keep) {
       // Compress in registers and store whole vectors (the buffers have 16 spare slots):

@@ -10,10 +10,14 @@
 namespace indexcache {
 namespace cpu {
 
-// Larger float -> larger key; NaN (positive) sorts above +inf, as in torch.sort.
+// Larger float -> larger key. As in torch.sort, every NaN (either sign, any payload) sorts
+// above +inf and all NaNs are equal, and -0 equals +0, so ties among them go to the lower
+// position (x86 makes negative NaNs, e.g. inf - inf, and ReLU-weighted sums make -0).
 inline uint32_t order_key(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFFFFFu;
+  if (u == 0x80000000u) u = 0;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 

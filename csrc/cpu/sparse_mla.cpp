@@ -71,12 +71,21 @@ void store_out(const SparseMlaParams& p, int64_t i, float v) {
   }
 }
 
-// Softmax over scores [nh][n] in place -> probabilities; writes lse per head.
+// Softmax over scores [nh][n] in place -> probabilities; writes lse per head, NaN for a
+// head with a non-finite score (the caller then writes NaN out; docs/ops.md).
 void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse) {
   for (int64_t hh = 0; hh < nh; ++hh) {
     float* row = s + hh * ld;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
+    float z = 0.f;  // 0, or NaN once a score is NaN or +-inf (x - x)
+    for (int64_t j = 0; j < n; ++j) {
+      m = std::max(m, row[j]);
+      z += row[j] - row[j];
+    }
+    if (z != z) {
+      lse[hh] = quiet_nan();
+      continue;
+    }
     double sum = 0.0;
     for (int64_t j = 0; j < n; ++j) {
       row[j] = std::exp(row[j] - m);
@@ -218,10 +227,17 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
     for (; j + 8 <= n; j += 8) qk_keys<8>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
     for (; j < n; ++j) qk_keys<1>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
     // Softmax over keys, 32 heads at a time.
+    // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
+    // out and lse (docs/ops.md), one subtraction per score instead of a pass over the inputs.
     __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0;
     for (int64_t k = 0; k < n; ++k) {
-      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(st.data() + k * kLaneHeads));
-      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(st.data() + k * kLaneHeads + 16));
+      const __m512 v0 = _mm512_loadu_ps(st.data() + k * kLaneHeads);
+      const __m512 v1 = _mm512_loadu_ps(st.data() + k * kLaneHeads + 16);
+      m0 = _mm512_max_ps(m0, v0);
+      m1 = _mm512_max_ps(m1, v1);
+      z0 = _mm512_add_ps(z0, _mm512_sub_ps(v0, v0));
+      z1 = _mm512_add_ps(z1, _mm512_sub_ps(v1, v1));
     }
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; ++k) {
@@ -232,7 +248,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
       s0 = _mm512_add_ps(s0, e0);
       s1 = _mm512_add_ps(s1, e1);
     }
-    alignas(64) float mx[kLaneHeads], sum[kLaneHeads];
+    alignas(64) float mx[kLaneHeads], sum[kLaneHeads], bad[kLaneHeads];
+    _mm512_store_ps(bad, z0);
+    _mm512_store_ps(bad + 16, z1);
     _mm512_store_ps(mx, m0);
     _mm512_store_ps(mx + 16, m1);
     _mm512_store_ps(sum, s0);
@@ -261,6 +279,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
     const int64_t nh = std::min<int64_t>(kLaneHeads, p.h_q - h0);
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = h0 + hh;
+      if (bad[hh] != bad[hh]) {
+        p.lse[t * p.h_q + h] = quiet_nan();
+        for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, quiet_nan());
+        continue;
+      }
       p.lse[t * p.h_q + h] = mx[hh] + std::log(sum[hh]);
       for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, ot[c * kLaneHeads + hh]);
     }
@@ -295,7 +318,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
     }
   for (int64_t i = 0; i < nh; ++i) {
     p.lse[t * p.h_q + h0 + i] = lse[i];
-    for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h0 + i) * p.d_v + c, o[i * p.d_v + c]);
+    const bool bad = lse[i] != lse[i];  // a non-finite score (softmax_rows)
+    for (int64_t c = 0; c < p.d_v; ++c)
+      store_out(p, (t * p.h_q + h0 + i) * p.d_v + c, bad ? quiet_nan() : o[i * p.d_v + c]);
   }
 }
 

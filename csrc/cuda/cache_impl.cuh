@@ -48,7 +48,7 @@ __device__ __forceinline__ void load4(const void* src, DType dt, int64_t offset,
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, o));
+  for (int o = 16; o > 0; o >>= 1) x = nan_max(x, __shfl_xor_sync(kFullMask, x, o));  // NaN kept
   return x;
 }
 
@@ -83,13 +83,15 @@ __device__ __forceinline__ float quantize_group_warp(const void* src, DType dt, 
   if (hadamard) hadamard_warp(v);
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < 4; ++i) amax = nan_max(amax, fabsf(v[i]));
   amax = warp_max(amax);
-  const float scale = ue8m0_scale(amax, eps);
+  // A NaN or inf in the group: NaN scale and NaN bytes (docs/ops.md), as on the CPU.
+  const bool bad = !is_finite_f(amax);
+  const float scale = bad ? quiet_nan() : ue8m0_scale(amax, eps);
   const float inv = 1.0f / scale;  // exact: a power of two
   uint8_t b[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) b[i] = float_to_e4m3(v[i] * inv);
+  for (int i = 0; i < 4; ++i) b[i] = bad ? kE4m3NaN : float_to_e4m3(v[i] * inv);
   uint8_t* d = dst + 4 * lane_id();
   if (vec_out) {
     *reinterpret_cast<uint32_t*>(d) = static_cast<uint32_t>(b[0]) | (static_cast<uint32_t>(b[1]) << 8) |
@@ -142,11 +144,12 @@ __global__ void __launch_bounds__(kThreads) mla_insert_kernel(MlaInsertParams p)
       for (int j = 0; j < 4; ++j) v[j] = load_value(p.kv_c, p.src_dtype, i * kMlaLatent + g * kQuantGroup + 4 * lane + j);
       float amax = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
+      for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[j]));
       amax = warp_max(amax);
-      const float scale = (amax < kMlaFp8Eps ? kMlaFp8Eps : amax) / kFp8Max;  // std::max(amax, eps) / 448
+      const bool bad = !is_finite_f(amax);  // NaN scale and bytes, as quantize (docs/ops.md)
+      const float scale = bad ? quiet_nan() : (amax < kMlaFp8Eps ? kMlaFp8Eps : amax) / kFp8Max;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) row[g * kQuantGroup + 4 * lane + j] = float_to_e4m3(v[j] / scale);
+      for (int j = 0; j < 4; ++j) row[g * kQuantGroup + 4 * lane + j] = bad ? kE4m3NaN : float_to_e4m3(v[j] / scale);
       if (lane == 0) store_f32_bytes(row + kMlaLatent + 4 * g, scale);
     }
     uint8_t* rope = row + kMlaLatent + 16;

@@ -32,11 +32,17 @@ __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x &
 __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
 __device__ __forceinline__ uint32_t lanemask_lt() { return (1u << lane_id()) - 1u; }
 
-// Larger float -> larger key; NaN (sign clear) sorts above +inf, as on the CPU (select.h).
+// Larger float -> larger key; every NaN sorts above +inf (all NaNs equal) and -0 == +0, as
+// in torch.sort and on the CPU (select.h).
 __device__ __forceinline__ uint32_t order_key(float f) {
-  const uint32_t u = __float_as_uint(f);
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFFFFFu;
+  if (u == 0x80000000u) u = 0;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+
+// ReLU that keeps NaN (fmaxf(x, 0) would turn it into 0; docs/ops.md, non-finite inputs).
+__device__ __forceinline__ float relu_nan(float x) { return x < 0.f ? 0.f : x; }
 
 // Unaligned-safe 4-byte float load (cache scales live at byte offsets).
 __device__ __forceinline__ float load_f32_bytes(const uint8_t* p) {

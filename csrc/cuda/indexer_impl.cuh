@@ -260,8 +260,8 @@ __device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* 
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          part[nt][e] = fmaf(wl, fmaxf(acc[nt][e], 0.f), part[nt][e]);      // head mt*16 + g
-          part[nt][e] = fmaf(wh, fmaxf(acc[nt][e + 2], 0.f), part[nt][e]);  // head mt*16 + g + 8
+          part[nt][e] = fmaf(wl, relu_nan(acc[nt][e]), part[nt][e]);      // head mt*16 + g
+          part[nt][e] = fmaf(wh, relu_nan(acc[nt][e + 2]), part[nt][e]);  // head mt*16 + g + 8
         }
       }
     }
@@ -297,7 +297,7 @@ __device__ __forceinline__ void score_tile_fma(const float* qs, const float* ws,
       float d = 0.f;
 #pragma unroll 8
       for (int c = 0; c < kD; ++c) d = fmaf(qh[c], kr[c], d);
-      acc = fmaf(ws[rr * h + hh], fmaxf(d, 0.f), acc);
+      acc = fmaf(ws[rr * h + hh], relu_nan(d), acc);
     }
     tmp[(rr * 2 + par) * kKeyTile + j] = acc;
   }

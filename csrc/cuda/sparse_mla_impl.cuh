@@ -43,6 +43,7 @@ struct MlaMmaSmem {
   float alpha[kMlaHeads];
   float m[kMlaHeads];
   float l[kMlaHeads];
+  int32_t bad[kMlaHeads];  // a non-finite score was seen: out and lse are NaN (docs/ops.md)
   int32_t list[kMmaThreads];
   uint32_t scan[32];
 };
@@ -54,6 +55,7 @@ struct MlaFmaSmem {
   float alpha[kMlaHeads];
   float m[kMlaHeads];
   float l[kMlaHeads];
+  int32_t bad[kMlaHeads];
   int32_t list[kFmaThreads];
   uint32_t scan[32];
 };
@@ -163,10 +165,12 @@ __global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaPa
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
   float m_run[4], l_run[4];  // heads 4 * warp + i (the softmax owner of each head)
+  bool bad_run[4];          // a valid key's score was NaN or +-inf
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     m_run[i] = -__int_as_float(0x7f800000);
     l_run[i] = 0.f;
+    bad_run[i] = false;
   }
 
   for (int64_t c0 = 0; c0 < p.topk; c0 += kMmaThreads) {
@@ -205,6 +209,7 @@ __global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaPa
         const int hh = warp * 4 + i;
         const bool valid = lane < nk;
         float s = (((sm.sp[0][hh][lane] + sm.sp[1][hh][lane]) + sm.sp[2][hh][lane]) + sm.sp[3][hh][lane]) * p.sm_scale;
+        bad_run[i] = bad_run[i] || __ballot_sync(kFullMask, valid && !is_finite_f(s)) != 0u;
         s = valid ? s : -__int_as_float(0x7f800000);
         const float m_new = fmaxf(m_run[i], warp_max_f(s));
         const float alpha = expf(m_run[i] - m_new);
@@ -245,13 +250,15 @@ __global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaPa
     for (int i = 0; i < 4; ++i) {
       sm.m[warp * 4 + i] = m_run[i];
       sm.l[warp * 4 + i] = l_run[i];
+      sm.bad[warp * 4 + i] = bad_run[i] ? 1 : 0;
     }
   }
   __syncthreads();
   const float ninf = -__int_as_float(0x7f800000);
   if (threadIdx.x < nh) {
     const float l = sm.l[threadIdx.x];
-    p.lse[t * p.h_q + h0 + threadIdx.x] = l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf;
+    p.lse[t * p.h_q + h0 + threadIdx.x] =
+        sm.bad[threadIdx.x] ? quiet_nan() : (l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf);
   }
   uint16_t* out = static_cast<uint16_t*>(p.out);
 #pragma unroll
@@ -259,7 +266,8 @@ __global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaPa
     const int hh = g + 8 * half;
     if (hh >= nh) continue;
     const float l = sm.l[hh];
-    const float inv = l > 0.f ? 1.0f / l : 0.f;
+    // NaN times anything is NaN: a bad head's whole row comes out NaN.
+    const float inv = sm.bad[hh] ? quiet_nan() : (l > 0.f ? 1.0f / l : 0.f);
     uint16_t* orow = out + (t * p.h_q + h0 + hh) * p.d_v;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
@@ -294,6 +302,7 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
   // Thread (head hh, key j) in the score phase; columns tid, tid + 256 in the P V phase.
   const int hh = threadIdx.x / kFmaKeys, j = threadIdx.x % kFmaKeys;
   float m_run = -__int_as_float(0x7f800000), l_run = 0.f;
+  int bad_run = 0;  // a valid key's score was NaN or +-inf
   float acc[kMlaHeads][2];
 #pragma unroll
   for (int h = 0; h < kMlaHeads; ++h) acc[h][0] = acc[h][1] = 0.f;
@@ -315,8 +324,13 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
       const float s = valid ? d * p.sm_scale : -__int_as_float(0x7f800000);
       // The 16 threads of head hh are 16 consecutive lanes of one warp.
       float mx = s;
+      int bad = valid && !is_finite_f(s) ? 1 : 0;
 #pragma unroll
-      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+      for (int o = 8; o > 0; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+        bad |= __shfl_xor_sync(kFullMask, bad, o);
+      }
+      bad_run |= bad;
       const float m_new = fmaxf(m_run, mx);
       const float alpha = expf(m_run - m_new);
       float e = valid ? expf(s - m_new) : 0.f;
@@ -346,12 +360,14 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
   if (j == 0) {
     sm.m[hh] = m_run;
     sm.l[hh] = l_run;
+    sm.bad[hh] = bad_run;
   }
   __syncthreads();
   const float ninf = -__int_as_float(0x7f800000);
   if (threadIdx.x < nh) {
     const float l = sm.l[threadIdx.x];
-    p.lse[t * p.h_q + h0 + threadIdx.x] = l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf;
+    p.lse[t * p.h_q + h0 + threadIdx.x] =
+        sm.bad[threadIdx.x] ? quiet_nan() : (l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf);
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -361,7 +377,7 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
     for (int h = 0; h < kMlaHeads; ++h) {
       if (h >= nh) continue;
       const float l = sm.l[h];
-      const float v = l > 0.f ? acc[h][i] / l : 0.f;
+      const float v = sm.bad[h] ? quiet_nan() : (l > 0.f ? acc[h][i] / l : 0.f);
       const int64_t at = (t * p.h_q + h0 + h) * p.d_v + c;
       if (q32) {
         static_cast<float*>(p.out)[at] = v;

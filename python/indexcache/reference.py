@@ -6,6 +6,10 @@ Written for clarity, not speed. Conventions (DESIGN.md §3–§5):
   resolved toward lower positions and the selected set is unique. Output rows list the
   selected request-relative positions in ascending order, then ``-1`` padding.
 - FP8 is ``torch.float8_e4m3fn`` (max 448); indexer scales are powers of two (ue8m0).
+- Non-finite inputs (docs/ops.md has the table): a quantization group holding a NaN or
+  +-inf gets a NaN scale and NaN values; indexer scores follow IEEE fp32 arithmetic with a
+  ReLU that keeps NaN; top-k sorts every NaN above +inf (as ``torch.sort``); sparse MLA makes
+  ``out``/``lse`` of a (row, head) NaN when one of its valid keys' scores is NaN or +-inf.
 """
 
 from __future__ import annotations
@@ -61,9 +65,11 @@ def quantize_fp8(x: torch.Tensor, eps: float, hadamard: bool = False) -> tuple[t
     """
     xf = hadamard_128(x) if hadamard else x.float()
     groups = xf.reshape(*x.shape[:-1], x.shape[-1] // QUANT_GROUP, QUANT_GROUP)
-    scale = ue8m0_scale(groups.abs().amax(dim=-1), eps)
-    values = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape)
-    return values, scale
+    amax = groups.abs().amax(dim=-1)  # NaN if the group holds one
+    bad = ~torch.isfinite(amax)  # a NaN or inf in the group: NaN scale and values
+    scale = torch.where(bad, torch.full_like(amax, math.nan), ue8m0_scale(amax, eps))
+    values = torch.where(bad.unsqueeze(-1), torch.full_like(groups, math.nan), groups / scale.unsqueeze(-1))
+    return values.to(torch.float8_e4m3fn).reshape(x.shape), scale
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -123,7 +129,7 @@ def indexer_logits(q, k, k_scale, weights, ks, ke) -> torch.Tensor:
     ks, ke int32 ``[s_q]``. Returns fp32 ``[s_q, s_kv]``, -inf outside each row's window.
     """
     dots = torch.einsum("thd,sd->ths", q.float(), k.float())
-    logits = (dots.relu() * weights.float().unsqueeze(-1)).sum(dim=1)
+    logits = (dots.relu() * weights.float().unsqueeze(-1)).sum(dim=1)  # relu keeps NaN
     if k_scale is not None:
         logits = logits * k_scale.float().unsqueeze(0)
     cols = torch.arange(k.shape[0], device=q.device)
@@ -229,8 +235,11 @@ def mla_kv_cache_insert(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: to
             continue
         if cache.dtype == torch.uint8:
             groups = kv_c[i].float().reshape(4, QUANT_GROUP)
-            scale = torch.clamp(groups.abs().amax(dim=-1), min=MLA_FP8_EPS) / FP8_MAX
-            vals = (groups / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(-1)
+            amax = groups.abs().amax(dim=-1)
+            bad = ~torch.isfinite(amax)  # NaN scale and values, as quantize_fp8
+            scale = torch.where(bad, torch.full_like(amax, math.nan), torch.clamp(amax, min=MLA_FP8_EPS) / FP8_MAX)
+            vals = torch.where(bad.unsqueeze(-1), torch.full_like(groups, math.nan), groups / scale.unsqueeze(-1))
+            vals = vals.to(torch.float8_e4m3fn).reshape(-1)
             flat[slot, :MLA_LATENT] = vals.view(torch.uint8)
             flat[slot, MLA_LATENT:MLA_LATENT + 16] = scale.view(torch.uint8)
             flat[slot, MLA_LATENT + 16:] = k_pe[i].to(torch.bfloat16).view(torch.uint8)
@@ -269,16 +278,21 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     q ``[s_q, h_q, 576]`` (bf16/fp32); kv_cache as :func:`mla_kv_cache_insert`; indices int32
     ``[s_q, topk]`` physical slots, -1 = none. Returns ``out [s_q, h_q, d_v]`` in q's dtype
     and ``lse`` fp32 ``[s_q, h_q]`` (natural log of the softmax denominator of the scaled
-    scores); a row with no valid slot gives out 0 and lse -inf.
+    scores); a row with no valid slot gives out 0 and lse -inf. A (row, head) with a valid
+    slot whose score is NaN or +-inf (a NaN/inf in q[t, h] or in a selected cache row, or an
+    fp32 overflow) gets NaN in all of out[t, h] and in lse[t, h].
     """
     kv = mla_kv_cache_dequant(kv_cache)
     idx = indices.long()
     valid = idx >= 0
-    gathered = kv[idx.clamp(min=0)]  # [s_q, topk, 576]
+    # -1 entries read nothing: a NaN in whatever row they would point at must not leak in.
+    gathered = torch.where(valid.unsqueeze(-1), kv[idx.clamp(min=0)], torch.zeros(()))  # [s_q, topk, 576]
     scores = torch.einsum("thd,tkd->thk", q.float(), gathered) * sm_scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), -math.inf)
+    bad = (~torch.isfinite(scores) & valid.unsqueeze(1)).any(dim=-1)  # [s_q, h_q]
+    scores = scores.masked_fill(~valid.unsqueeze(1) | bad.unsqueeze(-1), -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no valid slot: exp(-inf - -inf)
+    probs = torch.nan_to_num(torch.exp(scores - lse.unsqueeze(-1)), nan=0.0)  # all -inf: exp(-inf - -inf)
     out = torch.einsum("thk,tkd->thd", probs, gathered[..., :d_v])
+    out = torch.where(bad.unsqueeze(-1), torch.full_like(out, math.nan), out)
+    lse = torch.where(bad, torch.full_like(lse, math.nan), lse)
     return out.to(q.dtype), lse

@@ -88,6 +88,16 @@ IC_HD uint16_t float_to_bf16(float f) {
 }
 IC_HD float bf16_to_float(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
 
+// Non-finite inputs (docs/ops.md, "Non-finite inputs"): a quantization group whose values
+// are not all finite gets a NaN scale and NaN (0x7F) bytes, so the blow-up reaches every
+// output that reads the group instead of being clipped to a finite scale.
+constexpr uint8_t kE4m3NaN = 0x7F;
+IC_HD float quiet_nan() { return bits_f32(0x7FC00000u); }
+// False for NaN and +-inf.
+IC_HD bool is_finite_f(float x) { return (f32_bits(x) & 0x7FFFFFFFu) < 0x7F800000u; }
+// max(a, b) that keeps a NaN of either operand (fmaxf / std::max drop it).
+IC_HD float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
 // 2^ceil(log2(max(amax, eps) / 448)), exact (no log2 rounding at powers of two).
 IC_HD float ue8m0_scale(float amax, float eps) {
   const float r = (amax > eps ? amax : eps) / kFp8Max;
