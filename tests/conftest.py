@@ -1,7 +1,30 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+# Property-based fuzzing (tests/test_fuzz.py, csrc/tests/cuda_emu/test_emu_fuzz.py). Failing
+# examples are kept in a git-ignored database and replayed first on the next run. "default"
+# sizes CI (a few hundred examples per op, ~3 minutes on 2 cores in all); "long" runs
+# thousands per op: `python -m pytest -q tests/test_fuzz.py --hypothesis-profile=long`.
+_DB = DirectoryBasedExampleDatabase(str(Path(__file__).resolve().parents[1] / ".hypothesis" / "examples"))
+_COMMON = dict(deadline=None, database=_DB, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
+settings.register_profile("default", max_examples=150, **_COMMON)
+settings.register_profile("long", max_examples=3000, **_COMMON)
+
+
+def pytest_configure(config):
+    # Hypothesis loads its "ci" profile when CI is set (.ci/run sets it), and this conftest is
+    # imported after its plugin reads --hypothesis-profile: load ours explicitly.
+    name = config.getoption("hypothesis_profile", default=None) or os.environ.get("INDEXCACHE_HYPOTHESIS_PROFILE", "default")
+    settings.load_profile(name)
 
 
 def pytest_generate_tests(metafunc):
