@@ -7,7 +7,7 @@ and top-k rows on every rank, and hold only its share of the parameters. One spa
 runs all world-size-2 layouts in turn; one spawn of 4 runs TP 2 x PP 2.
 """
 
-import os
+import json
 import traceback
 
 import pytest
@@ -30,8 +30,8 @@ CFG = tiny_config(
 )
 FREQ2 = {"use_index_cache": True, "index_topk_freq": 2}   # 6 layers -> FFSFSF
 FREQ4 = {"use_index_cache": True, "index_topk_freq": 4}   # 6 layers -> FFSSSF: stage 1 of PP 2 starts on S (layer 3)
-PROMPTS = [[(7 * i + 3) % 97 for i in range(40)], [(5 * i + 11) % 97 for i in range(29)]]
-IDS = torch.tensor([[(3 * i + 1) % 97 for i in range(48)]])
+PROMPTS = [[(7 * i + 3) % 97 for i in range(30)], [(5 * i + 11) % 97 for i in range(21)]]  # > index_topk 16
+IDS = torch.tensor([[(3 * i + 1) % 97 for i in range(40)]])
 LOAD = dict(dtype=torch.float32, indexer_fp8=False)
 
 # (name, overrides, tp, pp, extra from_pretrained keywords) run in one world of 2
@@ -52,8 +52,8 @@ def rel(a, b):
 def _outputs(model):
     logits = model(IDS)
     rows = model.topk_buffer[:IDS.numel()].clone()
-    plain = generate(model, PROMPTS, 6).tokens
-    mtp = generate(model, PROMPTS, 6, num_speculative_tokens=2).tokens
+    plain = generate(model, PROMPTS, 5).tokens
+    mtp = generate(model, PROMPTS, 5, num_speculative_tokens=2).tokens
     return {"logits": logits, "rows": rows, "plain": plain, "mtp": mtp}
 
 
@@ -118,13 +118,13 @@ def setup(tmp_path_factory):
     src = DeepseekV32ForCausalLM.from_config(CFG, dtype=torch.float32, indexer_fp8=False, seed=1)
     src.save_pretrained(tmp / "ckpt", max_shard_bytes=300_000)
     src.save_pretrained(tmp / "fp8", fp8=True)
-    # mismatching checkpoints for the error checks
-    DeepseekV32ForCausalLM.from_config(tiny_config(**{**CFG, "num_hidden_layers": 1, "num_nextn_predict_layers": 0}),
-                                       dtype=torch.float32).save_pretrained(tmp / "few_layers")
-    DeepseekV32ForCausalLM.from_config(tiny_config(**{**CFG, "num_attention_heads": 3}),
-                                       dtype=torch.float32).save_pretrained(tmp / "odd_heads")
-    DeepseekV32ForCausalLM.from_config(tiny_config(**{**CFG, "n_routed_experts": 6, "n_group": 3, "topk_group": 2}),
-                                       dtype=torch.float32).save_pretrained(tmp / "odd_experts")
+    # mismatching checkpoints for the error checks: config.json and no weights at all, so an error
+    # that comes "before any weight is read" is the only error they can give
+    for name, change in (("few_layers", {"num_hidden_layers": 1, "num_nextn_predict_layers": 0}),
+                         ("odd_heads", {"num_attention_heads": 3}),
+                         ("odd_experts", {"n_routed_experts": 5, "n_group": 1, "topk_group": 1})):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(tiny_config(**{**CFG, **change})))
     src.save_pretrained(tmp / "missing_shard", max_shard_bytes=300_000)
     shards = sorted((tmp / "missing_shard").glob("model-*.safetensors"))
     shards[-1].unlink()
@@ -181,11 +181,12 @@ def test_world_2_tp_ep_pp(setup):
     # the engines' fallback forces layer 3 to F: a different plan, still the single-process result of that plan
     assert outs[0]["pp2_stage_full"]["pattern"] == "FFSFSF"
     errors = outs[0]["errors"]
+    shards = sorted((tmp / "ckpt").glob("model-*.safetensors"))  # the same sharding as missing_shard's
     assert "world size 2 != tp_size 2 x pp_size 2" in errors["world"]
     assert "num_hidden_layers 1 is fewer than pp_size 2" in errors["layers"]
     assert "num_attention_heads 3 is not divisible by tp_size 2" in errors["heads"]
-    assert "n_routed_experts 6 is not divisible by tp_size 2" in errors["experts"]
-    assert "missing" in errors["shard"] and "model-0000" in errors["shard"]
+    assert "n_routed_experts 5 is not divisible by tp_size 2" in errors["experts"]
+    assert "which is missing" in errors["shard"] and shards[-1].name in errors["shard"]
 
 
 def test_world_4_tp2_pp2(setup):

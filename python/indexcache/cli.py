@@ -31,6 +31,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.config is None and args.layers is None:
         raise ValueError("give --config PATH or --layers N")
+    if args.gpu_mem and args.config is None:
+        raise ValueError("--gpu-mem needs --config (the model's widths)")
+    if args.tp < 1 or args.pp < 1:
+        raise ValueError("--tp and --pp must be >= 1")
     config = _load_config_file(args.config) if args.config else {}
     if args.layers is not None:
         config["num_hidden_layers"] = args.layers
@@ -47,8 +51,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
         layers.append({"layer": layer, "type": "S" if skip else "F", "source_layer": src,
                        "mtp": layer >= plan.num_hidden_layers})
+    scaleout = _scaleout(args, config, plan) if args.pp > 1 or args.tp > 1 or args.gpu_mem else None
     if args.json:
         print(json.dumps({
+            "scaleout": scaleout,
             "pattern": plan.pattern,
             "num_full": plan.num_full,
             "num_shared": plan.num_shared,
@@ -85,7 +91,69 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  {label:<50} {_human(c['all_f'], unit):>12} -> {_human(c['plan'], unit):>12}"
               f"  (removes {_human(c['removed'], unit)}, {100 * c['removed_fraction']:.1f}%)")
     print(f"--hf-overrides '{cfg.hf_overrides_json()}'")
+    if scaleout:
+        _print_scaleout(scaleout)
     return 0
+
+
+def _scaleout(args, config: dict, plan) -> dict:
+    """Pipeline stages of the plan as given (top-k rows handed to a stage that begins on S) and of
+    the engines' fallback (each stage's first layer forced F); per-GPU memory with --gpu-mem."""
+    from .parallel import stage_bounds, stage_start_full_pattern, scaleout_budget
+    from .plan import build_layer_plan, indexer_costs
+
+    L, mtp = plan.num_hidden_layers, plan.num_nextn_predict_layers
+    bounds = stage_bounds(L, args.pp)
+    full_first = stage_start_full_pattern(plan.pattern, L, args.pp)
+    fallback = plan if full_first == plan.pattern else build_layer_plan(L, mtp, use_index_cache=True,
+                                                                       index_topk_pattern=full_first)
+    dims = {k: config[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in config}
+    topk = int(config.get("index_topk", 2048))
+    plans = {}
+    for name, p in (("handoff", plan), ("stage_starts_full", fallback)):
+        handoffs = [b for b in bounds[1:-1] if p.skip_topk[b]]
+        entry = {"pattern": p.pattern, "num_full": p.num_full, "num_shared": p.num_shared,
+                 "costs": indexer_costs(p, args.context, dims),
+                 "stages_starting_on_s": handoffs, "topk_bytes_per_token_handed_off": 4 * topk * len(handoffs)}
+        if args.gpu_mem:
+            entry["memory"] = scaleout_budget(config, p.skip_topk, args.tp, args.pp, args.gpu_mem * 1e9,
+                                              args.kv_cache_dtype)
+        plans[name] = entry
+    out = {"tp": args.tp, "pp": args.pp, "stage_bounds": bounds, "plans": plans}
+    if args.gpu_mem:
+        all_f = build_layer_plan(L, mtp)
+        out["all_f_memory"] = scaleout_budget(config, all_f.skip_topk, args.tp, args.pp, args.gpu_mem * 1e9,
+                                              args.kv_cache_dtype)
+    return out
+
+
+def _print_scaleout(so: dict) -> None:
+    print(f"\nScale-out: tp {so['tp']} x pp {so['pp']}; stages start at layers {so['stage_bounds'][:-1]}")
+    names = ("handoff", "stage_starts_full") if so["pp"] > 1 else ("handoff",)
+    for name, label in (("handoff", "as given, top-k rows handed to the next stage"),
+                        ("stage_starts_full", "engines' fallback, each stage's first layer F"))[:len(names)]:
+        e = so["plans"][name]
+        c = e["costs"]
+        print(f"  {label}: {e['pattern']} ({e['num_full']} F / {e['num_shared']} S)")
+        print(f"    indexer FLOPs per generated token {_human(c['decode_flops_per_token']['plan'], 'FLOP')}, "
+              f"index-K per sequence {_human(c['index_k_cache_bytes_per_sequence']['plan'], 'B')}, "
+              f"top-k rows handed off {e['topk_bytes_per_token_handed_off']} B/token "
+              f"(stages starting on S: {e['stages_starting_on_s'] or 'none'})")
+    if "all_f_memory" not in so:
+        return
+    base = so["all_f_memory"]
+    print(f"  per GPU ({base['gpu_bytes'] / 1e9:.0f} GB, KV cache {base['kv_cache_dtype']}; activations not counted):")
+    print(f"    {'plan':<18} {'stage':>5} {'weights':>11} {'KV B/token':>11} {'index-K B/token':>16} {'tokens fit':>12}")
+    rows = [("all F", base)] + [(n if so["pp"] > 1 else "plan", so["plans"][n]["memory"]) for n in names]
+    for name, m in rows:
+        for st in m["stages"]:
+            print(f"    {name:<18} {st['stage']:>5} {_human(st['weight_bytes'], 'B'):>11} {st['kv_bytes_per_token']:>11} "
+                  f"{st['index_k_bytes_per_token']:>16} {st['tokens_fit']:>12}")
+    for name in names:
+        m = so["plans"][name]["memory"]
+        more = m["tokens_fit"] - base["tokens_fit"]
+        print(f"    {name if so['pp'] > 1 else 'plan'}: {m['tokens_fit']} tokens of context per GPU, {more:+d} against all F "
+              f"({100 * more / max(base['tokens_fit'], 1):+.1f}%)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-overrides", default=None, help="JSON object, as vLLM's --hf-overrides")
     p.add_argument("--context", type=int, default=131072, help="context length T for the cost estimate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (per-GPU memory)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: the plan as given and the engines' fallback")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
+                   help="GPU memory (10^9 bytes): weights, cache bytes per token and tokens that fit per GPU "
+                        "(needs --config)")
+    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "bf16"],
+                   help="MLA cache format for --gpu-mem")
     p.set_defaults(func=cmd_plan)
     from .generate_cli import add_generate_parser
 

@@ -36,6 +36,12 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    help="also run with these --hf-overrides (repeatable) and print every run side by side, "
                         "e.g. '{\"use_index_cache\": true, \"index_topk_freq\": 4}'")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list, one per run, with --compare)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (under torchrun; default: world size / --pp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (under torchrun)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp8", "bf16"],
+                   help="auto: an FP8 checkpoint stays FP8 in memory; bf16: dequantize at load")
+    p.add_argument("--pp-stage-starts-full", action="store_true",
+                   help="force the first layer of every pipeline stage to F (the engines' fallback)")
     p.set_defaults(func=cmd_generate)
     return p
 
@@ -47,7 +53,8 @@ def _run(path, overrides, args, tokenizer):
         warnings.simplefilter("always")
         model = from_pretrained(
             path, hf_overrides=overrides, dtype=args.dtype, device=args.device,
-            indexer_fp8=False if args.indexer_fp32 else None)
+            indexer_fp8=False if args.indexer_fp32 else None, tp_size=args.tp, pp_size=args.pp,
+            weights=args.weights, pp_stage_starts_full=args.pp_stage_starts_full)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     ids = tokenizer.encode(args.prompt * args.repeat_prompt)
     if not ids:
@@ -58,6 +65,15 @@ def _run(path, overrides, args, tokenizer):
         model.generate([ids[:8]], 2, **kw)
     res = model.generate([ids], args.max_new_tokens, **kw)
     return model, res, tokenizer.decode(res.tokens[0]), notes
+
+
+def _quiet_unless_rank0() -> bool:
+    """Under torchrun every rank runs the same generation; only rank 0 prints."""
+    import os
+    if int(os.environ.get("RANK", "0")) == 0:
+        return True
+    sys.stdout = open(os.devnull, "w")
+    return False
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,6 +88,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device is visible")
     if args.max_new_tokens < 1 or args.repeat_prompt < 1:
         raise ValueError("--max-new-tokens and --repeat-prompt must be >= 1")
+    from .parallel import init_from_env
+    if init_from_env(args.device):  # launched by torchrun: one process per rank
+        _quiet_unless_rank0()
     embedded = args.model is None
     path = embedded_model_path() if embedded else args.model
     tokenizer = load_tokenizer(path, load_config(path))

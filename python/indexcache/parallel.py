@@ -179,7 +179,7 @@ class ParallelContext:
         parts = [torch.empty_like(t) for _ in range(self.tp_size)]
         self._count("all_gather", t)
         _dist().all_gather(parts, t, group=self.tp_group)
-        return torch.cat(parts, dim=-1)[..., :full]
+        return torch.cat(parts, dim=-1)[..., :full].contiguous()
 
     # ---------------------------------------------------------------- pipeline hand-off
 
@@ -224,8 +224,25 @@ class ParallelContext:
             return t
         if self.last_stage and self.tp_rank == 0:
             self._count("broadcast", t)
-        _dist().broadcast(t, src=(self.pp_size - 1) * self.tp_size)
+        buf = t if t.is_contiguous() else t.contiguous()  # collectives read and write whole storage
+        _dist().broadcast(buf, src=(self.pp_size - 1) * self.tp_size)
+        if buf is not t:
+            t.copy_(buf)
         return t
+
+
+def init_from_env(device: str = "cpu") -> bool:
+    """Initialise the default process group from torchrun's environment when ``WORLD_SIZE`` > 1:
+    NCCL (one GPU per rank, ``LOCAL_RANK``) for CUDA, gloo for the CPU. Returns whether distributed."""
+    import os
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    dist = _dist()
+    if not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return True
 
 
 def stage_bounds(num_layers: int, pp_size: int) -> list:
@@ -456,3 +473,33 @@ def weight_bytes_per_gpu(config: dict, tp: int, pp: int, plan_skip: list, fp8: b
             b += mtp * (layer(L, True) + 2 * 3 * h + 2 * h * 2 * h + vshard * h * 4)
         out.append(b)
     return out
+
+
+MLA_KV_BYTES = {"fp8_ds_mla": 656, "bf16": 2 * (512 + 64)}  # per token per layer (DESIGN §5), 512 + 64 latent
+INDEX_K_BYTES = 132                                          # per token per F layer (DESIGN §4)
+
+
+def scaleout_budget(config: dict, skip_topk: list, tp: int, pp: int, gpu_bytes: float,
+                    kv_cache_dtype: str = "fp8_ds_mla", fp8_weights: bool = True) -> dict:
+    """Per-GPU memory of one plan: weight bytes, KV and index-K cache bytes per token of context,
+    and how many tokens fit beside the weights, for every pipeline stage (the tightest one bounds
+    the whole pipeline). Tensor-parallel ranks each hold the whole latent and index-K caches of
+    their stage (DESIGN §11). Activations and workspace are not counted."""
+    L = config["num_hidden_layers"]
+    mtp = config.get("num_nextn_predict_layers", 0)
+    kv_layer = MLA_KV_BYTES[kv_cache_dtype] if config.get("kv_lora_rank", 512) == 512 else \
+        (2 if kv_cache_dtype == "bf16" else 1) * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    bounds = stage_bounds(L, pp)
+    weights = weight_bytes_per_gpu(config, tp, pp, skip_topk, fp8_weights)
+    stages = []
+    for s in range(pp):
+        layers = list(range(bounds[s], bounds[s + 1])) + (list(range(L, L + mtp)) if s == pp - 1 else [])
+        kv = kv_layer * len(layers)
+        ik = INDEX_K_BYTES * sum(1 for i in layers if not skip_topk[i])
+        free = gpu_bytes - weights[s]
+        stages.append({"stage": s, "layers": [bounds[s], bounds[s + 1]], "weight_bytes": weights[s],
+                       "kv_bytes_per_token": kv, "index_k_bytes_per_token": ik,
+                       "tokens_fit": max(0, int(free // (kv + ik)))})
+    tight = min(stages, key=lambda st: st["tokens_fit"])
+    return {"tp": tp, "pp": pp, "gpu_bytes": gpu_bytes, "kv_cache_dtype": kv_cache_dtype, "stages": stages,
+            "tokens_fit": tight["tokens_fit"], "bounding_stage": tight["stage"]}
