@@ -324,6 +324,28 @@ def test_overlap_and_search_take_tokens(tok_ckpt, capsys):
     assert out["bytes_per_token"] > 1.5 and out["steps"][0]["pattern"] == "FFFF"
 
 
+def test_cli_runs_a_glm_checkpoint(tmp_path, capsys):
+    # a GLM-5.2-style checkpoint (IndexCache in its config.json) with its own tokenizer, through the CLI
+    hf_checkpoint(tmp_path, "glm_moe_dsa", dict(SMALL, vocab_size=128), seed=6,
+                  indexer_types=["full", "full", "shared", "full", "shared"])
+    _bpe_tokenizer(tmp_path, 100)
+    (tmp_path / "text.txt").write_text(TEXT)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "def parse(line):", "--max-new-tokens", "4",
+                 "--dtype", "fp32", "--no-warmup", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pattern"] == "FFSFS" and len(out["tokens"]) == 4
+    assert main(["eval", "--model", str(tmp_path), "--text", str(tmp_path / "text.txt"), "--context", "32",
+                 "--windows", "2", "--overrides", "{}", "--overrides", '{"use_index_cache": true, "index_topk_freq": 4}',
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["pattern"] for r in rows] == ["FFSFS", "FFSSS"]  # the checkpoint's own plan, then freq 4
+    assert main(["plan", "--config", str(tmp_path / "config.json")]) == 0
+    assert "settings shipped in the checkpoint's config.json" in capsys.readouterr().out
+    # search needs every indexer; the S layers of this checkpoint were saved without one
+    assert main(["search", "--model", str(tmp_path), "--text", str(tmp_path / "text.txt"), "--context", "32"]) == 2
+    assert "need every layer's indexer" in capsys.readouterr().err
+
+
 # ============================================================================ bad input
 
 def test_family_bad_inputs(tmp_path, tok_ckpt, capsys):

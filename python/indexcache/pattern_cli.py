@@ -18,12 +18,13 @@ def _common(p: argparse.ArgumentParser, split: str, windows: int) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _setup(args):
-    """(checkpoint path, all-F model, token windows, text bytes per predicted token)."""
+def _setup(args, all_full: bool = True):
+    """(checkpoint path, all-F model (None unless ``all_full``), token windows, text bytes per token)."""
     import torch
 
     from .generation import load_tokenizer
     from .loader import load_config
+    from .models import ModelArgs
     from .models.tiny import embedded_model_path
     from .patterns import load_all_full, token_windows
     from .train import load_text
@@ -31,11 +32,13 @@ def _setup(args):
     if args.windows < 1:
         raise ValueError(f"--windows must be >= 1, got {args.windows}")
     path = Path(args.model) if args.model else embedded_model_path()
-    tokenizer = load_tokenizer(path, load_config(path))
-    model = load_all_full(path, dtype=torch.float32)
-    context = args.context or min(1024, model.args.max_position_embeddings)
-    if context > model.args.max_position_embeddings:
-        raise ValueError(f"--context {context} exceeds max_position_embeddings {model.args.max_position_embeddings}")
+    config = load_config(path)
+    max_pos = ModelArgs.from_config(config).max_position_embeddings
+    tokenizer = load_tokenizer(path, config)
+    model = load_all_full(path, dtype=torch.float32) if all_full else None
+    context = args.context or min(1024, max_pos)
+    if context > max_pos:
+        raise ValueError(f"--context {context} exceeds max_position_embeddings {max_pos}")
     if args.text:
         text = Path(args.text).read_bytes()
     else:  # enough bytes for the windows at any tokenizer's rate (a token is rarely over 16 bytes)
@@ -187,8 +190,7 @@ def _overrides_list(args) -> list:
 def cmd_eval(args) -> int:
     from .patterns import evaluate
 
-    path, model, windows, bytes_per_token = _setup(args)
-    del model
+    path, _, windows, bytes_per_token = _setup(args, all_full=False)
     rows = evaluate(path, _overrides_list(args), windows, bytes_per_token=bytes_per_token)
     if args.json:
         print(json.dumps({"model": str(path), "bytes_per_token": bytes_per_token, "rows": rows}))

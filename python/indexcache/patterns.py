@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .models import BatchMeta, DeepseekV32ForCausalLM, from_pretrained
+from .config import IndexCacheConfig
 from .plan import build_layer_plan
 
 
@@ -70,8 +71,16 @@ def check_dsa(model: DeepseekV32ForCausalLM) -> None:
 
 def load_all_full(path, *, dtype=torch.float32, device="cpu", indexer_fp8=None) -> DeepseekV32ForCausalLM:
     """The checkpoint with every main layer F (IndexCache off), for search and overlap."""
-    model = from_pretrained(path, hf_overrides={"use_index_cache": False}, dtype=dtype, device=device,
-                            indexer_fp8=indexer_fp8)
+    from .loader import load_config
+    try:
+        model = from_pretrained(path, hf_overrides={"use_index_cache": False}, dtype=dtype, device=device,
+                                indexer_fp8=indexer_fp8)
+    except ValueError as e:
+        if "self_attn.indexer." in str(e) and "is missing" in str(e):
+            raise ValueError(f"overlap and search need every layer's indexer, and {path} has none for some layers: "
+                             f"it ships a plan ({IndexCacheConfig.from_config(load_config(path)).plan().pattern}) "
+                             "whose S layers were saved without one; eval takes such a checkpoint") from None
+        raise
     check_dsa(model)
     return model
 
