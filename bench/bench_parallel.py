@@ -31,7 +31,7 @@ def _config(a) -> dict:
         max_position_embeddings=8192, bos_token_id=None, eos_token_id=None)
 
 
-def _rank(rank, world, tmp, a, layers):
+def _rank(rank, world, tmp, a):
     import torch.distributed as dist
 
     from indexcache.generation import generate
@@ -77,7 +77,7 @@ def main() -> int:
                                            seed=0).save_pretrained(tmp / "ckpt")
         rows = {}
         for tp in a.tp:
-            mp.start_processes(_rank, args=(tp, tmp, a, a.layers), nprocs=tp, join=True, start_method="spawn")
+            mp.start_processes(_rank, args=(tp, tmp, a), nprocs=tp, join=True, start_method="spawn")
             rows[tp] = [torch.load(tmp / f"out{tp}_{r}.pt") for r in range(tp)]
     base = rows[a.tp[0]][0]
     print(f"model: hidden {a.hidden}, {a.layers} layers, {a.heads} heads, 16 experts; {a.dtype}; prompt {a.prompt}, "

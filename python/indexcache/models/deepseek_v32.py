@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from indexcache.config import IndexCacheConfig
