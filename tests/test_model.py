@@ -506,3 +506,10 @@ def test_embedded_default_is_deterministic(tmp_path):
     assert a.name == b.name and a.name.startswith("tiny-v32-")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert default_model_path(root=tmp_path / "a") == a  # reused, not rebuilt
+
+
+def test_auto_cache_dtype_is_the_model_dtype():
+    # the LM head is an fp32 parameter in every model; the "auto" caches follow the model's dtype
+    model = DeepseekV32ForCausalLM.from_config(CFG, dtype=torch.bfloat16, seed=0)
+    assert model.lm_head.weight.dtype == torch.float32 and model.dtype == torch.bfloat16
+    assert model.allocate_cache(2).kv[0].dtype == torch.bfloat16

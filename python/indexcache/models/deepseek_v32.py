@@ -187,8 +187,9 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        # the LM head's dtype (kept fp32), as before; pipeline stages without the head report the same
-        return self.lm_head.weight.dtype if self.lm_head is not None else torch.float32
+        """The dtype the model was built in (activations, "auto" KV cache); the LM heads, the indexer's
+        head weights and the router bias are fp32 parameters whatever it is."""
+        return self.compute_dtype
 
     @property
     def device(self) -> torch.device:
