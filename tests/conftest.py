@@ -16,7 +16,7 @@ _DB = DirectoryBasedExampleDatabase(str(Path(__file__).resolve().parents[1] / ".
 _COMMON = dict(deadline=None, database=_DB, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
-settings.register_profile("default", max_examples=150, **_COMMON)
+settings.register_profile("default", max_examples=250, **_COMMON)
 settings.register_profile("long", max_examples=3000, **_COMMON)
 
 
