@@ -534,7 +534,9 @@ def mla_case(draw, seed):
     if s_q and draw(st.booleans()):  # the probe: one NaN (or inf) in one query head
         q[draw(st.integers(0, s_q - 1)), draw(st.integers(0, h - 1)), draw(st.integers(0, 575))] = draw(
             st.sampled_from(NONFINITE))
-    sm_scale = draw(st.sampled_from([ref.mla_softmax_scale(128, 64, 1.0, 40.0), 0.01, 0.5]))
+    # DESIGN §8 bars hold at DSA-sized scores; 0.5 made |scores| ~ 30, where fp32 summation
+    # order alone costs ~1e-5 of out (found by the fuzz, bar not a kernel bug).
+    sm_scale = draw(st.sampled_from([ref.mla_softmax_scale(128, 64, 1.0, 40.0), 0.01, 0.2]))
     return q.contiguous(), cache, idx, sm_scale, d_v
 
 
