@@ -1,9 +1,14 @@
 """Op benchmarks: ours vs the reference.py path vs torch built-ins, side by side in one run.
 
     python bench/bench_ops.py [--quick] [--device cpu|cuda] [--json PATH] [--threads N]
+                              [--isa auto|portable|avx512bf16|blas[,...]] [--repeat N]
 
 Prints one table and, with --json, a list of records
-{"op", "shape", "s_kv", "impl", "ms", "baseline", "baseline_ms", "speedup", ...}.
+{"op", "shape", "s_kv", "impl", "ms", "ms_min", "ms_max", "baseline", "baseline_ms", "speedup",
+ "isa_path", "cpu_model", "amx", "bf16_matmul_gflop_per_s", ...}.
+With several --isa values each op runs on every CPU path in turn, interleaved and repeated
+(--repeat), so the paths compare under the same machine load; "ms" is the median of the
+repeats, "ms_min"/"ms_max" their spread.
 Shapes are DeepSeek-V3.2's (64 indexer heads x 128, k 2048; 128 MLA heads, 576/512),
 with the number of query rows scaled to fit.
 """
@@ -16,6 +21,7 @@ import time
 
 import torch
 
+import indexcache._C as _C
 from indexcache import ops
 from indexcache import reference as ref
 
@@ -36,9 +42,58 @@ def timeit(fn, device, min_time=0.3, max_iters=50):
     return 1e3 * times[len(times) // 2]  # median, ms
 
 
+ISAS = ["auto"]   # CPU paths to run ours on (--isa)
+REPEAT = 1        # interleaved repeats per path (--repeat)
+
+
+def time_ours(fn, device, **kw):
+    """Times fn on every path in ISAS, interleaved REPEAT times: {isa: (median, min, max, path)}."""
+    runs = {isa: [] for isa in ISAS}
+    paths = {}
+    for _ in range(REPEAT):
+        for isa in ISAS:
+            if device == "cpu":
+                _C._set_cpu_isa(isa)
+                paths[isa] = _C._cpu_isa()
+            try:
+                runs[isa].append(timeit(fn, device, **kw))
+            finally:
+                _C._set_cpu_isa("auto")
+    out = {}
+    for isa, t in runs.items():
+        t = sorted(t)
+        out[isa] = (t[len(t) // 2], t[0], t[-1], paths.get(isa, device))
+    return out
+
+
 def record(records, op, shape, s_kv, impl, ms, baseline, baseline_ms, **extra):
+    if isinstance(ms, tuple):
+        ms, lo, hi, path = ms
+        extra = {"ms_min": lo, "ms_max": hi, "isa_path": path, **extra}
     records.append({"op": op, "shape": shape, "s_kv": int(s_kv), "impl": impl, "ms": ms, "baseline": baseline,
                     "baseline_ms": baseline_ms, "speedup": baseline_ms / ms, **extra})
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def bf16_matmul_gflops(device, n=2048):
@@ -72,10 +127,11 @@ def bench_topk(records, device, quick):
         ks = torch.zeros(rows, dtype=torch.int32, device=device)
         ke = torch.full((rows,), s_kv, dtype=torch.int32, device=device)
         out = torch.empty(rows, topk, dtype=torch.int32, device=device)
-        ours = timeit(lambda: ops.topk_indices(logits, ks, ke, topk, out=out), device)
+        ours = time_ours(lambda: ops.topk_indices(logits, ks, ke, topk, out=out), device)
         base = timeit(lambda: torch.topk(logits, topk, dim=1), device)
-        gbs = rows * s_kv * 4 / (ours * 1e-3) / 1e9
-        record(records, "topk", f"{rows}x{s_kv} k{topk}", s_kv, "indexcache", ours, "torch.topk", base, gb_per_s=gbs)
+        for t in ours.values():
+            gbs = rows * s_kv * 4 / (t[0] * 1e-3) / 1e9
+            record(records, "topk", f"{rows}x{s_kv} k{topk}", s_kv, "indexcache", t, "torch.topk", base, gb_per_s=gbs)
 
 
 def bench_indexer(records, device, quick, matmul_gflops):
@@ -85,22 +141,26 @@ def bench_indexer(records, device, quick, matmul_gflops):
         flops = 2 * s_q * h * s_kv * 128
         shape = f"{s_q}q x {h}h x {s_kv}"
         out = torch.empty(s_q, s_kv, device=device)
-        ours = timeit(lambda: ops.indexer_logits(qv, kv, ksc, wq, ks, ke, out=out), device, min_time=0.5, max_iters=10)
+        ours = time_ours(lambda: ops.indexer_logits(qv, kv, ksc, wq, ks, ke, out=out), device, min_time=0.5,
+                         max_iters=10)
         wf = ref.indexer_weights(w)
         ref32 = timeit(lambda: ref.indexer_logits(q, k, None, wf, ks, ke), device, min_time=0.1, max_iters=3)
         ref16 = timeit(lambda: reference_bf16_logits(q, k, wf), device, min_time=0.1, max_iters=3)
-        gf = flops / (ours * 1e-3) / 1e9
-        for name, b in (("reference_fp32", ref32), ("reference_bf16", ref16)):
-            record(records, "indexer_logits", shape, s_kv, "indexcache_fp8", ours, name, b, gflop_per_s=gf,
-                   matmul_fraction=gf / matmul_gflops)
+        for t in ours.values():
+            gf = flops / (t[0] * 1e-3) / 1e9
+            for name, b in (("reference_fp32", ref32), ("reference_bf16", ref16)):
+                record(records, "indexer_logits", shape, s_kv, "indexcache_fp8", t, name, b, gflop_per_s=gf,
+                       matmul_fraction=gf / matmul_gflops)
         buf = torch.empty(s_q, topk, dtype=torch.int32, device=device)
-        fused = timeit(lambda: ops.indexer_topk(qv, kv, ksc, wq, ks, ke, topk, out=buf), device, min_time=0.5, max_iters=10)
+        fused = time_ours(lambda: ops.indexer_topk(qv, kv, ksc, wq, ks, ke, topk, out=buf), device, min_time=0.5,
+                          max_iters=10)
         b32 = timeit(lambda: torch.topk(ref.indexer_logits(q, k, None, wf, ks, ke), topk, dim=1), device, min_time=0.1, max_iters=3)
         b16 = timeit(lambda: torch.topk(reference_bf16_logits(q, k, wf), topk, dim=1), device, min_time=0.1, max_iters=3)
-        gf = flops / (fused * 1e-3) / 1e9
-        for name, b in (("reference_fp32", b32), ("reference_bf16", b16)):
-            record(records, "fused_logits_topk", shape, s_kv, "indexcache_fp8", fused, name, b, gflop_per_s=gf,
-                   matmul_fraction=gf / matmul_gflops, logits_bytes_avoided=s_q * s_kv * 4)
+        for t in fused.values():
+            gf = flops / (t[0] * 1e-3) / 1e9
+            for name, b in (("reference_fp32", b32), ("reference_bf16", b16)):
+                record(records, "fused_logits_topk", shape, s_kv, "indexcache_fp8", t, name, b, gflop_per_s=gf,
+                       matmul_fraction=gf / matmul_gflops, logits_bytes_avoided=s_q * s_kv * 4)
 
 
 def reference_bf16_mla(q, cache, idx, scale):
@@ -132,13 +192,15 @@ def bench_mla(records, device, quick, matmul_gflops):
         scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
         out = torch.empty(s_q, h, 512, device=device, dtype=torch.bfloat16)
         lse = torch.empty(s_q, h, device=device)
-        ours = timeit(lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse), device, min_time=0.5, max_iters=10)
+        ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse), device, min_time=0.5,
+                         max_iters=10)
         base = timeit(lambda: reference_bf16_mla(q, cache, idx, scale), device, min_time=0.3, max_iters=5)
         n_valid = int((idx >= 0).sum())
         flops = 2 * h * n_valid * (576 + 512)
-        gf = flops / (ours * 1e-3) / 1e9
-        record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, "indexcache", ours, "reference_bf16", base,
-               gflop_per_s=gf, matmul_fraction=gf / matmul_gflops)
+        for t in ours.values():
+            gf = flops / (t[0] * 1e-3) / 1e9
+            record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, "indexcache", t, "reference_bf16", base,
+                   gflop_per_s=gf, matmul_fraction=gf / matmul_gflops)
 
 
 def bench_k_cache(records, device, quick):
@@ -153,10 +215,11 @@ def bench_k_cache(records, device, quick):
         cache[:, : bs * 128].view(-1, bs, 128)[blk, off] = v.view(torch.uint8)
         cache[:, bs * 128:].view(-1, bs, 4)[blk, off] = s.view(torch.uint8).reshape(-1, 4)
 
-    ours = timeit(lambda: ops.index_k_cache_insert(k, slots, cache), device)
+    ours = time_ours(lambda: ops.index_k_cache_insert(k, slots, cache), device)
     base = timeit(reference, device)
-    gbs = n * (128 * 4 + 132) / (ours * 1e-3) / 1e9
-    record(records, "k_quant_cache", f"{n} tokens x 128", n, "indexcache", ours, "reference_fp32", base, gb_per_s=gbs)
+    for t in ours.values():
+        gbs = n * (128 * 4 + 132) / (t[0] * 1e-3) / 1e9
+        record(records, "k_quant_cache", f"{n} tokens x 128", n, "indexcache", t, "reference_fp32", base, gb_per_s=gbs)
 
 
 def main():
@@ -165,18 +228,33 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--isa", default="auto",
+                    help="CPU path(s) for our ops, comma-separated: auto, portable, avx512bf16, blas")
+    ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats per path (median, min, max)")
+    ap.add_argument("--ops", default="topk,k_cache,indexer,mla", help="which groups to run")
     args = ap.parse_args()
+    global ISAS, REPEAT
+    ISAS = [s.strip() for s in args.isa.split(",") if s.strip()] if args.device == "cpu" else ["auto"]
+    REPEAT = max(1, args.repeat)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     records: list = []
     matmul = bf16_matmul_gflops(args.device)
-    print(f"device {args.device}, {torch.get_num_threads()} threads, bf16 matmul {matmul:.0f} GFLOP/s")
-    bench_topk(records, args.device, args.quick)
-    bench_k_cache(records, args.device, args.quick)
-    bench_indexer(records, args.device, args.quick, matmul)
-    bench_mla(records, args.device, args.quick, matmul)
-    head = f"{'op':<20} {'shape':<26} {'impl':<15} {'ms':>9} {'baseline':<15} {'base ms':>9} {'speedup':>8}  rate"
+    model, flags = cpu_model(), cpu_flags()
+    print(f"device {args.device}, {torch.get_num_threads()} threads, bf16 matmul {matmul:.0f} GFLOP/s; "
+          f"CPU {model}, amx_bf16 {'amx_bf16' in flags}, avx512_bf16 {'avx512_bf16' in flags}")
+    groups = set(args.ops.split(","))
+    if "topk" in groups:
+        bench_topk(records, args.device, args.quick)
+    if "k_cache" in groups:
+        bench_k_cache(records, args.device, args.quick)
+    if "indexer" in groups:
+        bench_indexer(records, args.device, args.quick, matmul)
+    if "mla" in groups:
+        bench_mla(records, args.device, args.quick, matmul)
+    head = (f"{'op':<20} {'shape':<26} {'path':<11} {'ms':>9} {'min-max':>17} {'baseline':<15} {'base ms':>9} "
+            f"{'speedup':>8}  rate")
     print(head)
     print("-" * len(head))
     for r in records:
@@ -185,11 +263,13 @@ def main():
             rate = f"{r['gflop_per_s']:.0f} GFLOP/s ({100 * r['matmul_fraction']:.0f}% of bf16 matmul)"
         elif "gb_per_s" in r:
             rate = f"{r['gb_per_s']:.1f} GB/s"
-        print(f"{r['op']:<20} {r['shape']:<26} {r['impl']:<15} {r['ms']:>9.3f} {r['baseline']:<15} "
-              f"{r['baseline_ms']:>9.3f} {r['speedup']:>7.2f}x  {rate}")
+        spread = f"{r.get('ms_min', r['ms']):.2f}-{r.get('ms_max', r['ms']):.2f}"
+        print(f"{r['op']:<20} {r['shape']:<26} {r.get('isa_path', ''):<11} {r['ms']:>9.3f} {spread:>17} "
+              f"{r['baseline']:<15} {r['baseline_ms']:>9.3f} {r['speedup']:>7.2f}x  {rate}")
     if args.json:
         meta = {"device": args.device, "threads": torch.get_num_threads(), "bf16_matmul_gflop_per_s": matmul,
-                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "cpu_model": model,
+                "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags, "repeat": REPEAT}
         for r in records:
             r.update(meta)
         with open(args.json, "w") as f:

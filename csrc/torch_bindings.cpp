@@ -114,12 +114,24 @@ PYBIND11_MODULE(_C, mod) {
           indexcache::set_cpu_isa(0);
         } else if (isa == "portable") {
           indexcache::set_cpu_isa(1);
+        } else if (isa == "avx512bf16") {
+          indexcache::set_cpu_isa(2);
+        } else if (isa == "blas") {
+          indexcache::set_cpu_isa(3);
         } else {
-          throw py::value_error("cpu isa must be 'auto' or 'portable', got '" + isa + "'");
+          throw py::value_error("cpu isa must be 'auto', 'portable', 'avx512bf16' or 'blas', got '" + isa + "'");
         }
       },
-      "Choose the CPU kernels' code path (for tests): 'auto' or 'portable' (no AVX-512 BF16).");
-  mod.def("_cpu_isa", []() { return indexcache::cpu_isa() == 0 ? "avx512bf16" : "portable"; });
+      "Choose the CPU kernels' code path: 'auto' (blas where AMX tiles are present, else AVX-512 BF16 "
+      "where present, else portable), 'portable', 'avx512bf16' (falls back to portable without it) or "
+      "'blas' (oneDNN brgemm: the AMX tiles where present).");
+  mod.def("_cpu_isa", []() {
+    switch (indexcache::cpu_isa()) {
+      case 0: return "avx512bf16";
+      case 2: return "blas";
+      default: return "portable";
+    }
+  });
 
   mod.def("_build_info", []() {
     py::dict d;

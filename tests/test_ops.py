@@ -14,9 +14,24 @@ POISON_I = -7777
 POISON_F = float("nan")
 
 
-@pytest.fixture(params=["auto", "portable"])
+def _isa_path(name):
+    _C._set_cpu_isa(name)
+    try:
+        return _C._cpu_isa()
+    finally:
+        _C._set_cpu_isa("auto")
+
+
+@pytest.fixture(params=["auto", "portable", "avx512bf16", "blas"])
 def cpu_isa(request):
-    """CPU kernels run both their AVX-512 BF16 path (where present) and the portable one."""
+    """CPU kernels run every path this machine has: the default ('auto'), the portable one, the
+    AVX-512 BF16 kernels and the oneDNN brgemm ('blas') path, each once (a forced path that is
+    what 'auto' already takes is skipped). 'blas' runs everywhere: where oneDNN has no AMX
+    kernel torch answers brgemm through its own GEMM, so the path's logic is tested on every CPU."""
+    if request.param not in ("auto", "portable") and _isa_path(request.param) == _isa_path("auto"):
+        pytest.skip(f"'{request.param}' is what 'auto' takes on this CPU")
+    if request.param == "avx512bf16" and _isa_path("avx512bf16") == "portable":
+        pytest.skip("no AVX-512 BF16 on this CPU")
     _C._set_cpu_isa(request.param)
     yield request.param
     _C._set_cpu_isa("auto")
@@ -275,7 +290,7 @@ def test_indexer_topk_paged(device, cpu_isa, next_n):
         assert torch.equal(got[0], torch.tensor([0, 1] + [-1] * (topk - 2), dtype=torch.int32))  # window 2 < k
 
 
-def test_fused_is_deterministic(device):
+def test_fused_is_deterministic(device, cpu_isa):
     q, k, k_scale, w = make_indexer_inputs(5, 6000, 64, device, "fp8")
     ks, ke = causal_windows(5, 6000, device)
     runs = [ops.indexer_topk(q, k, k_scale, w, ks, ke, 512).cpu() for _ in range(3)]
@@ -319,12 +334,60 @@ def test_sparse_mla(device, cpu_isa, cache_kind, q_dtype, bar, s_q, h, topk):
     assert (gl[fin] - rl[fin]).abs().max() < (1e-4 if bar < 1e-2 else 2e-2)
 
 
-def test_sparse_mla_deterministic(device):
+def test_sparse_mla_deterministic(device, cpu_isa):
     cache, idx = make_mla(device, "bf16", 3, 32, 128)
     q = torch.randn(3, 32, 576, device=device).bfloat16()
     a = ops.sparse_mla(q, cache, idx, 0.1)
     b = ops.sparse_mla(q, cache, idx, 0.1)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
+def test_sparse_mla_few_rows_split_keys(device, cpu_isa, cache_kind):
+    # One or two query rows with many selections: the key range is split across threads and
+    # the partial softmaxes merged; a NaN query head poisons only its own (row, head).
+    s_q, h, topk = 2, 16, 1100
+    cache, idx = make_mla(device, cache_kind, s_q, h, topk, blocks=20)
+    idx[1, 700:] = -1
+    q = torch.randn(s_q, h, 576, device=device).bfloat16()
+    q[0, 3, 17] = float("nan")
+    out = torch.full((s_q, h, 512), POISON_F, dtype=torch.bfloat16, device=device)
+    lse = torch.full((s_q, h), POISON_F, device=device)
+    scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
+    ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse)
+    ro, rl = ref.sparse_mla(q.cpu(), cache.cpu(), idx.cpu(), scale)
+    got, gl = out.cpu().float(), lse.cpu()
+    assert got[0, 3].isnan().all() and gl[0, 3].isnan()
+    keep = torch.ones(s_q, h, dtype=torch.bool)
+    keep[0, 3] = False
+    assert torch.isfinite(got[keep]).all() and torch.isfinite(gl[keep]).all()
+    assert rel_err(got[keep], ro.float()[keep]) < 1e-2
+    assert (gl[keep] - rl[keep]).abs().max() < 2e-2
+    again = ops.sparse_mla(q, cache, idx, scale)
+    assert torch.equal(again[0].view(torch.int16), out.view(torch.int16)) and torch.equal(again[1].isnan(), lse.isnan())
+
+
+def test_indexer_topk_paged_long_split(device, cpu_isa):
+    # One decode row over a long request: the fused op splits its keys across threads and must
+    # still select exactly what the plain op's logits give.
+    h, bs, n, topk = 16, 64, 9000, 512
+    blocks = (n + bs - 1) // bs
+    table = torch.randperm(blocks, dtype=torch.int32).reshape(1, blocks)
+    cache = torch.zeros(blocks, bs * 132, dtype=torch.uint8)
+    pos = torch.arange(n)
+    ref.index_k_cache_insert(torch.randn(n, 128), table[0, pos // bs].long() * bs + pos % bs, cache)
+    qv, qs = ref.quantize_fp8(torch.randn(1, h, 128), ref.INDEX_Q_EPS)
+    w = ref.indexer_weights(torch.randn(1, h), qs[..., 0])
+    seq_lens = torch.tensor([n], dtype=torch.int32)
+    args = [t.to(device) for t in (qv, w, cache, table, seq_lens)]
+    got = ops.indexer_topk_paged(*args, 1, topk).cpu()
+    logits = ops.indexer_logits_paged(*args, 1, n)
+    zeros = torch.zeros(1, dtype=torch.int32, device=device)
+    assert torch.equal(got, ops.topk_indices(logits, zeros, torch.full_like(zeros, n), topk).cpu())
+    expect = ref.indexer_logits_paged(qv, w, cache, table, seq_lens, 1, n)
+    assert torch.equal(torch.isinf(logits.cpu()), torch.isinf(expect))
+    fin = torch.isfinite(expect)
+    assert rel_err(logits.cpu()[fin], expect[fin]) < 1e-5
 
 
 # ------------------------------------------------------------------ bad input

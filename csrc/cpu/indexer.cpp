@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "blas.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
 #include "select.h"
@@ -31,8 +32,6 @@ constexpr int64_t kRowBlock = 8;      // query rows sharing one packed key tile
 constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 constexpr int64_t kMinSplitKeys = 4096;
 
-std::atomic<int> g_isa_override{0};
-
 bool cpu_has_bf16() {
 #if defined(__x86_64__)
   static const bool v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
@@ -43,7 +42,8 @@ bool cpu_has_bf16() {
 #endif
 }
 
-bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && g_isa_override.load() == 0 && cpu_has_bf16(); }
+// The blas path (blas.h) declines fp32 inputs; they, like CPUs without AVX-512 BF16, run fp32.
+bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && cpu_isa() != kPathPortable && cpu_has_bf16(); }
 
 struct E4m3Tables {
   uint16_t bf16[256];
@@ -355,10 +355,10 @@ auto paged_query(const PagedIndexerParams& p, bool bf16) {
 
 }  // namespace
 
-void set_cpu_isa(int isa) { g_isa_override.store(isa); }
-int cpu_isa() { return use_bf16_path(DType::kFp8E4M3) ? 0 : 1; }
+// set_cpu_isa / cpu_isa: csrc/cpu/isa.cpp.
 
 void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
+  if (cpu_isa() == kPathBlas && indexer_logits_blas(p, o)) return;
   const bool bf16 = use_bf16_path(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
@@ -385,6 +385,7 @@ void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
 }
 
 void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
+  if (cpu_isa() == kPathBlas && indexer_logits_paged_blas(p, o)) return;
   const bool bf16 = use_bf16_path(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);
@@ -475,7 +476,7 @@ bool cpu_has_avx512f() {
 int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector<uint32_t>& scratch,
                  Scratch<uint32_t>& key_buf, Scratch<int32_t>& pos_buf) {
   int64_t j = 0;
-  if (n >= 8 * k && n >= 4096 && cpu_has_avx512f() && g_isa_override.load() == 0) {
+  if (n >= 8 * k && n >= 4096 && cpu_has_avx512f() && cpu_isa() != kPathPortable) {
     // 32 contiguous runs of 16 (one cache line each) spread over the row: as good a sample
     // for the floor as 512 strided values, at 32 cache misses instead of 512.
     constexpr int64_t m = 512, run = 16, runs = m / run;
@@ -525,6 +526,7 @@ void topk_cpu(const TopkParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
+  if (cpu_isa() == kPathBlas && indexer_topk_blas(p, o)) return;
   const bool bf16 = use_bf16_path(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
@@ -538,6 +540,7 @@ void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
+  if (cpu_isa() == kPathBlas && indexer_topk_paged_blas(p, o)) return;
   const bool bf16 = use_bf16_path(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "blas.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
 
@@ -23,7 +24,7 @@ constexpr int64_t kHeadBlock = 64;
 constexpr int kPairs = kMlaDim / 2;  // 288
 
 bool mla_use_bf16(const SparseMlaParams& p) {
-  return p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32 && cpu_isa() == 0;
+  return p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32 && cpu_isa() != kPathPortable;
 }
 
 // Row s of the cache as fp32 [576].
@@ -327,6 +328,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 }  // namespace
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
+  if (cpu_isa() == kPathBlas && sparse_mla_blas(p)) return;
   const bool bf16 = mla_use_bf16(p);
   const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t head_blocks = (p.h_q + hb - 1) / hb;

@@ -1,0 +1,363 @@
+// Indexer scoring on the "blas" path (blas.h): q·kᵀ of a block of query rows (all heads)
+// against a block of keys is one oneDNN brgemm, bf16 × bf16 → fp32; the ReLU-weighted head
+// sum and the k scale follow on the fp32 block. e4m3 and bf16 values are exact in bf16 and
+// the products accumulate in fp32, so scores match the fp32 reference fed the same
+// dequantized inputs to fp32 rounding (as the AVX-512 BF16 kernels do).
+//
+// Memory per thread is O(rows × keys per GEMM): the fused ops never hold [s_q, s_kv].
+// Keys are processed on a fixed grid of kKeys-aligned blocks and query rows in fixed blocks
+// of kRows, so the plain and fused ops score every (row, key) with the same GEMM shape and
+// select from bit-identical scores, whatever the key split.
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "blas.h"
+#include "indexcache/fp8.h"
+#include "select.h"
+
+namespace indexcache {
+namespace {
+
+constexpr int64_t kRows = 8;           // query rows per GEMM: M = kRows · h
+constexpr int64_t kKeys = 256;         // keys per GEMM (N), zero-padded at the end
+constexpr int64_t kTaskKeys = 2048;    // keys per task in the plain ops
+constexpr int64_t kMinSplitKeys = 4096;
+
+const uint16_t* e4m3_bf16() {
+  static const auto* t = [] {
+    auto* v = new uint16_t[256];
+    for (int i = 0; i < 256; ++i) v[i] = float_to_bf16(e4m3_to_float(static_cast<uint8_t>(i)));  // exact
+    return v;
+  }();
+  return t;
+}
+
+// Tile state is per thread; oneDNN wants it released when a thread leaves its brgemm calls.
+struct TileRelease {
+  ~TileRelease() {
+    if (blas_uses_tiles()) at::native::cpublas::brgemm_release(true);
+  }
+};
+
+struct DenseKeys {
+  const uint8_t* base;
+  int64_t row_bytes;
+  const float* scale;  // nullable
+  const uint8_t* row(int64_t s) const { return base + s * row_bytes; }
+  float scale_of(int64_t s) const { return scale ? scale[s] : 1.0f; }
+};
+
+struct PagedKeys {
+  const uint8_t* cache;
+  const int32_t* table;
+  int64_t block_size, d;
+  const uint8_t* block(int64_t s) const {
+    return cache + static_cast<int64_t>(table[s / block_size]) * block_size * (d + 4);
+  }
+  const uint8_t* row(int64_t s) const { return block(s) + (s % block_size) * d; }
+  float scale_of(int64_t s) const {
+    float v;
+    std::memcpy(&v, block(s) + block_size * d + (s % block_size) * 4, 4);
+    return v;
+  }
+};
+
+struct Work {
+  std::vector<uint16_t> q;    // [rows · h][d] bf16 (A)
+  std::vector<uint32_t> kb;   // [d/2][kKeys] bf16 pairs: the VNNI layout brgemm takes for B
+  std::vector<float> dots;    // [rows · h][kKeys]
+  alignas(64) float scale[kKeys];
+  alignas(64) float scores[kKeys];
+};
+
+Work& work(int64_t rows, int64_t h, int64_t d) {
+  static thread_local Work w;
+  w.q.resize(rows * h * d);
+  w.kb.resize(d / 2 * kKeys);
+  w.dots.resize(rows * h * kKeys);
+  return w;
+}
+
+// Query rows [0, nr) of `q` ([nr][h][d], dt) as bf16.
+void prep_q(const uint8_t* q, DType dt, int64_t nr, int64_t h, int64_t d, Work& w) {
+  const int64_t n = nr * h * d;
+  if (dt == DType::kBFloat16) {
+    std::memcpy(w.q.data(), q, n * 2);
+  } else {
+    const uint16_t* t = e4m3_bf16();
+    for (int64_t i = 0; i < n; ++i) w.q[i] = t[q[i]];
+  }
+}
+
+template <typename Keys>
+void pack_keys(const Keys& keys, DType dt, int64_t d, int64_t s0, int64_t n, Work& w) {
+  const int64_t pairs = d / 2;
+  uint32_t* kb = w.kb.data();
+  if (n < kKeys) {
+    for (int64_t p = 0; p < pairs; ++p) std::fill_n(kb + p * kKeys + n, kKeys - n, 0u);
+    std::fill_n(w.scale + n, kKeys - n, 0.f);
+  }
+  const uint16_t* t = e4m3_bf16();
+  for (int64_t j = 0; j < n; ++j) {
+    w.scale[j] = keys.scale_of(s0 + j);
+    const uint8_t* r = keys.row(s0 + j);
+    if (dt == DType::kBFloat16) {
+      uint32_t pr[kIndexHeadDim / 2];
+      std::memcpy(pr, r, pairs * 4);
+      for (int64_t p = 0; p < pairs; ++p) kb[p * kKeys + j] = pr[p];
+    } else {
+      for (int64_t p = 0; p < pairs; ++p)
+        kb[p * kKeys + j] = static_cast<uint32_t>(t[r[2 * p]]) | (static_cast<uint32_t>(t[r[2 * p + 1]]) << 16);
+    }
+  }
+}
+
+// scores[j] = scale[j] · Σ_h w[h] · ReLU(dots[h][j]); the ReLU keeps NaN (docs/ops.md).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void head_sum(const float* dots, const float* w,
+                                                                           int64_t h, const float* scale,
+                                                                           float* scores) {
+  float acc[kKeys] = {};
+  for (int64_t hh = 0; hh < h; ++hh) {
+    const float wv = w[hh];
+    const float* dr = dots + hh * kKeys;
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const float v = dr[j];
+      acc[j] += wv * (v < 0.f ? 0.f : v);
+    }
+  }
+  for (int64_t j = 0; j < kKeys; ++j) scores[j] = acc[j] * scale[j];
+}
+
+// Rows [0, nr) (queries already in w.q, weights [nr][h], windows lo/hi) against keys
+// [c0, c1) on the kKeys grid; on_scores(r, s0, n, scores) per row and block it overlaps.
+template <typename Keys, typename OnScores>
+void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, int64_t nr, const float* weights,
+                const int64_t* lo, const int64_t* hi, int64_t c0, int64_t c1, Work& w, OnScores on_scores) {
+  for (int64_t s0 = c0; s0 < c1; s0 += kKeys) {
+    const int64_t n = std::min(kKeys, c1 - s0);
+    bool any = false;
+    for (int64_t r = 0; r < nr && !any; ++r) any = lo[r] < s0 + n && hi[r] > s0;
+    if (!any) continue;
+    pack_keys(keys, dt, d, s0, n, w);
+    at::native::cpublas::brgemm(nr * h, kKeys, d, d, kKeys, kKeys, false,
+                                reinterpret_cast<const at::BFloat16*>(w.q.data()),
+                                reinterpret_cast<const at::BFloat16*>(w.kb.data()), w.dots.data(), true);
+    for (int64_t r = 0; r < nr; ++r) {
+      if (lo[r] >= s0 + n || hi[r] <= s0) continue;
+      head_sum(w.dots.data() + r * h * kKeys, weights + r * h, h, w.scale, w.scores);
+      on_scores(r, s0, n, w.scores);
+    }
+  }
+}
+
+void fill_neg_inf(float* row, int64_t n) { std::fill_n(row, n, -std::numeric_limits<float>::infinity()); }
+
+void write_short_row(int32_t* out, int64_t window, const TopkOut& o) {
+  int64_t j = 0;
+  for (; j < window && j < o.topk; ++j) out[j] = static_cast<int32_t>(j);
+  for (; j < o.width; ++j) out[j] = -1;
+}
+
+int64_t elem_bytes(DType dt) { return dt == DType::kBFloat16 ? 2 : 1; }
+
+// Key splits per row block so that decode shapes (few rows) still use every thread.
+int64_t key_splits(int64_t row_blocks, int64_t keys) {
+  const int64_t threads = at::get_num_threads();
+  if (row_blocks == 0 || row_blocks >= 2 * threads) return 1;
+  const int64_t want = (2 * threads + row_blocks - 1) / row_blocks;
+  return std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinSplitKeys));
+}
+
+// Fused driver over rows [0, rows) in blocks of row_block: each (block, split) task keeps a
+// RunningTopk per row over its share of the key grid; splits merge in key order.
+// run_block(r0, r1, c0, c1, lo, hi, on_scores) scores rows [r0, r1) over keys [c0, c1).
+template <typename RunBlock>
+void fused_topk(int64_t rows, int64_t row_block, int64_t max_keys, const int64_t* lo, const int64_t* hi,
+                const TopkOut& o, RunBlock run_block) {
+  std::vector<int64_t> lo_eff(lo, lo + rows), hi_eff(hi, hi + rows);
+  for (int64_t r = 0; r < rows; ++r)
+    if (hi[r] - lo[r] <= o.topk) lo_eff[r] = hi_eff[r] = 0;  // answer is 0..window-1
+  const int64_t blocks = (rows + row_block - 1) / row_block;
+  const int64_t splits = key_splits(blocks, max_keys);
+  std::vector<cpu::RunningTopk> sel(rows * splits);
+  at::parallel_for(0, blocks * splits, 1, [&](int64_t begin, int64_t end) {
+    TileRelease release;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, sp = task % splits;
+      const int64_t r0 = b * row_block, r1 = std::min(rows, r0 + row_block);
+      int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        sel[r * splits + sp].reset(o.topk);
+        if (hi_eff[r] > lo_eff[r]) {
+          lo_all = std::min(lo_all, lo_eff[r]);
+          hi_all = std::max(hi_all, hi_eff[r]);
+        }
+      }
+      if (hi_all <= lo_all) continue;
+      const int64_t base = lo_all / kKeys * kKeys;
+      const int64_t per = ((hi_all - base + splits - 1) / splits + kKeys - 1) / kKeys * kKeys;
+      const int64_t c0 = base + sp * per, c1 = std::min(hi_all, c0 + per);
+      if (c1 <= c0) continue;
+      run_block(r0, r1, c0, c1, lo_eff.data() + r0, hi_eff.data() + r0,
+                [&](int64_t r, int64_t s0, int64_t n, const float* scores) {
+                  cpu::RunningTopk& rs = sel[(r0 + r) * splits + sp];
+                  const int64_t a = std::max(lo_eff[r0 + r], s0), e = std::min(hi_eff[r0 + r], s0 + n);
+                  for (int64_t s = a; s < e; ++s) rs.push(cpu::order_key(scores[s - s0]), static_cast<int32_t>(s));
+                });
+    }
+  });
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int32_t* out = o.out + r * o.stride;
+      const int64_t window = std::max<int64_t>(0, hi[r] - lo[r]);
+      if (window <= o.topk) {
+        write_short_row(out, window, o);
+        continue;
+      }
+      cpu::RunningTopk& first = sel[r * splits];
+      for (int64_t sp = 1; sp < splits; ++sp) first.absorb(sel[r * splits + sp]);
+      int64_t j = first.finish(out, static_cast<int32_t>(lo[r]));
+      for (; j < o.width; ++j) out[j] = -1;
+    }
+  });
+}
+
+void dense_windows(const IndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+  lo.resize(p.s_q);
+  hi.resize(p.s_q);
+  for (int64_t r = 0; r < p.s_q; ++r) {
+    lo[r] = std::clamp<int64_t>(p.ks[r], 0, p.s_kv);
+    hi[r] = std::clamp<int64_t>(p.ke[r], lo[r], p.s_kv);
+  }
+}
+
+void paged_windows(const PagedIndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+  const int64_t rows = p.batch * p.next_n;
+  lo.assign(rows, 0);
+  hi.resize(rows);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t j = 0; j < p.next_n; ++j)
+      hi[b * p.next_n + j] = std::max<int64_t>(0, p.seq_lens[b] - p.next_n + j + 1);
+}
+
+DenseKeys dense_keys(const IndexerParams& p) {
+  return DenseKeys{static_cast<const uint8_t*>(p.k), p.d * elem_bytes(p.qk_dtype), p.k_scale};
+}
+
+const uint8_t* dense_q(const IndexerParams& p, int64_t r) {
+  return static_cast<const uint8_t*>(p.q) + r * p.h * p.d * elem_bytes(p.qk_dtype);
+}
+
+}  // namespace
+
+bool indexer_logits_blas(const IndexerParams& p, const LogitsOut& o) {
+  if (p.qk_dtype == DType::kFloat32) return false;
+  std::vector<int64_t> lo, hi;
+  dense_windows(p, lo, hi);
+  const DenseKeys keys = dense_keys(p);
+  const int64_t blocks = (p.s_q + kRows - 1) / kRows;
+  const int64_t chunks = std::max<int64_t>(1, (p.s_kv + kTaskKeys - 1) / kTaskKeys);
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
+    TileRelease release;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r0 = (task / chunks) * kRows, r1 = std::min(p.s_q, r0 + kRows);
+      const int64_t c0 = (task % chunks) * kTaskKeys, c1 = std::min(p.s_kv, c0 + kTaskKeys);
+      for (int64_t r = r0; r < r1; ++r) fill_neg_inf(o.logits + r * o.stride + c0, c1 - c0);
+      Work& w = work(r1 - r0, p.h, p.d);
+      prep_q(dense_q(p, r0), p.qk_dtype, r1 - r0, p.h, p.d, w);
+      score_rows(keys, p.qk_dtype, p.h, p.d, r1 - r0, p.weights + r0 * p.h, lo.data() + r0, hi.data() + r0, c0,
+                 c1, w, [&](int64_t r, int64_t s0, int64_t n, const float* scores) {
+                   float* dst = o.logits + (r0 + r) * o.stride;
+                   const int64_t a = std::max(lo[r0 + r], s0), e = std::min(hi[r0 + r], s0 + n);
+                   for (int64_t s = a; s < e; ++s) dst[s] = scores[s - s0];
+                 });
+    }
+  });
+  if (o.cols > p.s_kv)
+    for (int64_t r = 0; r < p.s_q; ++r) fill_neg_inf(o.logits + r * o.stride + p.s_kv, o.cols - p.s_kv);
+  return true;
+}
+
+bool indexer_logits_paged_blas(const PagedIndexerParams& p, const LogitsOut& o) {
+  std::vector<int64_t> lo, hi;
+  paged_windows(p, lo, hi);
+  const int64_t rows = p.batch * p.next_n;
+  for (int64_t r = 0; r < rows; ++r) fill_neg_inf(o.logits + r * o.stride, o.cols);
+  // Tasks are (request, key chunk), so one long request still spreads over every thread.
+  std::vector<std::pair<int64_t, int64_t>> tasks;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t c0 = 0; c0 < p.seq_lens[b]; c0 += kTaskKeys) tasks.emplace_back(b, c0);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    TileRelease release;
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [b, c0] = tasks[t];
+      const int64_t c1 = std::min<int64_t>(p.seq_lens[b], c0 + kTaskKeys);
+      const PagedKeys keys{p.cache, p.block_table + b * p.max_blocks, p.block_size, p.d};
+      for (int64_t r0 = b * p.next_n; r0 < (b + 1) * p.next_n; r0 += kRows) {
+        const int64_t r1 = std::min((b + 1) * p.next_n, r0 + kRows);
+        Work& w = work(r1 - r0, p.h, p.d);
+        prep_q(p.q + r0 * p.h * p.d, DType::kFp8E4M3, r1 - r0, p.h, p.d, w);
+        score_rows(keys, DType::kFp8E4M3, p.h, p.d, r1 - r0, p.weights + r0 * p.h, lo.data() + r0, hi.data() + r0,
+                   c0, c1, w, [&](int64_t r, int64_t s0, int64_t n, const float* scores) {
+                     float* dst = o.logits + (r0 + r) * o.stride;
+                     const int64_t e = std::min(hi[r0 + r], s0 + n);
+                     for (int64_t s = s0; s < e; ++s) dst[s] = scores[s - s0];
+                   });
+      }
+    }
+  });
+  return true;
+}
+
+bool indexer_topk_blas(const IndexerParams& p, const TopkOut& o) {
+  if (p.qk_dtype == DType::kFloat32) return false;
+  std::vector<int64_t> lo, hi;
+  dense_windows(p, lo, hi);
+  const DenseKeys keys = dense_keys(p);
+  fused_topk(p.s_q, kRows, p.s_kv, lo.data(), hi.data(), o,
+             [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
+                 auto on_scores) {
+               Work& w = work(r1 - r0, p.h, p.d);
+               prep_q(dense_q(p, r0), p.qk_dtype, r1 - r0, p.h, p.d, w);
+               score_rows(keys, p.qk_dtype, p.h, p.d, r1 - r0, p.weights + r0 * p.h, rlo, rhi, c0, c1, w, on_scores);
+             });
+  return true;
+}
+
+bool indexer_topk_paged_blas(const PagedIndexerParams& p, const TopkOut& o) {
+  std::vector<int64_t> lo, hi;
+  paged_windows(p, lo, hi);
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < p.batch; ++b) max_keys = std::max<int64_t>(max_keys, p.seq_lens[b]);
+  auto run = [&](int64_t base, int64_t b) {
+    return [&p, base, b](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
+                         auto on_scores) {
+      const int64_t req = b >= 0 ? b : (base + r0) / p.next_n;
+      const PagedKeys keys{p.cache, p.block_table + req * p.max_blocks, p.block_size, p.d};
+      Work& w = work(r1 - r0, p.h, p.d);
+      prep_q(p.q + (base + r0) * p.h * p.d, DType::kFp8E4M3, r1 - r0, p.h, p.d, w);
+      score_rows(keys, DType::kFp8E4M3, p.h, p.d, r1 - r0, p.weights + (base + r0) * p.h, rlo, rhi, c0, c1, w,
+                 on_scores);
+    };
+  };
+  if (p.next_n <= kRows) {
+    // Decode / MTP verify: one row block per request (its draft rows share its keys).
+    fused_topk(p.batch * p.next_n, p.next_n, max_keys, lo.data(), hi.data(), o, run(0, -1));
+    return true;
+  }
+  // A prefill chunk scored as next_n decode rows: row blocks of kRows within each request.
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t base = b * p.next_n;
+    const TopkOut ob{o.out + base * o.stride, o.stride, o.width, o.topk};
+    fused_topk(p.next_n, kRows, p.seq_lens[b], lo.data() + base, hi.data() + base, ob, run(base, b));
+  }
+  return true;
+}
+
+}  // namespace indexcache
