@@ -117,7 +117,7 @@ def test_training_lowers_loss_and_freezes_the_rest(ckpt, tmp_path):
     for name, t in trained.items():
         if ".indexer." in name:
             continue
-        assert torch.equal(t, init[name]), name  # bit-identical, MTP layer included
+        assert t.dtype == init[name].dtype and torch.equal(t, init[name]), name  # bit-identical, MTP layer included
     assert not torch.equal(trained["model.layers.0.self_attn.indexer.wk.weight"],
                            init["model.layers.0.self_attn.indexer.wk.weight"])
     # resuming a finished run trains nothing more and writes the same checkpoint
@@ -146,6 +146,11 @@ def test_saved_checkpoint_carries_its_plan(ckpt, tmp_path):
     assert model.plan.pattern == "FFSF" and model.ic_config.shipped_by_checkpoint
     assert model.model.layers[2].self_attn.indexer is None
     assert torch.isfinite(model(torch.randint(0, 256, (1, 24)))).all()
+    from indexcache.patterns import text_windows
+    from indexcache.train_aware import trained_source_overlap
+
+    ov = trained_source_overlap(ckpt, out, text_windows(_text(), 32, 2))
+    assert ov[:2] == [1.0, 1.0] and ov[3] == 1.0 and 0.0 <= ov[2] < 1.0
 
 
 def test_bad_input_errors(ckpt, tmp_path):
@@ -167,3 +172,20 @@ def test_bad_input_errors(ckpt, tmp_path):
     assert main(["train", "--out", str(tmp_path / "x"), "--hf-overrides", json.dumps(FREQ2)]) == 2  # no --init
     assert main(["train", "--out", str(tmp_path / "x"), "--init", str(ckpt), "--hf-overrides",
                  '{"use_index_cache": true, "index_topk_pattern": "FSXF"}']) == 2
+
+
+def test_glm5_layout_and_fp8_checkpoint(tmp_path):
+    from indexcache.models import GlmMoeDsaForCausalLM, from_pretrained
+
+    cfg = tiny_config(**SMALL, model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"],
+                      indexer_types=["full"] * 4, index_topk_freq=1, index_skip_topk_offset=3)
+    GlmMoeDsaForCausalLM.from_config(cfg, dtype=torch.bfloat16, seed=5).save_pretrained(tmp_path / "glm", fp8=True)
+    ov = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1}  # F S F S
+    sched = AwareSchedule(warmup_steps=2, sparse_steps=1, batch=1, context=32, eval_every=3, eval_windows=1)
+    out = train_aware(tmp_path / "run", tmp_path / "glm", ov, sched, train_text=_text(), heldout_text=_text()[:500],
+                      log=lambda s: None, progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "glm_moe_dsa" and cfg["indexer_types"] == ["full", "shared", "full", "shared"]
+    assert "index_topk_freq" not in cfg and "index_skip_topk_offset" not in cfg
+    model = from_pretrained(out)
+    assert isinstance(model, GlmMoeDsaForCausalLM) and model.plan.pattern == "FSFS"

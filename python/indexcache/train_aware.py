@@ -320,7 +320,13 @@ def load_for_pattern(init, hf_overrides, *, dtype=torch.float32, device="cpu"):
     except ImportError:
         from .models.deepseek_v32 import DeepseekV32ForCausalLM
         load = DeepseekV32ForCausalLM.from_pretrained
-    model = load(init, hf_overrides=ov or None, dtype=dtype, device=device, indexer_fp8=False)
+    import inspect
+
+    from .models.deepseek_v32 import DeepseekV32ForCausalLM
+    extra = {}
+    if "weights" in inspect.signature(DeepseekV32ForCausalLM.from_pretrained).parameters:
+        extra["weights"] = "bf16"  # an FP8 checkpoint's linears dequantized into trainable ``dtype``
+    model = load(init, hf_overrides=ov or None, dtype=dtype, device=device, indexer_fp8=False, **extra)
     kept = [l.self_attn.indexer for l in model.model.layers[:n] if l.self_attn.indexer is not None]
     if not kept:
         raise ValueError(f"{init}: the model has no indexer under this plan")
@@ -332,9 +338,28 @@ def indexer_types_of(plan) -> list:
     return ["shared" if s else "full" for s in list(plan.skip_topk)[:n]]
 
 
-def save_for_pattern(model, path) -> Path:
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _stored_dtypes(path) -> dict:
+    """Tensor name -> dtype, for the bf16/fp16/fp32 tensors of a checkpoint directory."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            for name in h.keys():
+                dt = _ST_DTYPES.get(h.get_slice(name).get_dtype())
+                if dt is not None:
+                    out[name] = dt
+    return out
+
+
+def save_for_pattern(model, path, like=None) -> Path:
     """bf16 checkpoint whose config.json carries the pattern (``use_index_cache`` and
-    ``indexer_types``, as GLM-5.2 ships them); S layers have no indexer tensors to save."""
+    ``indexer_types``, as GLM-5.2 ships them); S layers have no indexer tensors to save. ``like``:
+    the checkpoint trained from; a tensor it stores in another float dtype is stored as it was
+    (a frozen weight then comes out bit for bit as it went in)."""
     from .loader import save_pretrained
 
     path = Path(path)
@@ -342,6 +367,10 @@ def save_for_pattern(model, path) -> Path:
     model.config = {k: v for k, v in saved_config.items() if k not in PATTERN_KEYS}
     try:
         model._cast_params(torch.bfloat16)
+        stored = _stored_dtypes(like) if like is not None else {}
+        for name, p in model.named_parameters():
+            if name in stored and p.dtype in _ST_DTYPES.values() and p.dtype != stored[name]:
+                p.data = p.data.to(stored[name])
         save_pretrained(model, path, extra_config={"use_index_cache": True, "indexer_types": indexer_types_of(model.plan)})
     finally:
         model.config = saved_config
@@ -486,7 +515,7 @@ def train_aware(out_dir, init, hf_overrides, schedule: AwareSchedule = AwareSche
     if bar is not None:
         bar.close()
     model.eval()
-    return save_for_pattern(model, out_dir / "checkpoint")
+    return save_for_pattern(model, out_dir / "checkpoint", like=init)
 
 
 @torch.no_grad()
@@ -519,7 +548,7 @@ def trained_source_overlap(base, trained, windows: torch.Tensor) -> list:
     tensors = {}
     for f in sorted(Path(trained).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
-    fs = sorted(set(src))
+    fs = sorted({f for layer, f in enumerate(src) if layer != f})  # F layers that serve an S layer
     out = [1.0] * len(src)
     base_state = {f: {k: v.clone() for k, v in model.model.layers[f].self_attn.indexer.state_dict().items()} for f in fs}
     for f in fs:
