@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -24,6 +26,16 @@ namespace indexcache {
 #define IC_CHECK_SAME_DEVICE(a, b, na, nb)                                                    \
   TORCH_CHECK((a).device() == (b).device(), na " and " nb " must be on one device, got ", \
               (a).device(), " and ", (b).device())
+
+// INDEXCACHE_CHECK=1 (any value but empty or "0"): the CUDA ops validate index inputs on a
+// host copy with the CPU ops' messages (a device-to-host copy and a stream sync per call).
+// Default: no host copy; the kernels treat out-of-range entries as invalid (-1, an empty
+// window) and count them in the device's error word (indexcache.ops.cuda_error_count).
+// Read on every call, so a process can switch it. The CPU ops always check on the host.
+inline bool cuda_host_checks() {
+  const char* v = std::getenv("INDEXCACHE_CHECK");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
 
 inline FillParams make_fill_params(at::Tensor& buf, int64_t num_rows) {
   IC_CHECK_DTYPE(buf, at::kInt, "topk buffer");
@@ -178,8 +190,9 @@ inline SlotParams make_slot_params(const at::Tensor& positions, const at::Tensor
 void check_positions_cpu(const SlotParams& p);
 
 // Window bounds: 0 <= ks <= ke <= s_kv, int32 [rows] on the op's device.
+// host_values = false (CUDA by default): shapes only, the values are checked on the device.
 inline void check_windows(const at::Tensor& ks, const at::Tensor& ke, int64_t rows, int64_t s_kv,
-                          const at::Tensor& like) {
+                          const at::Tensor& like, bool host_values = true) {
   for (const auto* t : {&ks, &ke}) {
     const char* name = t == &ks ? "ks" : "ke";
     IC_CHECK_DTYPE(*t, at::kInt, "ks/ke");
@@ -188,7 +201,7 @@ inline void check_windows(const at::Tensor& ks, const at::Tensor& ke, int64_t ro
     IC_CHECK_SAME_DEVICE(*t, like, "ks/ke", "logits/q");
     TORCH_CHECK(t->size(0) == rows, name, " has ", t->size(0), " entries for ", rows, " rows");
   }
-  if (rows == 0) return;
+  if (rows == 0 || !host_values) return;
   const at::Tensor ks_h = ks.cpu(), ke_h = ke.cpu();
   const int32_t* a = ks_h.data_ptr<int32_t>();
   const int32_t* b = ke_h.data_ptr<int32_t>();
@@ -200,7 +213,7 @@ inline void check_windows(const at::Tensor& ks, const at::Tensor& ke, int64_t ro
 
 inline IndexerParams make_indexer_params(const at::Tensor& q, const at::Tensor& k,
                                          const std::optional<at::Tensor>& k_scale, const at::Tensor& weights,
-                                         const at::Tensor& ks, const at::Tensor& ke) {
+                                         const at::Tensor& ks, const at::Tensor& ke, bool host_values = true) {
   IC_CHECK_DIM(q, 3, "q");
   IC_CHECK_DIM(k, 2, "k");
   IC_CHECK_CONTIG(q, "q");
@@ -229,7 +242,7 @@ inline IndexerParams make_indexer_params(const at::Tensor& q, const at::Tensor& 
   IC_CHECK_SAME_DEVICE(weights, q, "weights", "q");
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == q.size(0) && weights.size(1) == q.size(1),
               "weights must be [s_q, h] = [", q.size(0), ", ", q.size(1), "], got ", weights.sizes());
-  check_windows(ks, ke, q.size(0), k.size(0), q);
+  check_windows(ks, ke, q.size(0), k.size(0), q, host_values);
   return IndexerParams{q.data_ptr(), k.data_ptr(), ksc, weights.data_ptr<float>(), ks.data_ptr<int32_t>(),
                        ke.data_ptr<int32_t>(), q.size(0), k.size(0), q.size(1), q.size(2),
                        to_dtype(qt, "q")};
@@ -237,7 +250,7 @@ inline IndexerParams make_indexer_params(const at::Tensor& q, const at::Tensor& 
 
 inline PagedIndexerParams make_paged_params(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                                             const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                            int64_t next_n) {
+                                            int64_t next_n, bool host_values = true) {
   IC_CHECK_DTYPE(q, at::kFloat8_e4m3fn, "q");
   IC_CHECK_DIM(q, 3, "q");
   IC_CHECK_CONTIG(q, "q");
@@ -264,11 +277,12 @@ inline PagedIndexerParams make_paged_params(const at::Tensor& q, const at::Tenso
   const int64_t block_size = cache.size(1) / (d + 4);
   const int64_t num_blocks = cache.size(0);
   // Every block a request reads must be a real block of the cache.
-  const at::Tensor lens_h = seq_lens.cpu(), table_h = block_table.cpu();
-  const int32_t* lens = lens_h.data_ptr<int32_t>();
-  const int32_t* table = table_h.data_ptr<int32_t>();
   const int64_t max_blocks = block_table.size(1);
-  for (int64_t b = 0; b < batch; ++b) {
+  const at::Tensor lens_h = host_values ? seq_lens.cpu() : at::Tensor();
+  const at::Tensor table_h = host_values ? block_table.cpu() : at::Tensor();
+  const int32_t* lens = host_values ? lens_h.data_ptr<int32_t>() : nullptr;
+  const int32_t* table = host_values ? table_h.data_ptr<int32_t>() : nullptr;
+  for (int64_t b = 0; host_values && b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 0, "seq_lens[", b, "]=", lens[b], " is negative");
     const int64_t need = (lens[b] + block_size - 1) / block_size;
     TORCH_CHECK(need <= max_blocks, "seq_lens[", b, "]=", lens[b], " needs ", need, " blocks but block_table has ",
@@ -352,11 +366,12 @@ inline SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Ten
                          to_dtype(q.scalar_type(), "q"), kv_dtype};
 }
 
-inline TopkParams make_topk_params(const at::Tensor& logits, const at::Tensor& ks, const at::Tensor& ke) {
+inline TopkParams make_topk_params(const at::Tensor& logits, const at::Tensor& ks, const at::Tensor& ke,
+                                   bool host_values = true) {
   IC_CHECK_DTYPE(logits, at::kFloat, "logits");
   IC_CHECK_DIM(logits, 2, "logits");
   TORCH_CHECK(logits.stride(1) == 1, "logits rows must be contiguous, got strides ", logits.strides());
-  check_windows(ks, ke, logits.size(0), logits.size(1), logits);
+  check_windows(ks, ke, logits.size(0), logits.size(1), logits, host_values);
   return TopkParams{logits.data_ptr<float>(), ks.data_ptr<int32_t>(), ke.data_ptr<int32_t>(), logits.size(0),
                     logits.stride(0)};
 }

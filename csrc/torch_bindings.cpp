@@ -47,6 +47,9 @@ TORCH_LIBRARY(indexcache, m) {
   m.def(
       "sparse_mla(Tensor q, Tensor kv_cache, Tensor indices, float sm_scale, int d_v, Tensor(a!) out, "
       "Tensor(a!) lse) -> ()");
+  // The int32 [1] error word of like's CUDA device: counts the out-of-range index entries the
+  // CUDA ops met and treated as invalid (no host check unless INDEXCACHE_CHECK=1). CUDA only.
+  m.def("cuda_error_word(Tensor like) -> Tensor");
 }
 
 namespace py = pybind11;

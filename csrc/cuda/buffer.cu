@@ -4,6 +4,7 @@
 
 #include "../checks.h"
 #include "indexcache/buffer.h"
+#include "torch_env.h"
 
 namespace indexcache {
 namespace {
@@ -31,6 +32,13 @@ void fill_topk_buffer_cuda_op(at::Tensor& buf, int64_t num_rows) {
   fill_topk_buffer_cuda(p, at::cuda::getCurrentCUDAStream().stream());
 }
 
+// The error word of `like`'s device itself (int32 [1]): reading it (.item()) is the one
+// explicit sync; zero_() resets it.
+at::Tensor cuda_error_word_op(const at::Tensor& like) {
+  TORCH_CHECK(like.is_cuda(), "cuda_error_word needs a CUDA tensor, got ", like.device());
+  return cuda::device_error_word(like.device().index());
+}
+
 }  // namespace
 
 void fill_topk_buffer_cuda(const FillParams& p, void* stream) {
@@ -43,6 +51,9 @@ void fill_topk_buffer_cuda(const FillParams& p, void* stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-TORCH_LIBRARY_IMPL(indexcache, CUDA, m) { m.impl("fill_topk_buffer_", &fill_topk_buffer_cuda_op); }
+TORCH_LIBRARY_IMPL(indexcache, CUDA, m) {
+  m.impl("fill_topk_buffer_", &fill_topk_buffer_cuda_op);
+  m.impl("cuda_error_word", &cuda_error_word_op);
+}
 
 }  // namespace indexcache

@@ -112,11 +112,22 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantParams p, int64
 }
 
 // One warp per token; d == 128, so one scale per token (DESIGN.md §4 page layout).
-__global__ void __launch_bounds__(kThreads) index_k_insert_kernel(IndexKInsertParams p, bool vec_in, bool vec_out) {
+// A slot outside [-1, num_slots) is skipped like -1 and counted in err (whole warps leave).
+__device__ __forceinline__ bool slot_ok(int64_t slot, int64_t num_slots, int32_t* err) {
+  if (slot == -1) return false;
+  if (slot < 0 || slot >= num_slots) {
+    if (lane_id() == 0) count_error(err);
+    return false;
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads) index_k_insert_kernel(IndexKInsertParams p, bool vec_in, bool vec_out,
+                                                                  int32_t* err) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp_id();
   if (i >= p.n) return;
   const int64_t slot = p.slot_mapping[i];
-  if (slot < 0) return;
+  if (!slot_ok(slot, p.num_blocks * p.block_size, err)) return;
   uint8_t* block = p.cache + (slot / p.block_size) * p.block_size * (p.d + 4);
   const int64_t off = slot % p.block_size;
   const float s = quantize_group_warp(p.k, p.k_dtype, i * p.d, kIndexKEps, p.hadamard, vec_in, block + off * p.d,
@@ -130,11 +141,11 @@ __device__ __forceinline__ float load_value(const void* base, DType dt, int64_t 
 }
 
 // One warp per token.
-__global__ void __launch_bounds__(kThreads) mla_insert_kernel(MlaInsertParams p) {
+__global__ void __launch_bounds__(kThreads) mla_insert_kernel(MlaInsertParams p, int32_t* err) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp_id();
   if (i >= p.n) return;
   const int64_t slot = p.slot_mapping[i];
-  if (slot < 0) return;
+  if (!slot_ok(slot, p.num_slots, err)) return;
   const int lane = lane_id();
   if (p.cache_dtype == DType::kFp8E4M3) {
     uint8_t* row = static_cast<uint8_t*>(p.cache) + slot * kMlaFp8Bytes;
@@ -173,19 +184,32 @@ __global__ void __launch_bounds__(kThreads) mla_insert_kernel(MlaInsertParams p)
   }
 }
 
-__global__ void __launch_bounds__(kThreads) positions_to_slots_kernel(SlotParams p) {
+// Entries the CPU op rejects (a position < -1, a request outside the block table, a block
+// past its columns, a block id outside the cache) become -1, each counted once in err.
+__global__ void __launch_bounds__(kThreads) positions_to_slots_kernel(SlotParams p, int32_t* err) {
   const int64_t total = p.n * p.k;
+  int bad = 0;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t r = idx / p.k;
     const int32_t pos = p.positions[idx];
     int32_t out = -1;
     if (pos >= 0) {
-      const int32_t* table = p.block_table + static_cast<int64_t>(p.req_of_row[r]) * p.max_blocks;
-      out = static_cast<int32_t>(table[pos / p.block_size] * p.block_size + pos % p.block_size);
+      const int32_t req = p.req_of_row[r];
+      const int64_t blk = pos / p.block_size;
+      int64_t id = -1;
+      if (req >= 0 && req < p.batch && blk < p.max_blocks) id = p.block_table[req * p.max_blocks + blk];
+      if (id >= 0 && id < p.num_blocks) {
+        out = static_cast<int32_t>(id * p.block_size + pos % p.block_size);
+      } else {
+        ++bad;
+      }
+    } else if (pos != -1) {
+      ++bad;
     }
     p.slots[idx] = out;
   }
+  count_error(err, bad);
 }
 
 inline bool is_aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
@@ -209,14 +233,14 @@ void index_k_insert_cuda(const IndexKInsertParams& p, const DeviceEnv& env) {
   if (p.n == 0) return;
   const bool vec_in = is_aligned(p.k, p.k_dtype == DType::kFloat32 ? 16 : 8);
   IC_LAUNCH(index_k_insert_kernel, dim3(warp_blocks(p.n)), kThreads, 0, env.stream, p, vec_in,
-            is_aligned(p.cache, 4));
+            is_aligned(p.cache, 4), env.err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void mla_insert_cuda(const MlaInsertParams& p, const DeviceEnv& env) {
   using namespace cache_detail;
   if (p.n == 0) return;
-  IC_LAUNCH(mla_insert_kernel, dim3(warp_blocks(p.n)), kThreads, 0, env.stream, p);
+  IC_LAUNCH(mla_insert_kernel, dim3(warp_blocks(p.n)), kThreads, 0, env.stream, p, env.err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -225,7 +249,7 @@ void positions_to_slots_cuda(const SlotParams& p, const DeviceEnv& env) {
   const int64_t total = p.n * p.k;
   if (total == 0) return;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65536));
-  IC_LAUNCH(positions_to_slots_kernel, dim3(blocks), kThreads, 0, env.stream, p);
+  IC_LAUNCH(positions_to_slots_kernel, dim3(blocks), kThreads, 0, env.stream, p, env.err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

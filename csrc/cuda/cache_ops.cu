@@ -24,7 +24,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda_op(const at::Tensor& x, dou
 void index_k_cache_insert_cuda_op(const at::Tensor& k, const at::Tensor& slot_mapping, at::Tensor& cache,
                                   bool hadamard) {
   const IndexKInsertParams p = make_index_k_insert_params(k, slot_mapping, cache, hadamard);
-  check_slots_in_range(slot_mapping, p.num_blocks * p.block_size, "slot_mapping");  // host copy (syncs)
+  // INDEXCACHE_CHECK=1: the CPU op's check on a host copy (syncs); else the kernel skips
+  // out-of-range slots and counts them in the error word.
+  if (cuda_host_checks()) check_slots_in_range(slot_mapping, p.num_blocks * p.block_size, "slot_mapping");
   const c10::cuda::CUDAGuard guard(cache.device());
   std::vector<at::Tensor> keep;
   index_k_insert_cuda(p, torch_env(keep));
@@ -33,7 +35,7 @@ void index_k_cache_insert_cuda_op(const at::Tensor& k, const at::Tensor& slot_ma
 void mla_kv_cache_insert_cuda_op(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& slot_mapping,
                                  at::Tensor& cache) {
   const MlaInsertParams p = make_mla_insert_params(kv_c, k_pe, slot_mapping, cache);
-  check_slots_in_range(slot_mapping, p.num_slots, "slot_mapping");  // host copy (syncs)
+  if (cuda_host_checks()) check_slots_in_range(slot_mapping, p.num_slots, "slot_mapping");  // else on the device
   const c10::cuda::CUDAGuard guard(cache.device());
   std::vector<at::Tensor> keep;
   mla_insert_cuda(p, torch_env(keep));
@@ -43,14 +45,16 @@ void positions_to_slots_cuda_op(const at::Tensor& positions, const at::Tensor& r
                                 const at::Tensor& block_table, int64_t block_size, int64_t num_blocks,
                                 at::Tensor& slots) {
   const SlotParams p = make_slot_params(positions, req_of_row, block_table, block_size, num_blocks, slots);
-  // The CPU op's validation on host copies (syncs): requests, positions, block ids.
-  const at::Tensor pos_h = positions.cpu(), req_h = req_of_row.cpu(), table_h = block_table.cpu();
-  SlotParams hp = p;
-  hp.positions = pos_h.data_ptr<int32_t>();
-  hp.req_of_row = req_h.data_ptr<int32_t>();
-  hp.block_table = table_h.data_ptr<int32_t>();
-  hp.slots = nullptr;
-  check_positions_cpu(hp);
+  if (cuda_host_checks()) {
+    // The CPU op's validation on host copies (syncs): requests, positions, block ids.
+    const at::Tensor pos_h = positions.cpu(), req_h = req_of_row.cpu(), table_h = block_table.cpu();
+    SlotParams hp = p;
+    hp.positions = pos_h.data_ptr<int32_t>();
+    hp.req_of_row = req_h.data_ptr<int32_t>();
+    hp.block_table = table_h.data_ptr<int32_t>();
+    hp.slots = nullptr;
+    check_positions_cpu(hp);
+  }  // else: invalid entries become -1 on the device and are counted in the error word
   const c10::cuda::CUDAGuard guard(positions.device());
   std::vector<at::Tensor> keep;
   positions_to_slots_cuda(p, torch_env(keep));

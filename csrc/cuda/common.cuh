@@ -32,6 +32,11 @@ __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x &
 __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
 __device__ __forceinline__ uint32_t lanemask_lt() { return (1u << lane_id()) - 1u; }
 
+// One more invalid input entry met (DeviceEnv::err); err == nullptr: not counted.
+__device__ __forceinline__ void count_error(int32_t* err, int n = 1) {
+  if (err != nullptr && n != 0) atomicAdd(err, n);
+}
+
 // Larger float -> larger key; every NaN sorts above +inf (all NaNs equal) and -0 == +0, as
 // in torch.sort and on the CPU (select.h).
 __device__ __forceinline__ uint32_t order_key(float f) {

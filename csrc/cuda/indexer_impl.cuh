@@ -555,6 +555,34 @@ __global__ void __launch_bounds__(kThreads) paged_windows_kernel(const int32_t* 
   }
 }
 
+// A request's seq_len as the kernels read it: itself when 0 <= len <= max_len and every
+// block it reads is in [0, num_blocks), else 0 (no keys), counted once in err. One warp
+// per request; max_len <= max_blocks * block_size (the caller's bound).
+__global__ void __launch_bounds__(kThreads) sanitize_seq_lens_kernel(const int32_t* seq_lens, const int32_t* table,
+                                                                     int64_t batch, int64_t max_blocks,
+                                                                     int64_t block_size, int64_t num_blocks,
+                                                                     int64_t max_len, int32_t* out, int32_t* err) {
+  const int lane = lane_id();
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kWarps + warp_id(); b < batch;
+       b += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int32_t len = seq_lens[b];
+    bool ok = len >= 0 && len <= max_len;
+    if (ok) {
+      const int64_t need = (static_cast<int64_t>(len) + block_size - 1) / block_size;
+      bool bad = false;
+      for (int64_t j = lane; j < need; j += 32) {
+        const int32_t id = table[b * max_blocks + j];
+        bad = bad || id < 0 || id >= num_blocks;
+      }
+      ok = __ballot_sync(kFullMask, bad) == 0u;
+    }
+    if (lane == 0) {
+      out[b] = ok ? len : 0;
+      if (!ok) count_error(err);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ host side
 
 struct Problem {
@@ -660,7 +688,7 @@ void fused_fallback(const Problem& pr, const TopkOut& o, const DeviceEnv& env) {
     launch_logits(c, LogitsOut{tmp, cols, cols}, env);
     const TopkParams tp{tmp, ks + u0 * unit_rows, ke + u0 * unit_rows, rows, cols};
     const TopkOut to{o.out + u0 * unit_rows * o.stride, o.stride, o.width, o.topk};
-    topk_cuda(tp, to, pr.max_keys, env);
+    topk_launch(tp, to, pr.max_keys, env);  // windows already sanitized
   }
 }
 
@@ -773,26 +801,49 @@ Problem paged_problem(const PagedIndexerParams& p, int64_t max_len) {
   return pr;
 }
 
+// The kernels read windows from device scratch checked on the device (no host copy).
+Problem sanitized(Problem pr, const DeviceEnv& env) {
+  if (pr.rows == 0) return pr;
+  int32_t* lo = static_cast<int32_t*>(env.alloc(pr.rows * 4));
+  int32_t* hi = static_cast<int32_t*>(env.alloc(pr.rows * 4));
+  sanitize_windows_cuda(pr.a.ks, pr.a.ke, pr.rows, pr.max_keys, lo, hi, env);
+  pr.a.ks = lo;
+  pr.a.ke = hi;
+  return pr;
+}
+
+Problem sanitized(Problem pr, const PagedIndexerParams& p, const DeviceEnv& env) {
+  if (pr.units == 0) return pr;
+  const int64_t bound = std::min<int64_t>(pr.max_keys, p.max_blocks * p.block_size);
+  int32_t* lens = static_cast<int32_t*>(env.alloc(pr.units * 4));
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((pr.units + kWarps - 1) / kWarps, 1024));
+  IC_LAUNCH(sanitize_seq_lens_kernel, dim3(blocks), kThreads, 0, env.stream, p.seq_lens, p.block_table, p.batch,
+            p.max_blocks, p.block_size, p.num_blocks, bound, lens, env.err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pr.a.seq_lens = lens;
+  return pr;
+}
+
 }  // namespace idx_detail
 
 void indexer_logits_cuda(const IndexerParams& p, const LogitsOut& o, const DeviceEnv& env) {
   using namespace idx_detail;
-  launch_logits(dense_problem(p), o, env);
+  launch_logits(sanitized(dense_problem(p), env), o, env);
 }
 
 void indexer_logits_paged_cuda(const PagedIndexerParams& p, int64_t max_len, const LogitsOut& o, const DeviceEnv& env) {
   using namespace idx_detail;
-  launch_logits(paged_problem(p, max_len), o, env);
+  launch_logits(sanitized(paged_problem(p, max_len), p, env), o, env);
 }
 
 void indexer_topk_cuda(const IndexerParams& p, const TopkOut& o, const DeviceEnv& env) {
   using namespace idx_detail;
-  run_fused(dense_problem(p), o, env);
+  run_fused(sanitized(dense_problem(p), env), o, env);
 }
 
 void indexer_topk_paged_cuda(const PagedIndexerParams& p, int64_t max_len, const TopkOut& o, const DeviceEnv& env) {
   using namespace idx_detail;
-  run_fused(paged_problem(p, max_len), o, env);
+  run_fused(sanitized(paged_problem(p, max_len), p, env), o, env);
 }
 
 }  // namespace cuda

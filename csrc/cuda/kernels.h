@@ -18,6 +18,10 @@ struct DeviceEnv {
   int sms = 1;              // multiprocessors
   int smem_optin = 48 << 10;  // max dynamic shared memory per block
   cudaStream_t stream = nullptr;
+  // The device's int32 error word: kernels atomically add the number of out-of-range
+  // index entries, slots, positions, block ids, windows and sequence lengths they met
+  // (each treated as invalid: -1 or an empty window). nullptr: not counted.
+  int32_t* err = nullptr;
   // Device scratch that stays valid until the op returns (stream-ordered reuse after).
   std::function<void*(int64_t bytes)> alloc;
 };
@@ -46,9 +50,18 @@ struct CandidateSet {
 void launch_merge(const CandidateSet& c, const WindowSrc& w, int64_t row_begin, int64_t rows, const TopkOut& o,
                   const DeviceEnv& env);
 
+// Windows as the kernels read them: row r's [ks, ke) if 0 <= ks <= ke <= s_kv, else the
+// empty [0, 0) and one count in env.err. Writes int32 [rows] lo, hi (device scratch).
+void sanitize_windows_cuda(const int32_t* ks, const int32_t* ke, int64_t rows, int64_t s_kv, int32_t* lo, int32_t* hi,
+                           const DeviceEnv& env);
+
 // topk_indices on device pointers (allocates its own scratch on the current device).
-// max_window bounds every row's ke - ks (it only steers the launch shape).
+// max_window: the logits width; windows outside [0, max_window] are empty and counted
+// (sanitize_windows_cuda).
 void topk_cuda(const TopkParams& p, const TopkOut& o, int64_t max_window, const DeviceEnv& env);
+// The same on windows that are already valid (max_window bounds every ke - ks; it only
+// steers the launch shape).
+void topk_launch(const TopkParams& p, const TopkOut& o, int64_t max_window, const DeviceEnv& env);
 
 // The other ops' launchers (csrc/cuda/*_impl.cuh); pointers are device pointers.
 void quantize_fp8_cuda(const QuantParams& p, const DeviceEnv& env);
@@ -56,7 +69,10 @@ void index_k_insert_cuda(const IndexKInsertParams& p, const DeviceEnv& env);
 void mla_insert_cuda(const MlaInsertParams& p, const DeviceEnv& env);
 void positions_to_slots_cuda(const SlotParams& p, const DeviceEnv& env);
 void indexer_logits_cuda(const IndexerParams& p, const LogitsOut& o, const DeviceEnv& env);
-// max_len: the longest seq_len (read on the host by the caller).
+// max_len: an upper bound on the keys a request may have (the caller's choice: the longest
+// seq_len read on the host, or max_blocks * block_size, capped by the logits width). A
+// seq_len < 0, above max_len or above max_blocks * block_size, or whose blocks are not all
+// in [0, num_blocks), makes its request empty (no keys) and counts once in env.err.
 void indexer_logits_paged_cuda(const PagedIndexerParams& p, int64_t max_len, const LogitsOut& o, const DeviceEnv& env);
 void indexer_topk_cuda(const IndexerParams& p, const TopkOut& o, const DeviceEnv& env);
 void indexer_topk_paged_cuda(const PagedIndexerParams& p, int64_t max_len, const TopkOut& o, const DeviceEnv& env);

@@ -73,13 +73,16 @@ __device__ __forceinline__ float kv_elem(const SparseMlaParams& p, int64_t slot,
 }
 
 // Stable compaction of indices [c0, c0 + NT) of row t into list; returns how many are valid.
+// Entries other than -1 outside [0, num_slots) are dropped too and counted in err (which
+// only the first head group of a row passes, so each entry counts once).
 template <int NT>
 __device__ __forceinline__ int compact_indices(const SparseMlaParams& p, int64_t t, int64_t c0, int32_t* list,
-                                               uint32_t* scan) {
+                                               uint32_t* scan, int32_t* err) {
   const int64_t j = c0 + threadIdx.x;
   int32_t s = -1;
   if (j < p.topk) s = p.indices[t * p.topk + j];
   const bool valid = s >= 0 && s < p.num_slots;
+  if (!valid && s != -1) count_error(err);
   uint32_t total;
   const uint32_t incl = block_incl_scan<NT>(valid ? 1u : 0u, scan, total);
   if (valid) list[incl - 1] = s;
@@ -100,23 +103,34 @@ __device__ __forceinline__ float warp_max_f(float x) {
 
 // ------------------------------------------------------------------ bf16 tensor-core path
 
-// Cache row `slot` -> 576 bf16 in shared memory (dst 16-byte aligned).
-__device__ __forceinline__ void stage_kv_row_bf16(const SparseMlaParams& p, int64_t slot, uint16_t* dst, int part,
-                                                  bool vec) {
-  // part: one 16-byte piece of the destination row (72 per row).
+// Cache row `slot` -> 576 bf16 in shared memory (dst 16-byte aligned). Vec: the cache base
+// is 16-byte aligned, so every 16-byte piece of a row is too (rows are 1152 or 656 bytes,
+// the fp8 RoPE part starts at byte 528) and no byte loads are needed.
+template <bool Vec>
+__device__ __forceinline__ void stage_kv_row_bf16(const SparseMlaParams& p, int64_t slot, uint16_t* dst, int part) {
+  // part: one 16-byte piece of the destination row (72 per row). The cache is bf16 or
+  // fp8_ds_mla here (fp32 caches take the FMA kernel).
   uint16_t v[8];
-  if (p.kv_dtype == DType::kBFloat16 && vec) {
-    *reinterpret_cast<uint4*>(dst + part * 8) =
-        *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.kv) + slot * kMlaDim + part * 8);
-    return;
-  }
-  if (p.kv_dtype == DType::kFp8E4M3 && vec && part < kMlaLatent / 8) {
+  if constexpr (Vec) {
+    if (p.kv_dtype == DType::kBFloat16) {
+      *reinterpret_cast<uint4*>(dst + part * 8) =
+          *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.kv) + slot * kMlaDim + part * 8);
+      return;
+    }
     const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
+    if (part >= kMlaLatent / 8) {
+      // The 64 bf16 RoPE values are stored as they are staged: one 16-byte copy per piece.
+      *reinterpret_cast<uint4*>(dst + part * 8) =
+          *reinterpret_cast<const uint4*>(row + kMlaLatent + 16 + (part - kMlaLatent / 8) * 16);
+      return;
+    }
     const float scale = *reinterpret_cast<const float*>(row + kMlaLatent + 4 * (part * 8 / kQuantGroup));
     const uint2 u = *reinterpret_cast<const uint2*>(row + part * 8);
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(&u);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = float_to_bf16(e4m3_to_float(b[i]) * scale);
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t b = static_cast<uint8_t>((i < 4 ? u.x : u.y) >> (8 * (i & 3)));
+      v[i] = float_to_bf16(e4m3_to_float(b) * scale);
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = float_to_bf16(kv_elem(p, slot, part * 8 + i));
@@ -127,13 +141,16 @@ __device__ __forceinline__ void stage_kv_row_bf16(const SparseMlaParams& p, int6
   *reinterpret_cast<uint4*>(dst + part * 8) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaParams p, bool vec) {
+template <bool Vec>
+__global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaParams p, int32_t* err) {
+  constexpr bool vec = Vec;
   IC_DYNAMIC_SMEM(smem_raw);
   MlaMmaSmem& sm = *reinterpret_cast<MlaMmaSmem*>(smem_raw);
   const int64_t groups = (p.h_q + kMlaHeads - 1) / kMlaHeads;
   const int64_t t = blockIdx.x / groups;
   const int64_t h0 = (blockIdx.x % groups) * kMlaHeads;
   const int nh = static_cast<int>(std::min<int64_t>(kMlaHeads, p.h_q - h0));
+  int32_t* const row_err = h0 == 0 ? err : nullptr;  // each index entry counted once
   const int warp = warp_id(), lane = lane_id();
   const int g = lane >> 2, tq = lane & 3;
   constexpr int kChunks = kMlaDim / 8;  // 16-byte pieces per 576-value bf16 row
@@ -174,14 +191,14 @@ __global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaPa
   }
 
   for (int64_t c0 = 0; c0 < p.topk; c0 += kMmaThreads) {
-    const int nv = compact_indices<kMmaThreads>(p, t, c0, sm.list, sm.scan);
+    const int nv = compact_indices<kMmaThreads>(p, t, c0, sm.list, sm.scan, row_err);
     for (int k0 = 0; k0 < nv; k0 += kMmaKeys) {
       const int nk = nv - k0 < kMmaKeys ? nv - k0 : kMmaKeys;
       for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += kMmaThreads) {
         const int j = c / kChunks, part = c % kChunks;
         uint16_t* d = sm.kv + j * kLdKv;
         if (j < nk) {
-          stage_kv_row_bf16(p, sm.list[k0 + j], d, part, vec);
+          stage_kv_row_bf16<Vec>(p, sm.list[k0 + j], d, part);
         } else {
           *reinterpret_cast<uint4*>(d + part * 8) = make_uint4(0, 0, 0, 0);
         }
@@ -282,13 +299,14 @@ __global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaPa
 
 // ------------------------------------------------------------------ fp32 FMA path
 
-__global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaParams p) {
+__global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaParams p, int32_t* err) {
   IC_DYNAMIC_SMEM(smem_raw);
   MlaFmaSmem& sm = *reinterpret_cast<MlaFmaSmem*>(smem_raw);
   const int64_t groups = (p.h_q + kMlaHeads - 1) / kMlaHeads;
   const int64_t t = blockIdx.x / groups;
   const int64_t h0 = (blockIdx.x % groups) * kMlaHeads;
   const int nh = static_cast<int>(std::min<int64_t>(kMlaHeads, p.h_q - h0));
+  int32_t* const row_err = h0 == 0 ? err : nullptr;
   const bool q32 = p.q_dtype == DType::kFloat32;
   for (int idx = threadIdx.x; idx < kMlaHeads * kMlaDim; idx += kFmaThreads) {
     const int hh = idx / kMlaDim, c = idx % kMlaDim;
@@ -307,7 +325,7 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
 #pragma unroll
   for (int h = 0; h < kMlaHeads; ++h) acc[h][0] = acc[h][1] = 0.f;
   for (int64_t c0 = 0; c0 < p.topk; c0 += kFmaThreads) {
-    const int nv = compact_indices<kFmaThreads>(p, t, c0, sm.list, sm.scan);  // barrier inside
+    const int nv = compact_indices<kFmaThreads>(p, t, c0, sm.list, sm.scan, row_err);  // barrier inside
     for (int k0 = 0; k0 < nv; k0 += kFmaKeys) {
       const int nk = nv - k0 < kFmaKeys ? nv - k0 : kFmaKeys;
       for (int idx = threadIdx.x; idx < kFmaKeys * kMlaDim; idx += kFmaThreads) {
@@ -408,11 +426,18 @@ void sparse_mla_cuda(const SparseMlaParams& p, const DeviceEnv& env) {
     const uintptr_t qa = reinterpret_cast<uintptr_t>(p.q), ka = reinterpret_cast<uintptr_t>(p.kv);
     // bf16 rows are 1152 B, fp8 rows 656 B: both keep 16-byte alignment from the base.
     const bool vec = (qa % 16 == 0) && (ka % 16 == 0);
-    const int smem = mla_smem(sparse_mla_mma_kernel, static_cast<int>(sizeof(MlaMmaSmem)), env);
-    IC_LAUNCH(sparse_mla_mma_kernel, dim3(static_cast<unsigned>(ctas)), kMmaThreads, smem, env.stream, p, vec);
+    if (vec) {
+      const int smem = mla_smem(sparse_mla_mma_kernel<true>, static_cast<int>(sizeof(MlaMmaSmem)), env);
+      IC_LAUNCH(sparse_mla_mma_kernel<true>, dim3(static_cast<unsigned>(ctas)), kMmaThreads, smem, env.stream, p,
+                env.err);
+    } else {
+      const int smem = mla_smem(sparse_mla_mma_kernel<false>, static_cast<int>(sizeof(MlaMmaSmem)), env);
+      IC_LAUNCH(sparse_mla_mma_kernel<false>, dim3(static_cast<unsigned>(ctas)), kMmaThreads, smem, env.stream, p,
+                env.err);
+    }
   } else {
     const int smem = mla_smem(sparse_mla_fma_kernel, static_cast<int>(sizeof(MlaFmaSmem)), env);
-    IC_LAUNCH(sparse_mla_fma_kernel, dim3(static_cast<unsigned>(ctas)), kFmaThreads, smem, env.stream, p);
+    IC_LAUNCH(sparse_mla_fma_kernel, dim3(static_cast<unsigned>(ctas)), kFmaThreads, smem, env.stream, p, env.err);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -14,7 +14,8 @@ namespace {
 
 void topk_indices_cuda_op(const at::Tensor& logits, const at::Tensor& ks, const at::Tensor& ke, int64_t topk,
                           at::Tensor& out) {
-  const TopkParams p = make_topk_params(logits, ks, ke);  // checks windows on a host copy (syncs)
+  // INDEXCACHE_CHECK=1: windows checked on a host copy (syncs); else on the device.
+  const TopkParams p = make_topk_params(logits, ks, ke, cuda_host_checks());
   const TopkOut o = make_topk_out(out, p.rows, topk, logits);
   const c10::cuda::CUDAGuard guard(logits.device());
   std::vector<at::Tensor> keep;

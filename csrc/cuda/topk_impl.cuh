@@ -126,7 +126,31 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int64_t j = got + threadIdx.x; j < o.width; j += kMergeThreads) out[j] = -1;
 }
 
+// Row r's window if 0 <= ks <= ke <= s_kv, else [0, 0) counted in err (the CPU op's error).
+__global__ void __launch_bounds__(256) sanitize_windows_kernel(const int32_t* ks, const int32_t* ke, int64_t rows,
+                                                               int64_t s_kv, int32_t* lo, int32_t* hi, int32_t* err) {
+  int bad = 0;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * 256) {
+    const int32_t a = ks[r], b = ke[r];
+    const bool ok = a >= 0 && a <= b && b <= s_kv;
+    lo[r] = ok ? a : 0;
+    hi[r] = ok ? b : 0;
+    bad += ok ? 0 : 1;
+  }
+  count_error(err, bad);
+}
+
 }  // namespace topk_detail
+
+void sanitize_windows_cuda(const int32_t* ks, const int32_t* ke, int64_t rows, int64_t s_kv, int32_t* lo, int32_t* hi,
+                           const DeviceEnv& env) {
+  using namespace topk_detail;
+  if (rows <= 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((rows + 255) / 256, 1024));
+  IC_LAUNCH(sanitize_windows_kernel, dim3(blocks), 256, 0, env.stream, ks, ke, rows, s_kv, lo, hi, env.err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void launch_merge(const CandidateSet& c, const WindowSrc& w, int64_t row_begin, int64_t rows, const TopkOut& o,
                   const DeviceEnv& env) {
@@ -138,6 +162,18 @@ void launch_merge(const CandidateSet& c, const WindowSrc& w, int64_t row_begin, 
 }
 
 void topk_cuda(const TopkParams& p, const TopkOut& o, int64_t max_window, const DeviceEnv& env) {
+  if (p.rows == 0) return;
+  // Windows outside [0, max_window] are made empty on the device (no host copy).
+  TopkParams q = p;
+  int32_t* lo = static_cast<int32_t*>(env.alloc(p.rows * 4));
+  int32_t* hi = static_cast<int32_t*>(env.alloc(p.rows * 4));
+  sanitize_windows_cuda(p.ks, p.ke, p.rows, max_window, lo, hi, env);
+  q.ks = lo;
+  q.ke = hi;
+  topk_launch(q, o, max_window, env);
+}
+
+void topk_launch(const TopkParams& p, const TopkOut& o, int64_t max_window, const DeviceEnv& env) {
   using namespace topk_detail;
   if (p.rows == 0) return;
   TORCH_CHECK(p.rows <= 0x7fffffff, "too many rows for the CUDA top-k: ", p.rows);

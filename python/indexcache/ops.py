@@ -2,7 +2,10 @@
 
 Shape names follow DESIGN.md §7: s_q query rows, s_kv keys, h heads, d head dim, topk.
 Every op checks dtype, device, strides and shapes in C++ and raises RuntimeError naming
-the argument; ``-1`` in an index means "no token" everywhere.
+the argument; ``-1`` in an index means "no token" everywhere. Index *values* out of range
+(slots, positions, block ids, windows, sequence lengths) raise on CPU; on CUDA they are
+treated as invalid and counted, with no host sync (``cuda_error_count``), unless
+``INDEXCACHE_CHECK=1`` asks for the CPU's host-side checks and messages.
 """
 
 from __future__ import annotations
@@ -160,6 +163,41 @@ def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, 
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     _ops.sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse)
     return out, lse
+
+
+def _error_word(device) -> torch.Tensor | None:
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda":
+        return None  # the CPU ops raise on invalid entries instead of counting them
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _ops.cuda_error_word(torch.empty(0, device=device))
+
+
+def cuda_error_count(device=None) -> int:
+    """How many out-of-range index entries the CUDA ops on ``device`` met since the last reset.
+
+    By default the CUDA ops validate indices, slots, positions, block ids, windows and
+    sequence lengths on the device, with no host copy or sync (so the decode step can be
+    captured in a CUDA graph): an out-of-range entry is treated as invalid (``-1``, an
+    empty window or an empty request) and counted here. Reading the count is one
+    device-to-host copy (a sync), when the caller chooses. ``INDEXCACHE_CHECK=1`` restores
+    the CPU ops' host-side checks and error messages on CUDA. Always 0 for a CPU device.
+    """
+    word = _error_word(device)
+    return 0 if word is None else int(word.item())
+
+
+def reset_cuda_error_count(device=None) -> None:
+    """Sets the error count of ``device`` back to 0 (stream-ordered, no sync)."""
+    word = _error_word(device)
+    if word is not None:
+        word.zero_()
+
+
+@torch.library.register_fake("indexcache::cuda_error_word")
+def _cuda_error_word_fake(like):
+    return like.new_empty((1,), dtype=torch.int32)
 
 
 def _register_mutating_fakes():

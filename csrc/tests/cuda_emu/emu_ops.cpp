@@ -19,6 +19,7 @@ namespace {
 int g_sms = 132;
 int g_smem_optin = 227 * 1024;
 std::string g_error;
+int32_t g_err_word = 0;  // the device error word (DeviceEnv::err)
 
 struct Scratch {
   std::vector<std::unique_ptr<unsigned char[]>> bufs;
@@ -30,6 +31,7 @@ DeviceEnv env(Scratch& s) {
   e.sms = g_sms;
   e.smem_optin = g_smem_optin;
   e.stream = nullptr;
+  e.err = &g_err_word;
   e.alloc = [&s](int64_t bytes) -> void* {
     s.bufs.emplace_back(new unsigned char[bytes + 256]);
     unsigned char* p = s.bufs.back().get();
@@ -56,6 +58,8 @@ int guarded(F f) {
 extern "C" {
 
 const char* emu_last_error() { return g_error.c_str(); }
+int32_t emu_error_count() { return g_err_word; }
+void emu_reset_error_count() { g_err_word = 0; }
 void emu_set_device(int sms, int smem_optin) {
   g_sms = sms;
   g_smem_optin = smem_optin;
