@@ -122,7 +122,22 @@ if [ $BUILD_OK -eq 0 ]; then
 fi
 rm -f "$OUT/.ceilings.py"
 
-# 6. Summary (also written to summary.txt).
+# 6. Side by side with the peers on the shapes, in this run: FlashMLA's sparse
+#    prefill / decode, DeepGEMM's fp8_mqa_logits / fp8_paged_mqa_logits, torch.topk. The
+#    GPU machine has no internet: download the wheels where there is one and carry them
+#    (build/ is git-ignored: pass carry=["build/peer_wheels"] to the device tool; 15 MB)
+#    (docs/profiling.md):  pip download --no-deps -d build/peer_wheels sgl-flash-mla sgl-deep-gemm
+#    A peer is timed only when it imports; a peer call that fails is reported, not fatal.
+PEER_WHEELS="${PEER_WHEELS:-build/peer_wheels}"
+PEERS_JSON=$(mktemp /tmp/ic_peers.XXXXXX)
+if [ $BUILD_OK -eq 0 ]; then
+  if ls "$PEER_WHEELS"/*.whl >/dev/null 2>&1; then
+    stage peer_pip 60 bench.log "$PY" -m pip install --no-deps --no-index "$PEER_WHEELS"/*.whl
+  fi
+  stage peers 120 bench.log "$PY" bench/peers_check.py --json "$PEERS_JSON"
+fi
+
+# 7. Summary (also written to summary.txt).
 {
   echo
   echo "================ gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - START))s) ================"
@@ -157,7 +172,11 @@ for r in recs:
     print(f"{r['op']:<20} {r['shape']:<26} {r['ms']:>9.3f} {r['baseline']:<15} {r['baseline_ms']:>9.3f} {r['speedup']:>5.1f}x  {rate}")
 EOF
   fi
+  if [ -s "$PEERS_JSON" ]; then
+    "$PY" bench/peers_check.py --print "$PEERS_JSON"
+  fi
 } 2>&1 | tee "$OUT/summary.txt"
+rm -f "$PEERS_JSON"
 
 for r in "${ROWS[@]}"; do
   case "$r" in *FAILED* | *TIMEOUT*) exit 1 ;; esac
