@@ -189,3 +189,30 @@ def test_glm5_layout_and_fp8_checkpoint(tmp_path):
     assert "index_topk_freq" not in cfg and "index_skip_topk_offset" not in cfg
     model = from_pretrained(out)
     assert isinstance(model, GlmMoeDsaForCausalLM) and model.plan.pattern == "FSFS"
+
+
+def test_model_mode_trains_main_layers_not_mtp(ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    sched = AwareSchedule(warmup_steps=1, sparse_steps=2, batch=1, context=32, mode="model", eval_every=3, eval_windows=1)
+    out = train_aware(tmp_path / "run", ckpt, FREQ2, sched, train_text=_text(), heldout_text=_text()[:500],
+                      log=lambda s: None, progress=False)
+    init, trained = load_file(str(ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    changed = {n for n in trained if not torch.equal(trained[n], init[n])}
+    assert "model.layers.1.self_attn.q_a_proj.weight" in changed and "lm_head.weight" in changed
+    assert not any(n.startswith("model.layers.4.") for n in changed)  # the MTP layer stays
+    assert not any("e_score_correction_bias" in n for n in changed)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        train_aware(tmp_path / "bad", ckpt, FREQ2, AwareSchedule(mode="all"), train_text=_text(), progress=False)
+
+
+def test_plain_train_command_keeps_its_schedule(tmp_path, monkeypatch):
+    import indexcache.train as tr
+    from indexcache.cli import main
+
+    seen = {}
+    monkeypatch.setattr(tr, "train", lambda out, sched, init=None: seen.update(sched=sched, init=init) or out)
+    assert main(["train", "--out", str(tmp_path)]) == 0
+    assert seen["sched"] == tr.TrainSchedule() and seen["init"] is None
+    assert main(["train", "--out", str(tmp_path), "--warmup-steps", "120", "--sparse-context-len", "512"]) == 0
+    assert seen["sched"] == tr.TrainSchedule(warmup_steps=120, sparse_context=512)
