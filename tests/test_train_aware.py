@@ -11,8 +11,8 @@ import torch
 import indexcache
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
-from indexcache.train_aware import (AwareSchedule, aware_forward, indexer_losses, load_for_pattern,
-                                    multi_layer_kl, serving_groups, served_target, train_aware)
+from indexcache.train_aware import (AwareSchedule, aware_forward, load_for_pattern, multi_layer_kl, serving_groups,
+                                    served_target, train_aware)
 
 SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
@@ -64,18 +64,16 @@ def test_serving_groups_follow_the_plan():
 
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
 def test_chunked_loss_matches_whole_matrix(ckpt, stage):
-    from indexcache.train_aware import _allowed_rows, _attn_probs, _indexer_logits_rows, _indexer_qkw
+    from indexcache.train_aware import _allowed_rows, _attn_probs, _indexer_logits_rows, _indexer_qkw, _rope_for
 
     torch.manual_seed(1)
     model = load_for_pattern(ckpt, FREQ2)
     groups = serving_groups(list(model.plan.source_layer), 4)
     assert groups == {0: [0, 1, 2], 3: [3]}
     ids = torch.randint(0, 256, (2, 41))
-    _, rec, rope, chunks = aware_forward(model, ids, stage, groups)
-    whole = indexer_losses(model, rec, rope, chunks, groups)
-    _, rec2, rope2, chunks2 = aware_forward(model, ids, stage, groups, chunk_elems=2 * 2 * 40 * 7)
-    assert len(chunks2) > 3
-    chunked = indexer_losses(model, rec2, rope2, chunks2, groups)
+    _, whole, rec = aware_forward(model, ids, stage, groups, keep=True)
+    _, chunked, dropped = aware_forward(model, ids, stage, groups, chunk_elems=2 * 2 * 40 * 7)  # 6 rows a chunk
+    assert dropped == {}  # each group's tensors go once its KL is taken
     for f in groups:
         assert chunked[f] == pytest.approx(whole[f], rel=1e-4)
     # the same loss written out over whole [T, T] matrices
@@ -83,7 +81,7 @@ def test_chunked_loss_matches_whole_matrix(ckpt, stage):
     allowed = _allowed_rows(rec[0].sel, 0, t, 2, "cpu")
     probs = [_attn_probs(rec[l].q, rec[l].k, rec[l].scale, allowed) for l in groups[0]]
     with torch.no_grad():
-        q, k, w = _indexer_qkw(model.model.layers[0].self_attn.indexer, rec[0].x, rec[0].qr, rope)
+        q, k, w = _indexer_qkw(model.model.layers[0].self_attn.indexer, rec[0].x, rec[0].qr, _rope_for(model, 2, t, "cpu"))
         direct = multi_layer_kl(_indexer_logits_rows(q, k, w), probs, allowed)
     assert whole[0] == pytest.approx(float(direct), rel=1e-4)
     assert whole[0] > 0
@@ -99,8 +97,7 @@ def test_training_lowers_loss_and_freezes_the_rest(ckpt, tmp_path):
 
     def loss_of(model):
         groups = serving_groups(list(model.plan.source_layer), 4)
-        _, rec, rope, chunks = aware_forward(model, ids, "warmup", groups)
-        return sum(indexer_losses(model, rec, rope, chunks, groups).values())
+        return sum(aware_forward(model, ids, "warmup", groups)[1].values())
 
     before = loss_of(load_for_pattern(ckpt, FREQ2))
     logs = []

@@ -15,7 +15,8 @@ over exactly that selection, as at inference). With one layer per group this is 
 recipe's own indexer loss (``train.py``).
 
 Memory stays bounded on long contexts: the forward keeps O(T) tensors per layer (queries,
-keys, the selected positions), and attention rows, targets and indexer logits are computed in
+keys, the selected positions) for one group of layers at a time (a group's KL is taken as soon
+as its last layer has run), and attention rows, targets and indexer logits are computed in
 query chunks of at most ``chunk_elems`` scores (``[B, H, rows, keys]``), never a whole
 ``[T, T]`` per layer; the indexer's KL is back-propagated chunk by chunk.
 
@@ -60,16 +61,18 @@ def serving_groups(source_layer: Sequence[int], num_layers: int) -> dict:
     return groups
 
 
-def served_target(layer_probs: Sequence[torch.Tensor]) -> torch.Tensor:
+def served_target(layer_probs) -> torch.Tensor:
     """The multi-layer target ``[B, rows, keys]``: the mean over layers of each layer's head-mean
-    attention distribution (``layer_probs``: per served layer ``[B, H, rows, keys]``, rows summing to 1)."""
-    if not layer_probs:
-        raise ValueError("an indexer must serve at least one layer")
-    target = None
+    attention distribution (``layer_probs``: per served layer ``[B, H, rows, keys]``, rows summing
+    to 1; any iterable, consumed one layer at a time)."""
+    target, count = None, 0
     for p in layer_probs:
         t = p.float().mean(1)
         target = t if target is None else target + t
-    target = target / len(layer_probs)
+        count += 1
+    if count == 0:
+        raise ValueError("an indexer must serve at least one layer")
+    target = target / count
     return target / target.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
@@ -218,11 +221,16 @@ def _mla(attn, x, rope, sel, chunks, grad: bool):
 
 
 def aware_forward(model, ids: torch.Tensor, stage: str, groups: dict, *, grad: bool = False,
-                  chunk_elems: int = CHUNK_ELEMS):
-    """Forward over ``ids [B, T+1]`` under the model's plan: returns (LM loss, records, rope, chunks).
+                  chunk_elems: int = CHUNK_ELEMS, kl_backward: bool = False, keep: bool = False,
+                  with_kl: bool = True):
+    """Forward over ``ids [B, T+1]`` under the model's plan: returns (LM loss, {F layer: multi-layer
+    KL}, records). Each group's KL is taken as soon as its last layer has run, and (unless
+    ``keep``) that group's per-layer tensors are dropped, so at most one group's are alive.
 
     stage ``warmup``: dense causal attention everywhere; ``sparse``: each layer attends over the
-    top-k its source F layer's indexer selected (fp32 scores). ``grad``: keep the main model's graph.
+    top-k its source F layer's indexer selected (fp32 scores). ``grad``: keep the main model's
+    graph. ``kl_backward``: back-propagate each group's ``KL / len(groups)`` into its indexer.
+    ``with_kl`` False: the LM loss only.
     """
     if stage not in ("warmup", "sparse"):
         raise ValueError(f"stage must be warmup or sparse, got {stage!r}")
@@ -233,7 +241,8 @@ def aware_forward(model, ids: torch.Tensor, stage: str, groups: dict, *, grad: b
     heads = max(model.args.num_attention_heads, model.args.index_n_heads)
     chunks = _row_chunks(b, heads, t, chunk_elems)
     src = {l: f for f, served in groups.items() for l in served}
-    records, sels = {}, {}
+    last_of = {served[-1]: f for f, served in groups.items()}
+    records, sels, kls = {}, {}, {}
     with torch.set_grad_enabled(grad):
         x = model.model.embed_tokens(inp)
         for layer in model.model.layers[:n]:
@@ -243,52 +252,57 @@ def aware_forward(model, ids: torch.Tensor, stage: str, groups: dict, *, grad: b
             sel = None
             if stage == "sparse":
                 if lid == src[lid]:
-                    qr = attn.q_a_layernorm(attn.q_a_proj(hin.reshape(b * t, -1))).view(b, t, -1)
                     with torch.no_grad():
-                        iq, ik, iw = _indexer_qkw(attn.indexer, hin.detach(), qr.detach(), rope)
+                        qr = attn.q_a_layernorm(attn.q_a_proj(hin.reshape(b * t, -1))).view(b, t, -1)
+                        iq, ik, iw = _indexer_qkw(attn.indexer, hin, qr, rope)
                         sels[lid] = _select(iq, ik, iw, model.args.index_topk, chunks)
+                        del iq, ik, iw
                 sel = sels[src[lid]]
             out, qr, qf, kf, scale = _mla(attn, hin, rope, sel, chunks, grad)
             rec = _LayerRecord(q=qf, k=kf, scale=scale, sel=sel)
             if lid == src[lid]:
                 rec.x, rec.qr = hin.detach(), qr.detach()
-            records[lid] = rec
+            if with_kl:
+                records[lid] = rec
+            if with_kl and lid in last_of:
+                f = last_of[lid]
+                kls[f] = group_kl(model, records, f, groups[f], rope, chunks, backward=kl_backward,
+                                  weight=1.0 / len(groups))
+                if not keep:
+                    for l in groups[f]:
+                        del records[l]
             x = x + out
             y = layer.post_attention_layernorm(x)
             x = x + layer.mlp(y.reshape(-1, y.shape[-1])).view_as(x)
         hidden = model.model.norm(x)
         lm = F.cross_entropy(model.lm_head(hidden).float().reshape(-1, model.args.vocab_size), tgt.reshape(-1))
-    return lm, records, rope, chunks
+    return lm, kls, records
 
 
-def indexer_losses(model, records: dict, rope, chunks, groups: dict, *, backward: bool = False,
-                   weight: float = 1.0) -> dict:
-    """Multi-layer KL of every F indexer (nats, mean over query rows), chunked over query rows.
-    With ``backward`` each chunk's share of ``weight * loss / len(groups)`` is back-propagated
-    into its indexer right away (its queries and keys recomputed from the layer input), so no
-    chunk's ``[rows, keys]`` tensors outlive it."""
-    out = {}
-    for f, served in groups.items():
-        rec = records[f]
-        indexer = model.model.layers[f].self_attn.indexer
-        b, t = rec.x.shape[:2]
-        rows_total = b * t
-        total = 0.0
-        for r0, r1 in chunks:
-            allowed = _allowed_rows(rec.sel, r0, r1, b, rec.x.device)
-            with torch.no_grad():
-                target = served_target([_attn_probs(records[l].q[:, :, r0:r1], records[l].k[:, :, :r1],
-                                                    records[l].scale, allowed) for l in served])
-            with torch.set_grad_enabled(backward):
-                q, w = _indexer_qw(indexer, rec.x[:, r0:r1], rec.qr[:, r0:r1], _rope_rows(rope, b, t, r0, r1))
-                k = _indexer_k(indexer, rec.x[:, :r1], _rope_rows(rope, b, t, 0, r1))
-                part = kl_rows(_indexer_logits_rows(q, k, w), target, allowed).sum() / rows_total
-                if backward:
-                    (part * (weight / len(groups))).backward()
-            total += float(part.detach())
-            del target, allowed, part
-        out[f] = total
-    return out
+def group_kl(model, records: dict, f: int, served: Sequence[int], rope, chunks, *, backward: bool = False,
+             weight: float = 1.0) -> float:
+    """Multi-layer KL of F layer ``f``'s indexer over the layers it serves (nats, mean over query
+    rows), chunked over query rows. With ``backward`` each chunk's share of ``weight * loss`` is
+    back-propagated into the indexer right away (its queries and keys recomputed from the layer
+    input), so no chunk's ``[rows, keys]`` tensors outlive it."""
+    rec = records[f]
+    indexer = model.model.layers[f].self_attn.indexer
+    b, t = rec.x.shape[:2]
+    total = 0.0
+    for r0, r1 in chunks:
+        allowed = _allowed_rows(rec.sel, r0, r1, b, rec.x.device)
+        with torch.no_grad():
+            target = served_target(_attn_probs(records[l].q[:, :, r0:r1], records[l].k[:, :, :r1],
+                                               records[l].scale, allowed) for l in served)
+        with torch.set_grad_enabled(backward):
+            q, w = _indexer_qw(indexer, rec.x[:, r0:r1], rec.qr[:, r0:r1], _rope_rows(rope, b, t, r0, r1))
+            k = _indexer_k(indexer, rec.x[:, :r1], _rope_rows(rope, b, t, 0, r1))
+            part = kl_rows(_indexer_logits_rows(q, k, w), target, allowed).sum() / (b * t)
+            if backward:
+                (part * weight).backward()
+        total += float(part.detach())
+        del target, allowed, part
+    return total
 
 
 # ---------------------------------------------------------------------------- model, plan, saving
@@ -483,18 +497,16 @@ def train_aware(out_dir, init, hf_overrides, schedule: AwareSchedule = AwareSche
         if opt_main is not None:
             opt_main.zero_grad(set_to_none=True)
         model.train()
-        lm, records, rope, chunks = aware_forward(model, ids, stage, groups, grad=train_main,
-                                                  chunk_elems=schedule.chunk_elems)
+        lm, kls, _ = aware_forward(model, ids, stage, groups, grad=train_main, chunk_elems=schedule.chunk_elems,
+                                   kl_backward=True)  # the indexers' gradients, group by group
         if train_main:
             lm.backward()
             torch.nn.utils.clip_grad_norm_(main_params, 1.0)
             for grp in opt_main.param_groups:
                 grp["lr"] = _lr(step, schedule.main_lr, start, length)
             opt_main.step()
-        kls = indexer_losses(model, records, rope, chunks, groups, backward=True)
         torch.nn.utils.clip_grad_norm_(idx_params, 1.0)
         opt_idx.step()
-        del records
         rec = {"step": step, "stage": stage, "lm_bits": float(lm.detach()) / math.log(2),
                "kl": sum(kls.values()) / len(kls), "kl_per_f": {str(k): v for k, v in kls.items()},
                "elapsed_s": round(time.time() - t0, 1)}
@@ -526,7 +538,7 @@ def eval_sparse_bits(model, data: torch.Tensor, context: int, groups: dict, wind
     if n < 1:
         raise ValueError(f"held-out text of {data.numel()} bytes is shorter than the context {context} + 1")
     ids = torch.stack([data[i * context:(i + 1) * context + 1] for i in range(n)])
-    lm = aware_forward(model, ids, "sparse", groups, chunk_elems=chunk_elems)[0]
+    lm = aware_forward(model, ids, "sparse", groups, chunk_elems=chunk_elems, with_kl=False)[0]
     return float(lm) / math.log(2)
 
 
