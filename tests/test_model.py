@@ -513,3 +513,15 @@ def test_auto_cache_dtype_is_the_model_dtype():
     model = DeepseekV32ForCausalLM.from_config(CFG, dtype=torch.bfloat16, seed=0)
     assert model.lm_head.weight.dtype == torch.float32 and model.dtype == torch.bfloat16
     assert model.allocate_cache(2).kv[0].dtype == torch.bfloat16
+
+
+def test_saved_heads_take_the_model_dtype(tmp_path):
+    model = DeepseekV32ForCausalLM.from_config(CFG, dtype=torch.bfloat16, seed=0)
+    model.save_pretrained(tmp_path)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.6.shared_head.head.weight").dtype == torch.bfloat16
+    back = DeepseekV32ForCausalLM.from_pretrained(tmp_path)
+    assert back.lm_head.weight.dtype == torch.float32
+    assert torch.equal(back.lm_head.weight, model.lm_head.weight.bfloat16().float())

@@ -28,6 +28,9 @@ INDEX_NAME = "model.safetensors.index.json"
 FP8_BLOCK = (128, 128)
 # Linear weights that the official checkpoint stores in fp8 (and the writer quantizes).
 FP8_WEIGHTS = re.compile(r"\.(" + "|".join(FP8_LINEAR_NAMES) + r")\.weight$")
+# The LM heads: fp32 parameters in the model (its logits are fp32, as DeepSeek's reference computes
+# them), written in the model's dtype like every other weight of the official checkpoints.
+FP32_HEADS = ("lm_head.weight", "shared_head.head.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _PROGRESS_BYTES = 256 << 20  # show a progress bar above this checkpoint size
 
@@ -265,6 +268,8 @@ def save_pretrained(model, path: Union[str, Path], *, fp8: bool = False, max_sha
         if fp8 and FP8_WEIGHTS.search(name):
             q, s = quantize_fp8_blocks(t)
             tensors[name], tensors[name + "_scale_inv"] = q, s
+        elif name.endswith(FP32_HEADS):  # held fp32 for fp32 logits; stored in the model dtype as the official ones
+            tensors[name] = t.to(model.compute_dtype)
         else:
             tensors[name] = t
     # model.config holds config.json plus model-level overrides; IndexCache overrides never enter
