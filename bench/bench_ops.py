@@ -46,15 +46,16 @@ ISAS = ["auto"]   # CPU paths to run ours on (--isa)
 REPEAT = 1        # interleaved repeats per path (--repeat)
 
 
-def time_ours(fn, device, **kw):
-    """Times fn on every path in ISAS, interleaved REPEAT times: {isa: (median, min, max, path)}."""
+def time_ours(fn, device, op="", **kw):
+    """Times fn on every path in ISAS, interleaved REPEAT times: {isa: (median, min, max, path)};
+    path is the one op's kernels took (op="sparse_mla" for sparse MLA, which may differ)."""
     runs = {isa: [] for isa in ISAS}
     paths = {}
     for _ in range(REPEAT):
         for isa in ISAS:
             if device == "cpu":
                 _C._set_cpu_isa(isa)
-                paths[isa] = _C._cpu_isa()
+                paths[isa] = _C._cpu_isa(op)
             try:
                 runs[isa].append(timeit(fn, device, **kw))
             finally:
@@ -192,8 +193,8 @@ def bench_mla(records, device, quick, matmul_gflops):
         scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
         out = torch.empty(s_q, h, 512, device=device, dtype=torch.bfloat16)
         lse = torch.empty(s_q, h, device=device)
-        ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse), device, min_time=0.5,
-                         max_iters=10)
+        ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse), device, op="sparse_mla",
+                         min_time=0.5, max_iters=10)
         base = timeit(lambda: reference_bf16_mla(q, cache, idx, scale), device, min_time=0.3, max_iters=5)
         n_valid = int((idx >= 0).sum())
         flops = 2 * h * n_valid * (576 + 512)

@@ -5,6 +5,7 @@
 
 #include "indexcache/ops.h"
 #include "indexcache/plan.h"
+#include "cpu/blas.h"
 
 #ifndef INDEXCACHE_CUDA_ARCHS
 #define INDEXCACHE_CUDA_ARCHS ""
@@ -128,13 +129,17 @@ PYBIND11_MODULE(_C, mod) {
       "Choose the CPU kernels' code path: 'auto' (blas where AMX tiles are present, else AVX-512 BF16 "
       "where present, else portable), 'portable', 'avx512bf16' (falls back to portable without it) or "
       "'blas' (oneDNN brgemm: the AMX tiles where present).");
-  mod.def("_cpu_isa", []() {
-    switch (indexcache::cpu_isa()) {
-      case 0: return "avx512bf16";
-      case 2: return "blas";
-      default: return "portable";
-    }
-  });
+  mod.def(
+      "_cpu_isa",
+      [](const std::string& op) {
+        switch (op == "sparse_mla" ? indexcache::sparse_mla_path() : indexcache::cpu_isa()) {
+          case 0: return "avx512bf16";
+          case 2: return "blas";
+          default: return "portable";
+        }
+      },
+      py::arg("op") = "",
+      "The CPU path the kernels take; op='sparse_mla' for sparse MLA's (which may differ).");
 
   mod.def("_build_info", []() {
     py::dict d;

@@ -15,9 +15,10 @@ POISON_F = float("nan")
 
 
 def _isa_path(name):
+    """(the path of the indexer ops, the path of sparse_mla) that `name` selects here."""
     _C._set_cpu_isa(name)
     try:
-        return _C._cpu_isa()
+        return _C._cpu_isa(), _C._cpu_isa("sparse_mla")
     finally:
         _C._set_cpu_isa("auto")
 
@@ -30,7 +31,7 @@ def cpu_isa(request):
     kernel torch answers brgemm through its own GEMM, so the path's logic is tested on every CPU."""
     if request.param not in ("auto", "portable") and _isa_path(request.param) == _isa_path("auto"):
         pytest.skip(f"'{request.param}' is what 'auto' takes on this CPU")
-    if request.param == "avx512bf16" and _isa_path("avx512bf16") == "portable":
+    if request.param == "avx512bf16" and _isa_path("avx512bf16")[0] == "portable":
         pytest.skip("no AVX-512 BF16 on this CPU")
     _C._set_cpu_isa(request.param)
     yield request.param

@@ -43,7 +43,7 @@ __attribute__((target("avx512f,avx512bw"))) void to_e4m3_avx512(const float* x, 
 bool quant_use_avx512() {
 #if defined(__x86_64__)
   static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return v && cpu_isa() == 0;
+  return v && cpu_isa() != 1;  // every path but the portable one (ops.h)
 #else
   return false;
 #endif

@@ -1,6 +1,7 @@
 // Run-time choice of the CPU kernels' code path. Nothing here is decided at build time:
 // the same library loads and picks its path on Zen 4 (AVX-512 BF16), on Xeons with AMX
 // (the oneDNN brgemm path, which runs on the tile unit) and on CPUs with neither.
+#include <ATen/Context.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <atomic>
@@ -65,6 +66,16 @@ int cpu_isa() {
       if (blas_uses_tiles()) return kPathBlas;
       return cpu_has_avx512bf16_rt() ? kPathAvx512Bf16 : kPathPortable;
   }
+}
+
+int sparse_mla_path() {
+  // Sparse MLA's Q.K^T and P.V are large enough per row (h x 576 x 128 per key block) that
+  // oneDNN's brgemm beats the AVX-512 BF16 kernels on Zen 4 too (docs/performance.md), so
+  // 'auto' takes the blas path there as well, wherever torch has oneDNN to run it with.
+  if (g_isa_request.load() == kIsaAuto && cpu_has_avx512bf16_rt() && at::hasMKLDNN() &&
+      at::globalContext().userEnabledMkldnn())
+    return kPathBlas;
+  return cpu_isa();
 }
 
 }  // namespace indexcache

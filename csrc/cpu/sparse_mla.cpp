@@ -328,7 +328,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 }  // namespace
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
-  if (cpu_isa() == kPathBlas && sparse_mla_blas(p)) return;
+  if (sparse_mla_path() == kPathBlas && sparse_mla_blas(p)) return;
   const bool bf16 = mla_use_bf16(p);
   const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t head_blocks = (p.h_q + hb - 1) / hb;
