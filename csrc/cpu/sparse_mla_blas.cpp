@@ -3,8 +3,10 @@
 //   S = Q[h, 576] · Kᵀ          (one brgemm, fp32 out)
 //   O += P[h, kBlock] · V        (one brgemm, accumulating in fp32)
 // with an online softmax between them (running max and sum per head, O rescaled when the
-// max grows). Rows with few query rows split their selected keys across threads and merge
-// the partial (max, sum, O) in split order, so results do not depend on timing.
+// max grows). Rows with few query rows split their selected keys across threads; the task
+// that finishes a row's last split merges the partial (max, sum, O) in split order, so results
+// do not depend on timing and the op needs one parallel region (waking the other threads
+// twice cost more than the merge on a busy machine).
 // Non-finite scores follow docs/ops.md: any NaN / ±inf score of (row, head) makes that
 // head's out and lse NaN; a row with no valid index gives 0 and -inf.
 #include <ATen/Parallel.h>
@@ -13,6 +15,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -211,47 +215,12 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
   // Partials of split rows: O [h][dv], then m, l, z [h] per (row, split).
   const int64_t part_len = h * (dv + 3);
   std::vector<float> part(splits > 1 ? p.s_q * splits * part_len : 0);
-  at::parallel_for(0, p.s_q * splits, 1, [&](int64_t begin, int64_t end) {
-    TileRelease release;
-    static thread_local Work w;
-    w.deq.resize(kBlock * kMlaDim);
-    w.kb.resize(kPairs * kBlock);
-    w.vb.resize(kBlock / 2 * dv);
-    w.s.resize(h * kBlock);
-    w.pb.resize(h * kBlock);
-    w.o.resize(h * dv);
-    w.m.resize(h);
-    w.l.resize(h);
-    w.z.resize(h);
-    std::vector<int32_t> slots;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / splits, sp = task % splits;
-      slots.clear();
-      for (int64_t j = 0; j < p.topk; ++j) {
-        const int32_t s = p.indices[t * p.topk + j];
-        if (s >= 0) slots.push_back(s);
-      }
-      const int64_t n = static_cast<int64_t>(slots.size());
-      const int64_t per = ((n + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
-      const int64_t a = std::min(n, sp * per), b = std::min(n, a + per);
-      attend(p, t, slots.data() + a, b - a, w);
-      if (splits == 1) {
-        for (int64_t hh = 0; hh < h; ++hh)
-          store_row(p, t, hh, w.o.data() + hh * dv, w.m[hh], w.l[hh], w.z[hh] != w.z[hh]);
-        continue;
-      }
-      float* dst = part.data() + task * part_len;
-      if (b > a) std::copy(w.o.begin(), w.o.end(), dst);
-      std::copy(w.m.begin(), w.m.end(), dst + h * dv);
-      std::copy(w.l.begin(), w.l.end(), dst + h * dv + h);
-      std::copy(w.z.begin(), w.z.end(), dst + h * dv + 2 * h);
-    }
-  });
-  if (splits == 1) return true;
-  at::parallel_for(0, p.s_q * h, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> o(dv);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / h, hh = i % h;
+  std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[splits > 1 ? p.s_q : 0]);
+  for (int64_t t = 0; t < (splits > 1 ? p.s_q : 0); ++t) done[t].store(0);
+  // Row t's splits, combined in split order into out / lse.
+  auto merge_row = [&](int64_t t, std::vector<float>& o) {
+    o.resize(dv);
+    for (int64_t hh = 0; hh < h; ++hh) {
       float m = -std::numeric_limits<float>::infinity();
       bool bad = false;
       for (int64_t sp = 0; sp < splits; ++sp) {
@@ -274,6 +243,44 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
         }
       }
       store_row(p, t, hh, o.data(), m, l, bad);
+    }
+  };
+  at::parallel_for(0, p.s_q * splits, 1, [&](int64_t begin, int64_t end) {
+    TileRelease release;
+    static thread_local Work w;
+    w.deq.resize(kBlock * kMlaDim);
+    w.kb.resize(kPairs * kBlock);
+    w.vb.resize(kBlock / 2 * dv);
+    w.s.resize(h * kBlock);
+    w.pb.resize(h * kBlock);
+    w.o.resize(h * dv);
+    w.m.resize(h);
+    w.l.resize(h);
+    w.z.resize(h);
+    std::vector<int32_t> slots;
+    std::vector<float> merged;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / splits, sp = task % splits;
+      slots.clear();
+      for (int64_t j = 0; j < p.topk; ++j) {
+        const int32_t s = p.indices[t * p.topk + j];
+        if (s >= 0) slots.push_back(s);
+      }
+      const int64_t n = static_cast<int64_t>(slots.size());
+      const int64_t per = ((n + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
+      const int64_t a = std::min(n, sp * per), b = std::min(n, a + per);
+      attend(p, t, slots.data() + a, b - a, w);
+      if (splits == 1) {
+        for (int64_t hh = 0; hh < h; ++hh)
+          store_row(p, t, hh, w.o.data() + hh * dv, w.m[hh], w.l[hh], w.z[hh] != w.z[hh]);
+        continue;
+      }
+      float* dst = part.data() + task * part_len;
+      if (b > a) std::copy(w.o.begin(), w.o.end(), dst);
+      std::copy(w.m.begin(), w.m.end(), dst + h * dv);
+      std::copy(w.l.begin(), w.l.end(), dst + h * dv + h);
+      std::copy(w.z.begin(), w.z.end(), dst + h * dv + 2 * h);
+      if (done[t].fetch_add(1, std::memory_order_acq_rel) + 1 == splits) merge_row(t, merged);
     }
   });
   return true;
