@@ -233,7 +233,8 @@ __device__ __forceinline__ void stage_rows_f32(int nrows, RowFn row, float* dst,
 // Scores of the rows in need_mask against the staged 64-key tile -> sc[rr][64] (times the
 // key scales). Every thread of the CTA must call it.
 __device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* ws, const uint16_t* kt,
-                                               const float* ksc, float* sc, int rb, int hpad, uint32_t need_mask) {
+                                               const float* ksc, float* sc, int rb, int h, int hpad,
+                                               uint32_t need_mask) {
   const int warp = warp_id(), lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
   uint32_t bf[2][kD / 16][2];
@@ -256,12 +257,15 @@ __device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* 
         mma_bf16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
       }
       const float wl = wr[mt * 16 + g], wh = wr[mt * 16 + g + 8];
+      // Padding heads (>= h) are skipped, not weighted by 0: their zero q rows give 0 * inf = NaN
+      // against a key holding inf, which a zero weight would not cancel.
+      const bool lo = mt * 16 + g < h, hi = mt * 16 + g + 8 < h;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          part[nt][e] = fmaf(wl, relu_nan(acc[nt][e]), part[nt][e]);      // head mt*16 + g
-          part[nt][e] = fmaf(wh, relu_nan(acc[nt][e + 2]), part[nt][e]);  // head mt*16 + g + 8
+          if (lo) part[nt][e] = fmaf(wl, relu_nan(acc[nt][e]), part[nt][e]);      // head mt*16 + g
+          if (hi) part[nt][e] = fmaf(wh, relu_nan(acc[nt][e + 2]), part[nt][e]);  // head mt*16 + g + 8
         }
       }
     }
@@ -394,7 +398,7 @@ struct Cta {
     __syncthreads();
     if constexpr (kMma) {
       score_tile_mma(reinterpret_cast<const uint16_t*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
-                     reinterpret_cast<const uint16_t*>(smem + L.k), ksc(), sc(), a.rb, a.hpad, mask);
+                     reinterpret_cast<const uint16_t*>(smem + L.k), ksc(), sc(), a.rb, a.h, a.hpad, mask);
     } else {
       score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
                      reinterpret_cast<const float*>(smem + L.k), ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp),

@@ -218,3 +218,18 @@ def test_emu_fuzz_sparse_mla(data, seed):
     ok = ~torch.isnan(rl)
     if ok.any():
         assert rel_err(out.float()[ok], ro.float()[ok]) < (1e-5 if q_dtype == torch.float32 else 1e-2)
+
+
+def test_emu_indexer_padding_heads_ignore_an_infinite_key():
+    # Found by the long profile: with fewer heads than the mma's 16, the zero q rows of the padding
+    # heads met a key holding -inf (0 * -inf = NaN), and a zero weight did not cancel that NaN. The
+    # real head's dot is -inf, which ReLU makes 0, so the logit is a finite 0, as reference.py says.
+    for h in (1, 5, 17):
+        q = (torch.rand(2, h, 128, generator=torch.Generator().manual_seed(h)) + 0.1).to(torch.bfloat16)
+        k = torch.rand(3, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        k[1, 7] = -math.inf
+        w = ref.indexer_weights(torch.rand(2, h) + 0.5).contiguous()
+        ks, ke = torch.zeros(2, dtype=torch.int32), torch.full((2,), 3, dtype=torch.int32)
+        got, want = run_logits(q, k, None, w, ks, ke), ref.indexer_logits(q, k, None, w, ks, ke)
+        assert torch.equal(want[:, 1], torch.zeros(2)) and torch.equal(got[:, 1], want[:, 1])
+        assert torch.isfinite(got).all()
