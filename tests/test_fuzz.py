@@ -564,9 +564,14 @@ def test_fuzz_sparse_mla(data, seed, isa):
         assert rel_err(out.float()[ok], ro.float()[ok]) < bar
         fin = torch.isfinite(rl)
         if fin.any():
-            # bf16 paths round fp8-dequantized keys to bf16: ~2^-8 of the score, so the lse
-            # bar grows with |lse| (docs/ops.md: ~1e-2 absolute at DSA's scale).
-            tol = 1e-4 * (1 + rl[fin].abs()) if bar < 1e-2 else 2e-2 + 4e-3 * rl[fin].abs()
+            # lse moves by at most the largest score error. bf16 paths round the fp8-dequantized
+            # keys to bf16, a relative 2^-9 per product, so a score can be off by up to 2^-9 of
+            # sm_scale * sum_i |q_i k_i| (the long profile found |lse| ~0.4 off by 0.024, past a
+            # bar that scaled with |lse|; docs/ops.md).
+            kv = ref.mla_kv_cache_dequant(cache)[idx.long().clamp(min=0)]  # [s_q, topk, 576]
+            mag = torch.einsum("thd,tkd->thk", q.float().abs(), kv.abs().nan_to_num(0.0, 0.0, 0.0)) * sm_scale
+            mag = mag.masked_fill((idx < 0).unsqueeze(1), 0.0).amax(dim=-1)
+            tol = 1e-4 * (1 + rl[fin].abs()) if bar < 1e-2 else 1e-3 * (1 + rl[fin].abs()) + 2.0 ** -8 * mag[fin]
             assert ((lse[fin] - rl[fin]).abs() <= tol).all()
     o2, l2 = ops.sparse_mla(q, cache, idx, sm_scale, d_v)
     assert same_bits(o2, out) and same_bits(l2, lse)
