@@ -27,8 +27,7 @@ bool indexer_logits_paged_blas(const PagedIndexerParams& p, const LogitsOut& o);
 bool indexer_topk_blas(const IndexerParams& p, const TopkOut& o);
 bool indexer_topk_paged_blas(const PagedIndexerParams& p, const TopkOut& o);
 bool sparse_mla_blas(const SparseMlaParams& p);
-// The path sparse_mla takes (a CpuIsaPath): as cpu_isa(), except that 'auto' also picks blas
-// on CPUs with AVX-512 BF16 and no AMX, where it measured faster.
+// The path sparse_mla takes (a CpuIsaPath); today the same as cpu_isa() (isa.cpp says why).
 int sparse_mla_path();
 
 }  // namespace indexcache

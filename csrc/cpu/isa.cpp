@@ -1,7 +1,6 @@
 // Run-time choice of the CPU kernels' code path. Nothing here is decided at build time:
 // the same library loads and picks its path on Zen 4 (AVX-512 BF16), on Xeons with AMX
 // (the oneDNN brgemm path, which runs on the tile unit) and on CPUs with neither.
-#include <ATen/Context.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <atomic>
@@ -69,12 +68,9 @@ int cpu_isa() {
 }
 
 int sparse_mla_path() {
-  // Sparse MLA's Q.K^T and P.V are large enough per row (h x 576 x 128 per key block) that
-  // oneDNN's brgemm beats the AVX-512 BF16 kernels on Zen 4 too (docs/performance.md), so
-  // 'auto' takes the blas path there as well, wherever torch has oneDNN to run it with.
-  if (g_isa_request.load() == kIsaAuto && cpu_has_avx512bf16_rt() && at::hasMKLDNN() &&
-      at::globalContext().userEnabledMkldnn())
-    return kPathBlas;
+  // Kept apart from cpu_isa() because the choice for sparse MLA was measured separately: on
+  // Zen 4 brgemm led in wall-time runs on a loaded machine, but not in CPU time nor at one or
+  // two decode rows (docs/performance.md), so 'auto' keeps the AVX-512 BF16 kernels there.
   return cpu_isa();
 }
 
