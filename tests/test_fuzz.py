@@ -88,7 +88,9 @@ def _restore_isa():
     _C._set_cpu_isa("auto")
 
 
-isas = st.sampled_from(["auto", "portable"])
+# Every CPU path: the default, portable, and the two forced ones (avx512bf16 falls back to portable
+# on a CPU without it; blas runs everywhere, through AMX tiles where the CPU has them).
+isas = st.sampled_from(["auto", "portable", "avx512bf16", "blas"])
 
 
 def sprinkle(draw, x, where_ok=True):
