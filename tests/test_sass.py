@@ -91,13 +91,15 @@ def count(ops: list[str], *prefixes: str) -> int:
     return sum(1 for op in ops if any(op == p or op.startswith(p + ".") for p in prefixes))
 
 
-# Mangled-name fragments: Elem is h (uint8_t, fp8), t (uint16_t, bf16), f (float); then Paged.
-FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0E", "ItLb0E", "IhLb1E"
+# Mangled-name fragments: Elem is h (uint8_t, fp8), t (uint16_t, bf16), f (float); then Paged; then
+# kPadHeads (heads not a multiple of 16: small models only, a check in the hot loop).
+FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0ELb0E", "ItLb0ELb0E", "IhLb1ELb0E"
+PADDED = ["IhLb0ELb1E", "ItLb0ELb1E", "IhLb1ELb1E"]
 MMA_KERNELS = [
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + BF16_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
     "sparse_mla_mma_kernelILb1E", "sparse_mla_mma_kernelILb0E",
-]
+] + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED]
 # Kernels with no local memory at all (no spills, no stack arrays). Not listed, because
 # they do use some today: indexer_logits_kernel<bf16> (1 spill pair), the fp32 fused
 # indexer kernel (a few).

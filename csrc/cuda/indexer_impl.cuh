@@ -232,9 +232,9 @@ __device__ __forceinline__ void stage_rows_f32(int nrows, RowFn row, float* dst,
 
 // Scores of the rows in need_mask against the staged 64-key tile -> sc[rr][64] (times the
 // key scales). Every thread of the CTA must call it.
+template <bool kPadHeads>
 __device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* ws, const uint16_t* kt,
-                                               const float* ksc, float* sc, int rb, int h, int hpad,
-                                               uint32_t need_mask) {
+                                               const float* ksc, float* sc, int rb, int hpad, uint32_t need_mask) {
   const int warp = warp_id(), lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
   uint32_t bf[2][kD / 16][2];
@@ -257,9 +257,11 @@ __device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* 
         mma_bf16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
       }
       const float wl = wr[mt * 16 + g], wh = wr[mt * 16 + g + 8];
-      // Padding heads (>= h) are skipped, not weighted by 0: their zero q rows give 0 * inf = NaN
-      // against a key holding inf, which a zero weight would not cancel.
-      const bool lo = mt * 16 + g < h, hi = mt * 16 + g + 8 < h;
+      // With h not a multiple of 16, padding heads are skipped, not weighted by 0: their zero q rows
+      // give 0 * inf = NaN against a key holding inf, which a zero weight would keep. They are the
+      // heads staged with weight +0 (a real zero weight is staged as -0: same sums, same NaNs). A
+      // separate instantiation, so that the production head counts (32, 64) keep their registers.
+      const bool lo = !kPadHeads || __float_as_uint(wl) != 0u, hi = !kPadHeads || __float_as_uint(wh) != 0u;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -314,7 +316,7 @@ __device__ __forceinline__ void score_tile_fma(const float* qs, const float* ws,
 }
 
 // Shared state of one CTA: q block, weights and row windows staged, pointers carved.
-template <typename Elem, bool Paged>
+template <typename Elem, bool Paged, bool kPadHeads>
 struct Cta {
   static constexpr bool kMma = !std::is_same_v<Elem, float>;
   Layout L;
@@ -365,7 +367,9 @@ struct Cta {
     float* ws = reinterpret_cast<float*>(smem + L.w);
     for (int idx = threadIdx.x; idx < a.rb * hpad; idx += kThreads) {
       const int rr = idx / hpad, hh = idx % hpad;
-      ws[idx] = (rr < nr && hh < h) ? a.weights[(r0 + rr) * h + hh] : 0.f;
+      // +0 marks a padding head (score_tile_mma skips those); a real zero weight becomes -0
+      const float w = (rr < nr && hh < h) ? a.weights[(r0 + rr) * h + hh] : 0.f;
+      ws[idx] = (rr < nr && hh < h && w == 0.f) ? -0.f : w;
     }
     __syncthreads();
   }
@@ -397,8 +401,8 @@ struct Cta {
     }
     __syncthreads();
     if constexpr (kMma) {
-      score_tile_mma(reinterpret_cast<const uint16_t*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
-                     reinterpret_cast<const uint16_t*>(smem + L.k), ksc(), sc(), a.rb, a.h, a.hpad, mask);
+      score_tile_mma<kPadHeads>(reinterpret_cast<const uint16_t*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
+                     reinterpret_cast<const uint16_t*>(smem + L.k), ksc(), sc(), a.rb, a.hpad, mask);
     } else {
       score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
                      reinterpret_cast<const float*>(smem + L.k), ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp),
@@ -410,11 +414,11 @@ struct Cta {
 
 // ------------------------------------------------------------------ plain scoring
 
-template <typename Elem, bool Paged>
+template <typename Elem, bool Paged, bool kPadHeads>
 __global__ void __launch_bounds__(kThreads) indexer_logits_kernel(IdxArgs a, LogitsOut o) {
   IC_DYNAMIC_SMEM(smem);
-  Cta<Elem, Paged> cta;
-  cta.init(a, smem, make_layout(Cta<Elem, Paged>::kMma, a.rb, a.hpad, 0, false));
+  Cta<Elem, Paged, kPadHeads> cta;
+  cta.init(a, smem, make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, 0, false));
   const int nrows = cta.nrows;
   int lo_all = INT_MAX, hi_all = 0;
   uint32_t nonempty = 0;
@@ -446,11 +450,11 @@ __global__ void __launch_bounds__(kThreads) indexer_logits_kernel(IdxArgs a, Log
 
 // ------------------------------------------------------------------ fused scoring + top-k
 
-template <typename Elem, bool Paged>
+template <typename Elem, bool Paged, bool kPadHeads>
 __global__ void __launch_bounds__(kThreads) indexer_fused_kernel(IdxArgs a, FusedArgs f) {
   IC_DYNAMIC_SMEM(smem);
-  Cta<Elem, Paged> cta;
-  const Layout L = make_layout(Cta<Elem, Paged>::kMma, a.rb, a.hpad, f.k, true);
+  Cta<Elem, Paged, kPadHeads> cta;
+  const Layout L = make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, f.k, true);
   int* cnt = reinterpret_cast<int*>(smem + L.cnt);
   uint32_t* thr = reinterpret_cast<uint32_t*>(smem + L.thr);
   int* full = reinterpret_cast<int*>(smem + L.full);
@@ -625,10 +629,16 @@ int prepare_smem(Kernel kernel, const Layout& L, int64_t h, const DeviceEnv& env
   return L.total;
 }
 
+// The mma kernels come in two instantiations: h a multiple of 16 (every production model) and
+// padded heads (small models), which need a check in the hot loop (score_tile_mma).
+template <typename Elem>
+constexpr bool kHasPadding = !std::is_same_v<Elem, float>;
+
 template <typename Elem, bool Paged>
 void launch_logits_t(const IdxArgs& a, const LogitsOut& o, int64_t blocks, const DeviceEnv& env) {
   const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, 0, false);
-  auto kernel = indexer_logits_kernel<Elem, Paged>;
+  auto kernel = kHasPadding<Elem> && a.hpad != a.h ? indexer_logits_kernel<Elem, Paged, kHasPadding<Elem>>
+                                                   : indexer_logits_kernel<Elem, Paged, false>;
   const int smem = prepare_smem(kernel, L, a.h, env);
   const int64_t per_cta = kLogitsTilesPerCta * kKeyTile;
   const int64_t col_ctas = (o.cols + per_cta - 1) / per_cta;
@@ -656,7 +666,8 @@ void launch_logits(const Problem& pr, const LogitsOut& o, const DeviceEnv& env) 
 template <typename Elem, bool Paged>
 void launch_fused_t(const IdxArgs& a, const FusedArgs& f, int64_t blocks, const DeviceEnv& env) {
   const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, f.k, true);
-  auto kernel = indexer_fused_kernel<Elem, Paged>;
+  auto kernel = kHasPadding<Elem> && a.hpad != a.h ? indexer_fused_kernel<Elem, Paged, kHasPadding<Elem>>
+                                                   : indexer_fused_kernel<Elem, Paged, false>;
   const int smem = prepare_smem(kernel, L, a.h, env);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(f.S));
   IC_LAUNCH(kernel, grid, kThreads, smem, env.stream, a, f);
