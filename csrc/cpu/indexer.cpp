@@ -22,28 +22,24 @@
 #include "blas.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
+#include "indexer_common.h"
 #include "select.h"
 
 namespace indexcache {
 namespace {
 
+using cpu::dense_windows;
+using cpu::fill_neg_inf;
+using cpu::key_splits;
+using cpu::paged_windows;
+using cpu::write_short_row;
+
 constexpr int kTile = 32;
 constexpr int64_t kRowBlock = 8;      // query rows sharing one packed key tile
 constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
-constexpr int64_t kMinSplitKeys = 4096;
-
-bool cpu_has_bf16() {
-#if defined(__x86_64__)
-  static const bool v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512f");
-  return v;
-#else
-  return false;
-#endif
-}
 
 // The blas path (blas.h) declines fp32 inputs; they, like CPUs without AVX-512 BF16, run fp32.
-bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && cpu_isa() != kPathPortable && cpu_has_bf16(); }
+bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && cpu_isa() != kPathPortable && cpu_has_avx512bf16_rt(); }
 
 struct E4m3Tables {
   uint16_t bf16[256];
@@ -244,23 +240,6 @@ void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, bool bf16, int
   }
 }
 
-void fill_neg_inf(float* row, int64_t n) { std::fill_n(row, n, -std::numeric_limits<float>::infinity()); }
-
-void write_short_row(int32_t* out, int64_t window, const TopkOut& o) {
-  int64_t j = 0;
-  for (; j < window && j < o.topk; ++j) out[j] = static_cast<int32_t>(j);
-  for (; j < o.width; ++j) out[j] = -1;
-}
-
-// Number of key splits per row block for the fused ops, so that every thread has work
-// even when there are few rows (decode), while each split keeps >= kMinSplitKeys keys.
-int64_t key_splits(int64_t row_blocks, int64_t keys) {
-  const int64_t threads = at::get_num_threads();
-  if (row_blocks == 0 || row_blocks >= 2 * threads) return 1;  // 0: an empty batch (was a SIGFPE)
-  const int64_t want = (2 * threads + row_blocks - 1) / row_blocks;
-  return std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinSplitKeys));
-}
-
 // Fused driver: rows [0, rows) in blocks; each (block, split) task keeps a RunningTopk per
 // row over its key range; splits of a block are merged in key order. Rows whose window
 // fits in topk need no scoring at all (their answer is 0..window-1).
@@ -315,15 +294,6 @@ void fused_topk(int64_t rows, int64_t row_block, int64_t max_keys, const int64_t
   });
 }
 
-void dense_windows(const IndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
-  lo.resize(p.s_q);
-  hi.resize(p.s_q);
-  for (int64_t r = 0; r < p.s_q; ++r) {
-    lo[r] = std::clamp<int64_t>(p.ks[r], 0, p.s_kv);
-    hi[r] = std::clamp<int64_t>(p.ke[r], lo[r], p.s_kv);
-  }
-}
-
 DenseKeys dense_keys(const IndexerParams& p) {
   const int64_t elem = p.qk_dtype == DType::kFloat32 ? 4 : (p.qk_dtype == DType::kBFloat16 ? 2 : 1);
   return DenseKeys{static_cast<const uint8_t*>(p.k), p.d * elem, p.k_scale};
@@ -335,16 +305,6 @@ auto dense_query(const IndexerParams& p, bool bf16) {
     prepare_query(static_cast<const uint8_t*>(p.q) + r * p.h * p.d * elem, p.qk_dtype, p.h, p.d, bf16,
                   p.weights + r * p.h, q);
   };
-}
-
-// Decode rows: row j of request b sees positions [0, seq_len - next_n + j + 1).
-void paged_windows(const PagedIndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
-  const int64_t rows = p.batch * p.next_n;
-  lo.assign(rows, 0);
-  hi.resize(rows);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t j = 0; j < p.next_n; ++j)
-      hi[b * p.next_n + j] = std::max<int64_t>(0, p.seq_lens[b] - p.next_n + j + 1);
 }
 
 auto paged_query(const PagedIndexerParams& p, bool bf16) {

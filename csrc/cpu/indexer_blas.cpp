@@ -19,15 +19,21 @@
 
 #include "blas.h"
 #include "indexcache/fp8.h"
+#include "indexer_common.h"
 #include "select.h"
 
 namespace indexcache {
 namespace {
 
+using cpu::dense_windows;
+using cpu::fill_neg_inf;
+using cpu::key_splits;
+using cpu::paged_windows;
+using cpu::write_short_row;
+
 constexpr int64_t kRows = 8;           // query rows per GEMM: M = kRows · h
 constexpr int64_t kKeys = 256;         // keys per GEMM (N), zero-padded at the end
 constexpr int64_t kTaskKeys = 2048;    // keys per task in the plain ops
-constexpr int64_t kMinSplitKeys = 4096;
 
 const uint16_t* e4m3_bf16() {
   static const auto* t = [] {
@@ -156,23 +162,7 @@ void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, int64_t nr, co
   }
 }
 
-void fill_neg_inf(float* row, int64_t n) { std::fill_n(row, n, -std::numeric_limits<float>::infinity()); }
-
-void write_short_row(int32_t* out, int64_t window, const TopkOut& o) {
-  int64_t j = 0;
-  for (; j < window && j < o.topk; ++j) out[j] = static_cast<int32_t>(j);
-  for (; j < o.width; ++j) out[j] = -1;
-}
-
 int64_t elem_bytes(DType dt) { return dt == DType::kBFloat16 ? 2 : 1; }
-
-// Key splits per row block so that decode shapes (few rows) still use every thread.
-int64_t key_splits(int64_t row_blocks, int64_t keys) {
-  const int64_t threads = at::get_num_threads();
-  if (row_blocks == 0 || row_blocks >= 2 * threads) return 1;
-  const int64_t want = (2 * threads + row_blocks - 1) / row_blocks;
-  return std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinSplitKeys));
-}
 
 // Fused driver over rows [0, rows) in blocks of row_block: each (block, split) task keeps a
 // RunningTopk per row over its share of the key grid; splits merge in key order.
@@ -226,24 +216,6 @@ void fused_topk(int64_t rows, int64_t row_block, int64_t max_keys, const int64_t
       for (; j < o.width; ++j) out[j] = -1;
     }
   });
-}
-
-void dense_windows(const IndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
-  lo.resize(p.s_q);
-  hi.resize(p.s_q);
-  for (int64_t r = 0; r < p.s_q; ++r) {
-    lo[r] = std::clamp<int64_t>(p.ks[r], 0, p.s_kv);
-    hi[r] = std::clamp<int64_t>(p.ke[r], lo[r], p.s_kv);
-  }
-}
-
-void paged_windows(const PagedIndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
-  const int64_t rows = p.batch * p.next_n;
-  lo.assign(rows, 0);
-  hi.resize(rows);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t j = 0; j < p.next_n; ++j)
-      hi[b * p.next_n + j] = std::max<int64_t>(0, p.seq_lens[b] - p.next_n + j + 1);
 }
 
 DenseKeys dense_keys(const IndexerParams& p) {
