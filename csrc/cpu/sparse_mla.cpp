@@ -15,9 +15,12 @@
 #include "blas.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
+#include "simd.h"
 
 namespace indexcache {
 namespace {
+
+using cpu::exp_ps;
 
 constexpr int kTile = 32;
 constexpr int64_t kHeadBlock = 64;
@@ -106,23 +109,6 @@ void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse) {
 // K rows are read in place from a bf16 cache (fp8 rows are dequantized to bf16 once).
 
 constexpr int kLaneHeads = 32;  // heads per block: two 16-lane vectors
-
-__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
-  // exp(x) = 2^n * e^r, |r| <= ln2/2, degree-6 Taylor polynomial for e^r.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // S^T[j][0:32] for keys j0..j0+KB-1 of one 32-head block.
 template <int KB>

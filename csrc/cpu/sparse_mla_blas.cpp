@@ -24,9 +24,12 @@
 
 #include "blas.h"
 #include "indexcache/fp8.h"
+#include "simd.h"
 
 namespace indexcache {
 namespace {
+
+using cpu::exp_ps;
 
 constexpr int64_t kBlock = 128;          // selected keys per brgemm pair (N of S, K of P·V)
 constexpr int64_t kMinSplitKeys = 256;   // a key split keeps at least this many selections
@@ -57,32 +60,6 @@ const uint16_t* kv_row(const SparseMlaParams& p, int64_t slot, uint16_t* tmp) {
   for (int i = 0; i < kMlaLatent; ++i) tmp[i] = float_to_bf16(e4m3_to_float(row[i]) * scales[i / kQuantGroup]);
   std::memcpy(tmp + kMlaLatent, row + kMlaLatent + 16, kMlaRope * 2);
   return tmp;
-}
-
-bool has_avx512f() {
-#if defined(__x86_64__)
-  static const bool v = __builtin_cpu_supports("avx512f");
-  return v;
-#else
-  return false;
-#endif
-}
-
-__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
-  // exp(x) = 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial for e^r; x <= 0 here.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 q = _mm512_set1_ps(1.0f / 720);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(q, n);
 }
 
 // One head's block of scores s[0:n) (n <= kBlock): scales them, folds them into the
@@ -146,7 +123,7 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
   std::fill(w.z.begin(), w.z.end(), 0.f);
   if (n == 0) return;
   const at::BFloat16* q = reinterpret_cast<const at::BFloat16*>(static_cast<const uint16_t*>(p.q) + t * h * kMlaDim);
-  const bool avx512 = has_avx512f() && cpu_has_avx512bf16_rt();
+  const bool avx512 = cpu_has_avx512bf16_rt();  // AVX-512F/BW/BF16
   static const uint16_t zero_row[kMlaDim] = {};
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, n - j0);
