@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .models.deepseek_v32 import MLA_LATENT, DeepseekV32ForCausalLM, apply_rope
+from .models.deepseek_v32 import DeepseekV32ForCausalLM, apply_rope
 from .models.tiny import tiny_config
 
 # The shipped model: 8 layers, hidden 192, 4 routed experts (2 per token) + 1 shared, byte
@@ -86,23 +86,29 @@ def text_tensor(text: bytes) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- differentiable forward
 
+def unabsorbed_qkv(attn, x, rope):
+    """An MLA layer's projections in the unabsorbed form, for training: ``x [B, T, hidden]`` ->
+    (q latent ``[B*T, q_lora]``, q ``[B, h, T, nope + rope]``, k (same), v ``[B, h, T, v_dim]``)."""
+    b, t, _ = x.shape
+    h, nope, rdim, vdim, latent = attn.n_heads, attn.nope, attn.rope, attn.v_dim, attn.latent
+    flat = x.reshape(b * t, -1)
+    qr = attn.q_a_layernorm(attn.q_a_proj(flat))
+    q_nope, q_pe = attn.q_b_proj(qr).view(b * t, h, nope + rdim).split([nope, rdim], dim=-1)
+    q_pe = apply_rope(q_pe, rope.cos, rope.sin, interleaved=True)
+    kv = attn.kv_a_proj_with_mqa(flat)
+    kv_c = attn.kv_a_layernorm(kv[:, :latent])
+    k_pe = apply_rope(kv[:, latent:], rope.cos, rope.sin, interleaved=True)
+    k_nope, v = attn.kv_b_proj(kv_c).view(b * t, h, nope + vdim).split([nope, vdim], dim=-1)
+    qf = torch.cat((q_nope, q_pe), dim=-1).view(b, t, h, -1).transpose(1, 2)
+    kf = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1).view(b, t, h, -1).transpose(1, 2)
+    return qr, qf, kf, v.view(b, t, h, vdim).transpose(1, 2)
+
+
 def _layer_attention(attn, x, rope, mode: str, topk: int):
     """One MLA layer (unabsorbed form) plus its indexer; returns (output, indexer KL or None)."""
     b, t, _ = x.shape
-    h, nope, rdim, vdim = attn.n_heads, attn.nope, attn.rope, attn.v_dim
-    flat = x.reshape(b * t, -1)
-    qr = attn.q_a_layernorm(attn.q_a_proj(flat))
-    q = attn.q_b_proj(qr).view(b * t, h, nope + rdim)
-    q_nope, q_pe = q.split([nope, rdim], dim=-1)
-    q_pe = apply_rope(q_pe, rope.cos, rope.sin, interleaved=True)
-    kv = attn.kv_a_proj_with_mqa(flat)
-    kv_c = attn.kv_a_layernorm(kv[:, :MLA_LATENT])
-    k_pe = apply_rope(kv[:, MLA_LATENT:], rope.cos, rope.sin, interleaved=True)
-    kvb = attn.kv_b_proj(kv_c).view(b * t, h, nope + vdim)
-    k_nope, v = kvb.split([nope, vdim], dim=-1)
-    qf = torch.cat((q_nope, q_pe), dim=-1).view(b, t, h, -1).transpose(1, 2)
-    kf = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1).view(b, t, h, -1).transpose(1, 2)
-    vf = v.view(b, t, h, vdim).transpose(1, 2)
+    h, vdim = attn.n_heads, attn.v_dim
+    qr, qf, kf, vf = unabsorbed_qkv(attn, x, rope)
     causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
     scale = attn.sparse_attn.softmax_scale
     kl, mask = None, None

@@ -193,23 +193,11 @@ def _rope_for(model, b: int, t: int, device):
 def _mla(attn, x, rope, sel, chunks, grad: bool):
     """MLA over the allowed keys (unabsorbed form), chunked over query rows; returns the output
     and the detached per-head queries and keys for the targets."""
-    from .models.deepseek_v32 import apply_rope
+    from .train import unabsorbed_qkv
 
     b, t, _ = x.shape
-    h, nope, rdim, vdim = attn.n_heads, attn.nope, attn.rope, attn.v_dim
-    latent = attn.kv_a_layernorm.weight.shape[0]
-    flat = x.reshape(b * t, -1)
-    qr = attn.q_a_layernorm(attn.q_a_proj(flat))
-    q = attn.q_b_proj(qr).view(b * t, h, nope + rdim)
-    q_nope, q_pe = q.split([nope, rdim], dim=-1)
-    q_pe = apply_rope(q_pe, rope.cos, rope.sin, interleaved=True)
-    kv = attn.kv_a_proj_with_mqa(flat)
-    kv_c = attn.kv_a_layernorm(kv[:, :latent])
-    k_pe = apply_rope(kv[:, latent:], rope.cos, rope.sin, interleaved=True)
-    k_nope, v = attn.kv_b_proj(kv_c).view(b * t, h, nope + vdim).split([nope, vdim], dim=-1)
-    qf = torch.cat((q_nope, q_pe), dim=-1).view(b, t, h, -1).transpose(1, 2)
-    kf = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1).view(b, t, h, -1).transpose(1, 2)
-    vf = v.view(b, t, h, vdim).transpose(1, 2)
+    h, vdim = attn.n_heads, attn.v_dim
+    qr, qf, kf, vf = unabsorbed_qkv(attn, x, rope)
     scale = attn.sparse_attn.softmax_scale
     outs = []
     for r0, r1 in chunks:
