@@ -31,6 +31,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp32", "fp8_ds_mla"])
     p.add_argument("--indexer-fp32", action="store_true", help="score the indexer in fp32 instead of fp8")
     p.add_argument("--prefill-chunk-size", type=int, default=None, help="tokens per prefill forward")
+    p.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "graph"],
+                   help="plain decode steps: auto = a CUDA graph on CUDA when the model allows, else eager")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before timing")
     p.add_argument("--compare", action="append", default=[], metavar="JSON",
                    help="also run with these --hf-overrides (repeatable) and print every run side by side, "
@@ -60,7 +62,8 @@ def _run(path, overrides, args, tokenizer):
     if not ids:
         raise ValueError("empty prompt")
     kw = dict(temperature=args.temperature, top_p=args.top_p, num_speculative_tokens=args.num_speculative_tokens,
-              kv_cache_dtype=args.kv_cache_dtype, prefill_chunk_size=args.prefill_chunk_size, seed=args.seed)
+              kv_cache_dtype=args.kv_cache_dtype, prefill_chunk_size=args.prefill_chunk_size, seed=args.seed,
+              decode_step=args.decode_step)
     if not args.no_warmup:  # first calls pay one-off kernel setup; keep it out of the timings
         model.generate([ids[:8]], 2, **kw)
     res = model.generate([ids], args.max_new_tokens, **kw)

@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from indexcache.models.cuda_graph import DecodeStep, unsupported_reason
 from indexcache.models.runtime import BatchMeta, StageTimer
 
 
@@ -39,6 +40,8 @@ class GenerationResult:
     rounds: int = 0                   # speculative rounds
     mtp_step0_forwards: int = 0       # MTP forwards that ran the MTP indexer
     mtp_reuse_forwards: int = 0       # MTP forwards that reused step 0's indices
+    decode_step: str = "eager"        # how plain decode steps ran (generate's decode_step, resolved)
+    graph_captures: int = 0           # CUDA graphs captured (one per decode batch size met)
     stage_seconds: dict = field(default_factory=dict)
 
     @property
@@ -113,11 +116,15 @@ def _prompts(prompts) -> list:
 def generate(model, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0, top_p: float = 1.0,
              stop_tokens: Optional[Sequence[int]] = None, num_speculative_tokens: int = 0,
              kv_cache_dtype: str = "auto", prefill_chunk_size: Optional[int] = None, seed: int = 0,
-             timer: Optional[StageTimer] = None) -> GenerationResult:
+             timer: Optional[StageTimer] = None, decode_step: str = "auto") -> GenerationResult:
     """Generate for a batch of token-id prompts of any lengths.
 
     stop_tokens: ids that end a request (default: the config's ``eos_token_id``; ``[]`` for none).
     num_speculative_tokens: MTP drafts per round (needs an MTP layer; 0 = plain decoding).
+    decode_step: how plain decoding runs each step. "eager": a forward per step; "static": the
+    sync-free step on static buffers (models/cuda_graph.py), run eagerly; "graph": that step
+    captured as a CUDA graph once per batch size and replayed; "auto": "graph" on a CUDA device
+    when the model supports it (no stage timer, no MTP drafts), else "eager".
     """
     args = model.args
     prompts = _prompts(prompts)
@@ -161,6 +168,10 @@ def generate(model, prompts, max_new_tokens: int = 32, *, temperature: float = 0
     bs = 64
     blocks = sum(-(-(len(p) + max_new_tokens + k + 2) // bs) for p in prompts)
     cache = model.allocate_cache(blocks, kv_cache_dtype, bs)
+    step_mode = _decode_mode(decode_step, model, cache, k, timer)
+    steps: dict = {}      # batch size -> DecodeStep (its graph captured on first use)
+    step_rids: dict = {}  # batch size -> the requests its block table holds now
+    max_blocks = max(-(-(len(p) + max_new_tokens + k + 2) // bs) for p in prompts)
     for r in reqs:
         cache.manager.allocate(r.i, len(r.prompt) + max_new_tokens + k + 2)
     res = GenerationResult(tokens=[r.out for r in reqs], finish_reasons=[None] * len(reqs),
@@ -215,9 +226,21 @@ def generate(model, prompts, max_new_tokens: int = 32, *, temperature: float = 0
         if not live:
             break
         if k == 0:
-            ids = torch.tensor([r.next_token for r in live], device=device)
-            meta = BatchMeta.paged_batch(cache, [r.i for r in live], [r.seq_len for r in live], [1] * len(live))
-            toks, _ = _sample(model.compute_logits(model.forward_tokens(ids, meta, cache, timer)), temperature, top_p, gen)
+            if step_mode == "eager":
+                ids = torch.tensor([r.next_token for r in live], device=device)
+                meta = BatchMeta.paged_batch(cache, [r.i for r in live], [r.seq_len for r in live], [1] * len(live))
+                logits = model.compute_logits(model.forward_tokens(ids, meta, cache, timer))
+            else:
+                n, rids = len(live), [r.i for r in live]
+                if n not in steps:
+                    pool = next((st.pool for st in steps.values() if st.pool is not None), None)
+                    steps[n] = DecodeStep(model, cache, n, max_blocks, graph=step_mode == "graph", pool=pool)
+                step = steps[n]
+                fresh = step_rids.get(n) != rids
+                step.prepare([r.next_token for r in live], [r.seq_len for r in live], rids if fresh else None)
+                step_rids[n] = rids
+                logits = step()
+            toks, _ = _sample(logits, temperature, top_p, gen)
             for r, t in zip(live, toks):
                 r.seq_len += 1
                 r.next_token = t
@@ -286,9 +309,31 @@ def generate(model, prompts, max_new_tokens: int = 32, *, temperature: float = 0
             emit(r, d[:a] + [extra])
     res.decode_seconds = now() - t0
     res.decode_tokens = sum(max(len(r.out) - 1, 0) for r in reqs)
+    res.decode_step = step_mode
+    res.graph_captures = sum(1 for st in steps.values() if st.graph is not None)
     if timer is not None:
         res.stage_seconds = dict(timer.times)
     return res
+
+
+def _decode_mode(mode: str, model, cache, k: int, timer) -> str:
+    if mode not in ("auto", "eager", "static", "graph"):
+        raise ValueError(f"decode_step {mode!r}: choose auto, eager, static or graph")
+    if mode == "eager":
+        return mode
+    reason = unsupported_reason(model, cache)
+    if mode == "auto":
+        graph_ok = cache.device.type == "cuda" and reason is None and k == 0 and timer is None
+        return "graph" if graph_ok else "eager"
+    if k:
+        raise ValueError(f"decode_step {mode!r} is for plain decoding; with num_speculative_tokens {k} use 'eager'")
+    if reason is not None:
+        raise ValueError(f"decode_step {mode!r}: {reason}")
+    if mode == "graph" and cache.device.type != "cuda":
+        raise ValueError(f"decode_step 'graph' needs a CUDA device; the model is on {cache.device}")
+    if mode == "graph" and timer is not None:
+        raise ValueError("decode_step 'graph' cannot time stages (the timer synchronises inside the step)")
+    return mode
 
 
 def _accept(logits: torch.Tensor, drafts: list, dprobs: list, temperature: float, top_p: float, gen) -> tuple[int, int]:

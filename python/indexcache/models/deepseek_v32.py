@@ -230,7 +230,7 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     # ---------------------------------------------------------------- forward
 
-    def _context(self, meta: BatchMeta, cache, timer) -> ForwardContext:
+    def _context(self, meta: BatchMeta, cache, timer, sync_free: bool = False) -> ForwardContext:
         n = meta.num_tokens
         rows = self.topk_buffer.shape[0]
         if n > rows:
@@ -240,7 +240,7 @@ class DeepseekV32ForCausalLM(nn.Module):
             raise ValueError("a paged batch needs its PagedKVCache")
         angles = meta.positions.float().unsqueeze(1) * self.rope_inv_freq.unsqueeze(0)
         cos, sin = angles.cos() * self.rope_attn_factor, angles.sin() * self.rope_attn_factor
-        return ForwardContext(meta, cos, sin, self.topk_buffer, cache, timer)
+        return ForwardContext(meta, cos, sin, self.topk_buffer, cache, timer, sync_free=sync_free)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.args.vocab_size):
@@ -264,9 +264,10 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_tokens(self, input_ids: torch.Tensor, meta: BatchMeta, cache: Optional[PagedKVCache] = None,
-                       timer: Optional[StageTimer] = None) -> torch.Tensor:
-        """Main layers over a flattened batch; returns the final-normed hidden states ``[N, hidden]``."""
-        ctx = self._context(meta, cache, timer)
+                       timer: Optional[StageTimer] = None, sync_free: bool = False) -> torch.Tensor:
+        """Main layers over a flattened batch; returns the final-normed hidden states ``[N, hidden]``.
+        ``sync_free``: read nothing back to the host (a CUDA graph's decode step, models/cuda_graph.py)."""
+        ctx = self._context(meta, cache, timer, sync_free)
         par, n, L = self.par, meta.num_tokens, self.args.num_hidden_layers
         if par.first_stage:
             x = self.model.embed_tokens(input_ids)

@@ -141,9 +141,9 @@ class Indexer(nn.Module):
             if not meta.paged:
                 self._topk_dense(q_in, k_in, k_scale, weights, rows, meta)
             elif self.fp8:
-                self._topk_paged_fp8(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta)
+                self._topk_paged_fp8(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
             else:
-                self._topk_paged_fp32(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta)
+                self._topk_paged_fp32(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
         ctx.topk_valid = True
         return rows
 
@@ -165,11 +165,12 @@ class Indexer(nn.Module):
                 self._score_topk(q[off + r0:off + r1], k[keys], None if k_scale is None else k_scale[keys],
                                  weights[off + r0:off + r1], ks, ke, rows[off + r0:off + r1])
 
-    def _topk_paged_fp8(self, q, weights, cache, rows, meta):
+    def _topk_paged_fp8(self, q, weights, cache, rows, meta, ctx):
         nq = meta.uniform_q
         if nq is not None and nq <= 8:  # decode / MTP verify: one batched call
             ops.indexer_topk_paged(q, weights, cache, meta.block_table, meta.seq_lens, nq, self.topk, out=rows)
             return
+        self._need_host_lengths(ctx)
         for b, off in enumerate(meta.row_offsets()):
             c, qn = meta.ctx_lens[b], meta.q_lens[b]
             for r0, r1 in _row_chunks(qn, (c + qn) * self.n_heads, INDEXER_CHUNK_ELEMS):
@@ -178,7 +179,13 @@ class Indexer(nn.Module):
                 ops.indexer_topk_paged(q[off + r0:off + r1], weights[off + r0:off + r1], cache,
                                        meta.block_table[b:b + 1], lens, r1 - r0, self.topk, out=rows[off + r0:off + r1])
 
-    def _topk_paged_fp32(self, q, weights, cache, rows, meta):
+    def _need_host_lengths(self, ctx):
+        if ctx.sync_free:
+            raise ValueError(f"layer {self.layer_id}: a sync-free forward (CUDA graph) needs the fp8 indexer and "
+                             "at most 8 rows per request, all requests alike (this path reads lengths on the host)")
+
+    def _topk_paged_fp32(self, q, weights, cache, rows, meta, ctx):
+        self._need_host_lengths(ctx)
         for b, off in enumerate(meta.row_offsets()):
             c, qn = meta.ctx_lens[b], meta.q_lens[b]
             pos = torch.arange(c + qn, device=q.device, dtype=torch.int32).view(1, -1)
@@ -347,8 +354,25 @@ class MoE(nn.Module):
     def expert(self, e: int) -> nn.Module:
         return self.experts[e] if isinstance(self.experts, nn.ModuleList) else self.experts[str(e)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         idx, weights = self.gate(x)
+        y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
+        if self.shared_experts is not None:
+            y += self.shared_experts(x).float()
+        return self.par.all_reduce(y.to(x.dtype), "moe_all_reduce")
+
+    def _masked(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """No host reads (CUDA graphs): every local expert runs on every row and keeps the rows routed
+        to it. The same sums in the same expert order as ``_routed``; costs n_experts / top_k times
+        the routed FLOPs, which a decode batch with B * top_k >= n_experts pays in weight reads anyway."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.e0, self.e1):
+            hit = idx == e
+            w = (weights * hit).sum(dim=-1, keepdim=True)
+            y += torch.where(hit.any(dim=-1, keepdim=True), self.expert(e)(x).float() * w, 0.0)
+        return y
+
+    def _routed(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = idx.shape[1]
         flat = idx.flatten()
         order = flat.argsort(stable=True)
@@ -362,9 +386,7 @@ class MoE(nn.Module):
                 tok = sel // k
                 y.index_add_(0, tok, self.expert(e)(x[tok]).float() * w[sel].unsqueeze(-1))
             start += c
-        if self.shared_experts is not None:
-            y += self.shared_experts(x).float()
-        return self.par.all_reduce(y.to(x.dtype), "moe_all_reduce")
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -382,9 +404,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         with ctx.stage(self.layer_id, "moe" if isinstance(self.mlp, MoE) else "mlp"):
-            y = self.mlp(self.post_attention_layernorm(x))
-            if not isinstance(self.mlp, MoE):  # the MoE reduces its routed and shared parts itself
-                y = self.par.all_reduce(y, "mlp_all_reduce")
+            if isinstance(self.mlp, MoE):  # the MoE reduces its routed and shared parts itself
+                y = self.mlp(self.post_attention_layernorm(x), ctx.sync_free)
+            else:
+                y = self.par.all_reduce(self.mlp(self.post_attention_layernorm(x)), "mlp_all_reduce")
             return x + y
 
 

@@ -108,9 +108,14 @@ class CacheManager:
     def free(self, rid) -> None:
         self._free.extend(reversed(self._tables.pop(rid, [])))
 
-    def block_table(self, rids: Sequence, device) -> torch.Tensor:
+    def block_table(self, rids: Sequence, device, width: Optional[int] = None) -> torch.Tensor:
+        """int32 ``[len(rids), width]`` (default: the longest table); unused columns hold block 0."""
         tables = [self._tables.get(r, []) for r in rids]
-        width = max([len(t) for t in tables] + [1])
+        longest = max([len(t) for t in tables] + [1])
+        if width is None:
+            width = longest
+        elif width < longest:
+            raise ValueError(f"a block table of {width} columns cannot hold a request with {longest} blocks")
         out = torch.zeros(len(tables), width, dtype=torch.int32)
         for i, t in enumerate(tables):
             out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -200,6 +205,9 @@ class ForwardContext:
     cache: Optional[PagedKVCache] = None
     timer: Optional[StageTimer] = None
     topk_valid: bool = False             # an F layer has written rows [:N] in this forward
+    # No host reads of device data (CUDA-graph capture, models/cuda_graph.py): the MoE runs its
+    # masked form and the paths that need host-side lengths refuse.
+    sync_free: bool = False
 
     @property
     def topk_rows(self) -> torch.Tensor:
