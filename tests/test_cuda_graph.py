@@ -7,6 +7,8 @@ every refusal. On CUDA (skipped here without a device): a captured step replays 
 to an eager run of the same step, step after step, with no host synchronisation inside it.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -110,7 +112,7 @@ def test_generate_static_equals_eager_as_the_batch_shrinks():
     assert model.generate(prompts, 3, stop_tokens=[]).decode_step == "eager"  # auto on the CPU
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     model = make()
     cache, toks = prefill(model, [[1, 2, 3], [4, 5]])
     with pytest.raises(ValueError, match="decode_step 'bogus'"):
@@ -119,6 +121,12 @@ def test_refusals():
         model.generate([[1, 2]], 2, decode_step="graph")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         DecodeStep(model, cache, 2, 4, graph=True)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"))  # only the device is asked
+    assert unsupported_reason(model, on_cuda, graph=True) is None
+    monkeypatch.setenv("INDEXCACHE_CHECK", "1")
+    assert "INDEXCACHE_CHECK=1" in unsupported_reason(model, on_cuda, graph=True)
+    assert unsupported_reason(model, on_cuda) is None  # the eager static step does not mind
+    monkeypatch.delenv("INDEXCACHE_CHECK")
     with pytest.raises(ValueError, match="outside"):
         DecodeStep(model, cache, 0, 4)
     step = DecodeStep(model, cache, 2, 4)

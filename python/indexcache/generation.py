@@ -321,16 +321,13 @@ def _decode_mode(mode: str, model, cache, k: int, timer) -> str:
         raise ValueError(f"decode_step {mode!r}: choose auto, eager, static or graph")
     if mode == "eager":
         return mode
-    reason = unsupported_reason(model, cache)
+    reason = unsupported_reason(model, cache, graph=mode != "static")
     if mode == "auto":
-        graph_ok = cache.device.type == "cuda" and reason is None and k == 0 and timer is None
-        return "graph" if graph_ok else "eager"
+        return "graph" if reason is None and k == 0 and timer is None else "eager"
     if k:
         raise ValueError(f"decode_step {mode!r} is for plain decoding; with num_speculative_tokens {k} use 'eager'")
     if reason is not None:
         raise ValueError(f"decode_step {mode!r}: {reason}")
-    if mode == "graph" and cache.device.type != "cuda":
-        raise ValueError(f"decode_step 'graph' needs a CUDA device; the model is on {cache.device}")
     if mode == "graph" and timer is not None:
         raise ValueError("decode_step 'graph' cannot time stages (the timer synchronises inside the step)")
     return mode

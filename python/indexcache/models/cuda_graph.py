@@ -15,6 +15,7 @@ the eager run, so its logits are bit-identical to an eager run of the same step.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -24,8 +25,13 @@ from indexcache import ops
 from .runtime import BatchMeta, PagedKVCache
 
 
-def unsupported_reason(model, cache: PagedKVCache) -> Optional[str]:
-    """Why ``model`` cannot run a sync-free decode step over ``cache`` (None: it can)."""
+def unsupported_reason(model, cache: PagedKVCache, graph: bool = False) -> Optional[str]:
+    """Why ``model`` cannot run a sync-free decode step over ``cache`` (None: it can); ``graph``:
+    also as a captured CUDA graph."""
+    if graph and cache.device.type != "cuda":
+        return f"a CUDA graph needs a CUDA device; the model is on {cache.device}"
+    if graph and os.environ.get("INDEXCACHE_CHECK", "0") not in ("", "0"):
+        return "INDEXCACHE_CHECK=1 checks every CUDA op's indices on the host (a copy and a sync)"
     if model.par.world_size > 1:
         return "tensor / pipeline parallel runs are not captured (their collectives run eagerly)"
     if not model.args.native_mla:
@@ -44,11 +50,9 @@ class DecodeStep:
     ``pool``: a CUDA graph memory pool to share with other steps (``DecodeStep.pool``)."""
 
     def __init__(self, model, cache: PagedKVCache, batch: int, max_blocks: int, graph: bool = False, pool=None):
-        reason = unsupported_reason(model, cache)
+        reason = unsupported_reason(model, cache, graph)
         if reason is not None:
-            raise ValueError(f"no sync-free decode step for this model: {reason}")
-        if graph and cache.device.type != "cuda":
-            raise ValueError(f"a CUDA graph needs a CUDA device; the model is on {cache.device}")
+            raise ValueError(f"no sync-free decode step here: {reason}")
         if not 1 <= batch <= model.topk_buffer.shape[0]:
             raise ValueError(f"decode batch {batch} outside [1, {model.topk_buffer.shape[0]}] (the top-k buffer's rows)")
         if max_blocks < 1:
