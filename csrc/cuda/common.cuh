@@ -253,6 +253,107 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
 #endif
 }
 
+// ------------------------------------------------------------------ fp8 -> f16 tensor cores (sm_89+)
+//
+// The fp8 indexer (e4m3 q x e4m3 keys) converts e4m3 pairs with cvt.rn.f16x2.e4m3x2 and runs
+// the f16 mma on sm_89+; older archs (the 8.0+PTX build) keep the software e4m3 -> bf16 path.
+// Both are exact: every e4m3 value is an f16 and a bf16 value, and the products are exact in
+// fp32, so both paths give the same bits. IC_FP8_F16 says which one the code runs; the
+// emulator reads a switch (::emu::g_fp8_f16) so that its tests run both.
+#if defined(IC_CUDA_EMULATION)
+#define IC_FP8_F16 (::emu::g_fp8_f16)
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define IC_FP8_F16 true
+#else
+#define IC_FP8_F16 false
+#endif
+
+// Two e4m3 bytes (byte 0 in the low half) -> two f16 (lower in the low half). Exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t v) {
+#if defined(IC_CUDA_EMULATION)
+  return ::emu::cvt_f16x2_e4m3x2(v);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+#else
+  // Not used below sm_89 (IC_FP8_F16 is false there); kept so that every target compiles.
+  auto one = [](uint32_t b) -> uint32_t {
+    const uint32_t sign = (b & 0x80u) << 8, exp = (b >> 3) & 0xfu, mant = b & 7u;
+    if (exp == 0xf && mant == 7) return 0x7fffu;
+    if (exp != 0) return sign | ((exp + 8) << 10) | (mant << 7);
+    if (mant == 0) return sign;
+    const int lz = mant >= 4 ? 0 : (mant >= 2 ? 1 : 2);  // m * 2^-9 = 1.f * 2^(-7 - lz)
+    return sign | (static_cast<uint32_t>(8 - lz) << 10) | (((mant << (lz + 1)) & 7u) << 7);
+  };
+  return one(v & 0xffu) | (one(v >> 8) << 16);
+#endif
+}
+
+// mma.sync m16n8k16 with f16 inputs, fp32 accumulate; fragments as mma_bf16_16816.
+__device__ __forceinline__ void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef IC_CUDA_EMULATION
+  ::emu::mma_f16_16816(c, a, b0, b1);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// ------------------------------------------------------------------ ldmatrix (sm_75+)
+//
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}.shared.b16: lane i passes the (16-byte aligned) address
+// of row i % 8 of matrix i / 8; r[j] receives elements (lane / 4, 2 (lane % 4) .. +1) of matrix
+// j, i.e. one 8x8 block of an mma fragment. _trans: the transposed block (k-major B).
+#ifndef IC_CUDA_EMULATION
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+#endif
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#ifdef IC_CUDA_EMULATION
+  ::emu::ldmatrix<4>(r, row, false);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row)));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
+#ifdef IC_CUDA_EMULATION
+  ::emu::ldmatrix<2>(r, row, false);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(row)));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#ifdef IC_CUDA_EMULATION
+  ::emu::ldmatrix<4>(r, row, true);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row)));
+#endif
+}
+
+// A fragment (rows [row0, row0+16), columns [k0, k0+16)) of a row-major 16-bit matrix in
+// shared memory (ld elements per row, rows 16-byte aligned): one ldmatrix.x4.
+__device__ __forceinline__ void ldsm_a_frag(uint32_t (&a)[4], const uint16_t* m, int ld, int row0, int k0) {
+  const int l = lane_id();
+  ldmatrix_x4(a, m + (row0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + k0 + (l >> 4) * 8);
+}
+
+// B fragments of two n-tiles (n in [n0, n0+16), k in [k0, k0+16)) of a matrix stored n-major
+// (m[n][k], rows 16-byte aligned): b[0], b[1] for n-tile n0, b[2], b[3] for n0 + 8. One x4.
+__device__ __forceinline__ void ldsm_b_frag_nk_x2n(uint32_t (&b)[4], const uint16_t* m, int ld, int n0, int k0) {
+  const int l = lane_id();
+  ldmatrix_x4(b, m + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8);
+}
+
 __device__ __forceinline__ uint32_t ld_u32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // A fragment of rows [row0, row0+16), columns [k0, k0+16) of a row-major bf16 matrix

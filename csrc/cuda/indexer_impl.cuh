@@ -182,11 +182,21 @@ struct Keys {
 
 // ------------------------------------------------------------------ staging
 
+// fp8 inputs run the f16 mma on converted pairs (IC_FP8_F16: sm_89+, or the emulator's switch).
+template <typename Elem>
+constexpr bool kIsFp8 = std::is_same_v<Elem, uint8_t>;
+template <typename Elem>
+__device__ __forceinline__ bool fp8_f16() {
+  return kIsFp8<Elem> && IC_FP8_F16;
+}
+
 __device__ __forceinline__ uint16_t to_bf16_bits(uint8_t e4m3) { return e4m3_to_bf16_bits(e4m3); }
 __device__ __forceinline__ uint16_t to_bf16_bits(uint16_t bf16) { return bf16; }
 
-// Rows of 128 fp8 or bf16 values -> bf16 rows (stride kLd) in shared memory; row(j) ==
-// nullptr gives zeros. 16-byte chunks, one per thread and step.
+// Rows of 128 fp8 or bf16 values -> 16-bit rows (stride kLd) in shared memory; row(j) ==
+// nullptr gives zeros. 16-byte chunks, one per thread and step. bf16 stays bf16; fp8 becomes
+// f16 through the hardware pair conversion where IC_FP8_F16 (sm_89+), else bf16 in software
+// (both exact; score_tile_mma picks the matching mma).
 template <typename Elem, typename RowFn>
 __device__ __forceinline__ void stage_rows_bf16(int nrows, RowFn row, uint16_t* dst, bool vec) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(Elem));  // elements per 16-byte chunk
@@ -194,7 +204,7 @@ __device__ __forceinline__ void stage_rows_bf16(int nrows, RowFn row, uint16_t* 
   for (int c = threadIdx.x; c < nrows * kChunks; c += kThreads) {
     const int j = c / kChunks, part = c % kChunks;
     const Elem* src = row(j);
-    uint16_t v[kPer];
+    uint16_t v[kPer];  // bf16 bits, or the raw e4m3 bytes on the f16 path
     if (src == nullptr) {
 #pragma unroll
       for (int i = 0; i < kPer; ++i) v[i] = 0;
@@ -202,10 +212,10 @@ __device__ __forceinline__ void stage_rows_bf16(int nrows, RowFn row, uint16_t* 
       const uint4 u = *reinterpret_cast<const uint4*>(src + part * kPer);
       const Elem* e = reinterpret_cast<const Elem*>(&u);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) v[i] = to_bf16_bits(e[i]);
+      for (int i = 0; i < kPer; ++i) v[i] = fp8_f16<Elem>() ? e[i] : to_bf16_bits(e[i]);
     } else {
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) v[i] = to_bf16_bits(src[part * kPer + i]);
+      for (int i = 0; i < kPer; ++i) v[i] = fp8_f16<Elem>() ? src[part * kPer + i] : to_bf16_bits(src[part * kPer + i]);
     }
     uint4* d = reinterpret_cast<uint4*>(dst + j * kLd + part * kPer);
 #pragma unroll
@@ -213,7 +223,8 @@ __device__ __forceinline__ void stage_rows_bf16(int nrows, RowFn row, uint16_t* 
       uint32_t w[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        w[i] = static_cast<uint32_t>(v[q4 * 8 + 2 * i]) | (static_cast<uint32_t>(v[q4 * 8 + 2 * i + 1]) << 16);
+        w[i] = fp8_f16<Elem>() ? e4m3x2_to_f16x2(static_cast<uint16_t>(v[q4 * 8 + 2 * i] | (v[q4 * 8 + 2 * i + 1] << 8)))
+                             : static_cast<uint32_t>(v[q4 * 8 + 2 * i]) | (static_cast<uint32_t>(v[q4 * 8 + 2 * i + 1]) << 16);
       d[q4] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
@@ -231,9 +242,10 @@ __device__ __forceinline__ void stage_rows_f32(int nrows, RowFn row, float* dst,
 // ------------------------------------------------------------------ scoring
 
 // Scores of the rows in need_mask against the staged 64-key tile -> sc[rr][64] (times the
-// key scales). Every thread of the CTA must call it.
+// key scales). Every thread of the CTA must call it. f16: the staged q and keys are f16 (fp8
+// inputs on sm_89+), else bf16; same fragments, same accumulation order, same bits.
 template <bool kPadHeads>
-__device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* ws, const uint16_t* kt,
+__device__ __forceinline__ void score_tile_mma(bool f16, const uint16_t* qs, const float* ws, const uint16_t* kt,
                                                const float* ksc, float* sc, int rb, int hpad, uint32_t need_mask) {
   const int warp = warp_id(), lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
@@ -253,8 +265,13 @@ __device__ __forceinline__ void score_tile_mma(const uint16_t* qs, const float* 
       for (int ks = 0; ks < kD / 16; ++ks) {
         uint32_t af[4];
         load_a_frag(af, qr, kLd, mt * 16, ks * 16);
-        mma_bf16_16816(acc[0], af, bf[0][ks][0], bf[0][ks][1]);
-        mma_bf16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
+        if (f16) {
+          mma_f16_16816(acc[0], af, bf[0][ks][0], bf[0][ks][1]);
+          mma_f16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
+        } else {
+          mma_bf16_16816(acc[0], af, bf[0][ks][0], bf[0][ks][1]);
+          mma_bf16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
+        }
       }
       const float wl = wr[mt * 16 + g], wh = wr[mt * 16 + g + 8];
       // With h not a multiple of 16, padding heads are skipped, not weighted by 0: their zero q rows
@@ -401,7 +418,7 @@ struct Cta {
     }
     __syncthreads();
     if constexpr (kMma) {
-      score_tile_mma<kPadHeads>(reinterpret_cast<const uint16_t*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
+      score_tile_mma<kPadHeads>(fp8_f16<Elem>(), reinterpret_cast<const uint16_t*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
                      reinterpret_cast<const uint16_t*>(smem + L.k), ksc(), sc(), a.rb, a.hpad, mask);
     } else {
       score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),

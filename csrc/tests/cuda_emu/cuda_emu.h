@@ -129,27 +129,95 @@ inline float bf16_hi(uint32_t r) {
   return f;
 }
 
+// IEEE binary16 halves of a 32-bit register -> float (exact).
+inline float f16_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else if (exp == 0) {
+    float f = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -f : f;
+  } else {
+    u = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float f16_lo(uint32_t r) { return f16_to_float(static_cast<uint16_t>(r)); }
+inline float f16_hi(uint32_t r) { return f16_to_float(static_cast<uint16_t>(r >> 16)); }
+
+// cvt.rn.f16x2.e4m3x2 (sm_89+): byte 0 -> low half, byte 1 -> high half. Exact: every e4m3
+// value (sign, 4-bit exponent with bias 7, 3-bit mantissa; S.1111.111 is NaN, no inf) is an f16
+// value; subnormals m * 2^-9 are f16 normals. NaN -> the f16 canonical NaN 0x7fff.
+inline uint16_t e4m3_to_f16(uint8_t b) {
+  const uint16_t sign = static_cast<uint16_t>((b & 0x80u) << 8);
+  const uint32_t exp = (b >> 3) & 0xfu, mant = b & 7u;
+  if (exp == 0xf && mant == 7) return 0x7fff;
+  if (exp == 0) {
+    if (mant == 0) return sign;
+    int e = -9, m = static_cast<int>(mant);  // value m * 2^-9: normalise to 1.xxx * 2^e
+    while (m < 8) {
+      m <<= 1;
+      --e;
+    }
+    e += 3;  // m in [8, 16): m * 2^(e-3)
+    return static_cast<uint16_t>(sign | ((e + 15) << 10) | ((m & 7) << 7));
+  }
+  return static_cast<uint16_t>(sign | ((exp - 7 + 15) << 10) | (mant << 7));
+}
+inline uint32_t cvt_f16x2_e4m3x2(uint16_t v) {
+  return static_cast<uint32_t>(e4m3_to_f16(static_cast<uint8_t>(v))) |
+         (static_cast<uint32_t>(e4m3_to_f16(static_cast<uint8_t>(v >> 8))) << 16);
+}
+
+// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16: lane i supplies the address of row
+// i % 8 of matrix i / 8 (lanes 0-7 for x1, 0-15 for x2); lane t receives, in r[j], elements
+// (t / 4, 2 (t % 4) .. +1) of matrix j (.trans: elements (2 (t % 4), t / 4) and (2 (t % 4) + 1,
+// t / 4)), the lower column (row) in the low half. Rows must be 16-byte aligned.
+template <int N>
+inline void ldmatrix(uint32_t* r, const void* row, bool trans) {
+  static_assert(N == 1 || N == 2 || N == 4, "ldmatrix .x1/.x2/.x4");
+  Warp& w = warp();
+  const int l = lane();
+  if (l < 8 * N && (reinterpret_cast<uintptr_t>(row) & 15u) != 0) throw std::runtime_error("emu: ldmatrix row not 16-byte aligned");
+  w.slot[l] = reinterpret_cast<uintptr_t>(row);
+  w.bar.arrive_and_wait();
+  for (int j = 0; j < N; ++j) {
+    uint16_t e[2];
+    for (int h = 0; h < 2; ++h) {
+      const int rr = trans ? 2 * (l & 3) + h : l >> 2, cc = trans ? l >> 2 : 2 * (l & 3) + h;
+      std::memcpy(&e[h], reinterpret_cast<const unsigned char*>(w.slot[8 * j + rr]) + 2 * cc, 2);
+    }
+    r[j] = static_cast<uint32_t>(e[0]) | (static_cast<uint32_t>(e[1]) << 16);
+  }
+  w.bar.arrive_and_wait();
+}
+
 // D = A B + C for one warp; each lane computes its own four outputs from the others' fragments.
 //   A (16x16): lane L = 4g + t holds a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
 //   B (16x8):  b0 (k 2t..2t+1, n g), b1 (k 2t+8..2t+9, n g)
 //   C (16x8):  c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)
-inline void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// Lo / Hi decode the low / high 16-bit element of a register (bf16 or f16).
+template <class Lo, class Hi>
+inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Lo lo, Hi hi) {
   Warp& w = warp();
   const int l = lane();
   for (int i = 0; i < 4; ++i) w.a[l][i] = a[i];
   w.b[l][0] = b0;
   w.b[l][1] = b1;
   w.bar.arrive_and_wait();
-  auto A = [&w](int row, int k) {
+  auto A = [&w, lo, hi](int row, int k) {
     const int g = row & 7, t = (k & 7) >> 1;
     const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
     const uint32_t r = w.a[4 * g + t][reg];
-    return (k & 1) ? bf16_hi(r) : bf16_lo(r);
+    return (k & 1) ? hi(r) : lo(r);
   };
-  auto B = [&w](int k, int n) {
+  auto B = [&w, lo, hi](int k, int n) {
     const int t = (k & 7) >> 1;
     const uint32_t r = w.b[4 * n + t][k >= 8 ? 1 : 0];
-    return (k & 1) ? bf16_hi(r) : bf16_lo(r);
+    return (k & 1) ? hi(r) : lo(r);
   };
   const int g = l >> 2, t = l & 3;
   for (int i = 0; i < 4; ++i) {
@@ -160,6 +228,16 @@ inline void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, u
   }
   w.bar.arrive_and_wait();
 }
+inline void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  mma_16816(c, a, b0, b1, bf16_lo, bf16_hi);
+}
+inline void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  mma_16816(c, a, b0, b1, f16_lo, f16_hi);
+}
+
+// The fp8 indexer's mma path (common.cuh IC_FP8_F16): true runs what sm_89+ runs (hardware
+// e4m3x2 -> f16x2 and the f16 mma), false the software e4m3 -> bf16 path of older archs.
+inline bool g_fp8_f16 = true;
 
 template <class K, class... Args>
 void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {

@@ -64,6 +64,15 @@ void emu_set_device(int sms, int smem_optin) {
   g_sms = sms;
   g_smem_optin = smem_optin;
 }
+// 1: fp8 inputs take the sm_89+ path (hardware e4m3x2 -> f16x2 conversion, f16 mma); 0: the
+// software e4m3 -> bf16 path of older archs. Returns the previous setting.
+int emu_set_fp8_f16(int on) {
+  const int was = ::emu::g_fp8_f16 ? 1 : 0;
+  ::emu::g_fp8_f16 = on != 0;
+  return was;
+}
+// The emulator's cvt.rn.f16x2.e4m3x2 (checked against torch's e4m3 -> f16 conversion).
+uint32_t emu_cvt_f16x2_e4m3x2(uint32_t v) { return ::emu::cvt_f16x2_e4m3x2(static_cast<uint16_t>(v)); }
 
 int emu_quantize(const void* x, int dtype, uint8_t* values, float* scales, int64_t rows, int64_t d, float eps,
                  int hadamard) {

@@ -301,6 +301,55 @@ def test_indexer_topk(dtype, s_q, s_kv, h, topk, sms):
     assert torch.equal((got >= 0).sum(1), (expect >= 0).sum(1))
 
 
+def test_cvt_e4m3x2_to_f16x2():
+    L = lib()
+    L.emu_cvt_f16x2_e4m3x2.restype = ctypes.c_uint32
+    codes = torch.arange(256, dtype=torch.int32)
+    expect = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).int() & 0xffff
+    for b in range(256):
+        hi = 255 - b
+        r = L.emu_cvt_f16x2_e4m3x2(ctypes.c_uint32(b | (hi << 8)))
+        for code, half in ((b, r & 0xffff), (hi, r >> 16)):
+            if code & 0x7f == 0x7f:
+                assert half & 0x7c00 == 0x7c00 and half & 0x3ff, (code, hex(half))  # NaN
+            else:
+                assert half == int(expect[code]), (code, hex(half), hex(int(expect[code])))
+
+
+def fp8_path(on):
+    return lib().emu_set_fp8_f16(ctypes.c_int(1 if on else 0))
+
+
+@pytest.mark.parametrize("s_q,s_kv,h,topk", [(5, 700, 64, 32), (3, 300, 12, 40)])
+def test_indexer_fp8_paths_identical(s_q, s_kv, h, topk):
+    """The sm_89+ path (hardware e4m3x2 -> f16x2, f16 mma) and the software e4m3 -> bf16 path
+    give the same bits; every e4m3 code (NaN too) appears in q and keys."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randint(0, 256, (s_q, h, 128), dtype=torch.uint8, generator=g)
+    k = torch.randint(0, 256, (s_kv, 128), dtype=torch.uint8, generator=g)
+    k[:256, 0] = torch.arange(256, dtype=torch.uint8)
+    k[:, 1:][(k[:, 1:] & 0x7f) == 0x7f] = 0x38  # NaN only in column 0 of a few keys
+    q[0, 0, :] = torch.arange(128, dtype=torch.uint8) + 128 * (torch.arange(128) % 2 == 0).to(torch.uint8)
+    q[(q & 0x7f) == 0x7f] = 0x30
+    q, k = q.view(torch.float8_e4m3fn), k.view(torch.float8_e4m3fn)
+    ksc = torch.rand(s_kv, generator=g) + 0.5
+    w = torch.randn(s_q, h, generator=g)
+    ks, ke = causal_windows(s_q, s_kv)
+    outs = []
+    was = fp8_path(True)
+    try:
+        for on in (True, False):
+            fp8_path(on)
+            outs.append((run_logits(q, k, ksc, w, ks, ke), run_fused(q, k, ksc, w, ks, ke, topk)))
+    finally:
+        fp8_path(was)
+    (l16, f16), (lbf, fbf) = outs
+    assert torch.equal(l16.isnan(), lbf.isnan()) and l16.isnan().any()
+    fin = ~l16.isnan()
+    assert torch.equal(l16[fin], lbf[fin]) and torch.equal(f16, fbf)
+    assert torch.isfinite(l16[fin]).sum() > 0
+
+
 def paged_inputs(batch, next_n, h, bs, blocks, seq_lens, max_blocks, seed=0):
     g = torch.Generator().manual_seed(seed)
     table = torch.randperm(blocks, generator=g, dtype=torch.int32)[: batch * max_blocks].reshape(batch, max_blocks)
