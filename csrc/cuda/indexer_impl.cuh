@@ -63,6 +63,7 @@ struct IdxArgs {
   int64_t unit_begin;       // dense: rows [unit_begin, unit_end); paged: requests
   int64_t unit_end;
   int64_t out_row0;         // logits: output row of global row r is r - out_row0
+  int tiles;                // logits: 64-key tiles per CTA (one q staging serves them all)
   bool vec;                 // 16-byte global loads allowed for q and keys
 };
 
@@ -249,11 +250,10 @@ __device__ __forceinline__ void score_tile_mma(bool f16, const uint16_t* qs, con
                                                const float* ksc, float* sc, int rb, int hpad, uint32_t need_mask) {
   const int warp = warp_id(), lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
-  uint32_t bf[2][kD / 16][2];
+  // B fragments of the warp's 16 keys (two n-tiles) for all of d: one ldmatrix.x4 per k-step.
+  uint32_t bf[kD / 16][4];
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) load_b_frag_nk(bf[nt][ks][0], bf[nt][ks][1], kt, kLd, warp * 16 + nt * 8, ks * 16);
+  for (int ks = 0; ks < kD / 16; ++ks) ldsm_b_frag_nk_x2n(bf[ks], kt, kLd, warp * 16, ks * 16);
   for (int rr = 0; rr < rb; ++rr) {
     if (!((need_mask >> rr) & 1u)) continue;
     const uint16_t* qr = qs + rr * hpad * kLd;
@@ -264,13 +264,13 @@ __device__ __forceinline__ void score_tile_mma(bool f16, const uint16_t* qs, con
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         uint32_t af[4];
-        load_a_frag(af, qr, kLd, mt * 16, ks * 16);
+        ldsm_a_frag(af, qr, kLd, mt * 16, ks * 16);
         if (f16) {
-          mma_f16_16816(acc[0], af, bf[0][ks][0], bf[0][ks][1]);
-          mma_f16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
+          mma_f16_16816(acc[0], af, bf[ks][0], bf[ks][1]);
+          mma_f16_16816(acc[1], af, bf[ks][2], bf[ks][3]);
         } else {
-          mma_bf16_16816(acc[0], af, bf[0][ks][0], bf[0][ks][1]);
-          mma_bf16_16816(acc[1], af, bf[1][ks][0], bf[1][ks][1]);
+          mma_bf16_16816(acc[0], af, bf[ks][0], bf[ks][1]);
+          mma_bf16_16816(acc[1], af, bf[ks][2], bf[ks][3]);
         }
       }
       const float wl = wr[mt * 16 + g], wh = wr[mt * 16 + g + 8];
@@ -446,8 +446,8 @@ __global__ void __launch_bounds__(kThreads) indexer_logits_kernel(IdxArgs a, Log
       hi_all = max(hi_all, cta.hi()[rr]);
     }
   }
-  const int64_t c_begin = static_cast<int64_t>(blockIdx.y) * kLogitsTilesPerCta * kKeyTile;
-  const int64_t c_end = std::min<int64_t>(o.cols, c_begin + kLogitsTilesPerCta * kKeyTile);
+  const int64_t c_begin = static_cast<int64_t>(blockIdx.y) * a.tiles * kKeyTile;
+  const int64_t c_end = std::min<int64_t>(o.cols, c_begin + static_cast<int64_t>(a.tiles) * kKeyTile);
   const float ninf = -__int_as_float(0x7f800000);
   if (nonempty != 0 && lo_all < c_end && hi_all > c_begin) cta.stage_q(a);  // uniform
   for (int64_t s0l = c_begin; s0l < c_end; s0l += kKeyTile) {
@@ -657,11 +657,18 @@ void launch_logits_t(const IdxArgs& a, const LogitsOut& o, int64_t blocks, const
   auto kernel = kHasPadding<Elem> && a.hpad != a.h ? indexer_logits_kernel<Elem, Paged, kHasPadding<Elem>>
                                                    : indexer_logits_kernel<Elem, Paged, false>;
   const int smem = prepare_smem(kernel, L, a.h, env);
-  const int64_t per_cta = kLogitsTilesPerCta * kKeyTile;
-  const int64_t col_ctas = (o.cols + per_cta - 1) / per_cta;
-  TORCH_CHECK(col_ctas <= 65535, "logits rows too long for the CUDA indexer: ", o.cols);
+  // Each CTA stages its rows' q once and walks `tiles` key tiles: as many as keep about four
+  // CTAs per SM busy, at least kLogitsTilesPerCta (q was re-staged every 512 keys before).
+  const int64_t all_tiles = (o.cols + kKeyTile - 1) / kKeyTile;
+  const int64_t want_ctas = std::max<int64_t>(1, (4 * static_cast<int64_t>(env.sms) + blocks - 1) / blocks);
+  int64_t tiles = std::max<int64_t>(kLogitsTilesPerCta, (all_tiles + want_ctas - 1) / want_ctas);
+  tiles = std::max<int64_t>(tiles, (all_tiles + 65534) / 65535);
+  const int64_t col_ctas = (all_tiles + tiles - 1) / tiles;
+  TORCH_CHECK(col_ctas <= 65535 && tiles <= INT_MAX, "logits rows too long for the CUDA indexer: ", o.cols);
+  IdxArgs b = a;
+  b.tiles = static_cast<int>(tiles);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(col_ctas));
-  IC_LAUNCH(kernel, grid, kThreads, smem, env.stream, a, o);
+  IC_LAUNCH(kernel, grid, kThreads, smem, env.stream, b, o);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
