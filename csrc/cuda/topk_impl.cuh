@@ -8,6 +8,11 @@
 //                        one contiguous piece into a candidate buffer ...
 //   topk_merge_kernel    ... and one CTA per row selects the final top-k of the union of
 //                        the pieces (also used by the fused scoring + top-k ops).
+//   topk_persistent_kernel  few long rows, one cooperative launch instead of the two above:
+//                        G co-resident CTAs per row build each radix level's histogram
+//                        together (global atomics, then a grid-level handshake per row),
+//                        every CTA derives the same threshold from it, and each emits its
+//                        piece's selected positions at an offset from a per-row prefix.
 // Rows whose window is <= k are written 0..window-1 without reading a single logit.
 #pragma once
 
@@ -16,6 +21,17 @@
 
 #include "common.cuh"
 #include "kernels.h"
+
+// A launch whose blocks must all be resident at once (they wait for each other): CUDA's
+// cooperative launch attribute (an error, not a hang, when the grid cannot be co-resident;
+// capturable in a CUDA graph). The emulator runs every block of such a launch concurrently.
+#ifdef IC_CUDA_EMULATION
+#define IC_LAUNCH_COOP(kernel, grid, block, smem, stream, ...) \
+  ::emu::launch_cooperative(kernel, grid, block, smem, __VA_ARGS__)
+#else
+#define IC_LAUNCH_COOP(kernel, grid, block, smem, stream, ...) \
+  C10_CUDA_CHECK(::indexcache::cuda::topk_detail::launch_coop(kernel, grid, block, smem, stream, __VA_ARGS__))
+#endif
 
 namespace indexcache {
 namespace cuda {
@@ -126,6 +142,176 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int64_t j = got + threadIdx.x; j < o.width; j += kMergeThreads) out[j] = -1;
 }
 
+// ------------------------------------------------------------------ persistent top-k (few long rows)
+
+constexpr int kPersistThreads = 512;
+constexpr int kPersistMaxG = 32;
+// Per-row scratch (uint32): hist[3][2048] (one per radix level), arrive[4] (one handshake
+// per level and one for the piece counts), cnt_gt[32], cnt_eq[32]. hist and arrive start at 0.
+constexpr int kPersistArrive = 3 * 2048;
+constexpr int kPersistGt = kPersistArrive + 4;
+constexpr int kPersistEq = kPersistGt + kPersistMaxG;
+constexpr int kPersistStride = kPersistEq + kPersistMaxG + 28;  // 6272: 256-byte rows
+constexpr int kPersistZeroed = kPersistGt;                       // words of each row to zero
+
+#ifndef IC_CUDA_EMULATION
+template <typename... KArgs, typename... Args>
+cudaError_t launch_coop(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                        Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+#endif
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+#ifdef IC_CUDA_EMULATION
+  return ::emu::ld_acquire(p);
+#else
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+// Grid-level handshake of the G CTAs of one row (all co-resident: cooperative launch): the
+// block's earlier global writes and atomics are visible to every CTA of the row after it.
+__device__ __forceinline__ void row_barrier(uint32_t* arrive, uint32_t G) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(arrive, 1u);
+    while (ld_acquire_gpu(arrive) < G) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(256) topk_zero_kernel(uint32_t* scratch, int64_t rows) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < rows * kPersistZeroed;
+       i += static_cast<int64_t>(gridDim.x) * 256)
+    scratch[(i / kPersistZeroed) * kPersistStride + i % kPersistZeroed] = 0;
+}
+
+// Grid (rows, G), kPersistThreads threads, dynamic shared memory sizeof(SelectShared) (the
+// emulator runs the blocks concurrently, so no static __shared__). Piece c of row r is
+// [c * len, (c + 1) * len) of its window, len = ceil(n / G). The same exact selection as
+// topk_rows_kernel: the three levels' counts are the row's (sums of the pieces' shared
+// histograms), every CTA finds the same bin from them, and the output is written in
+// position order whatever the scheduling.
+__global__ void __launch_bounds__(kPersistThreads) topk_persistent_kernel(TopkParams p, TopkOut o, int G,
+                                                                         uint32_t* scratch) {
+  constexpr int NT = kPersistThreads;
+  constexpr int BPT = 2048 / NT;
+  IC_DYNAMIC_SMEM(smem_raw);
+  SelectShared& sm = *reinterpret_cast<SelectShared*>(smem_raw);
+  const int64_t r = blockIdx.x;
+  const int c = static_cast<int>(blockIdx.y);
+  const int lo = p.ks[r];
+  const int n = max(0, p.ke[r] - lo);
+  int32_t* out = o.out + r * o.stride;
+  const int k = static_cast<int>(o.topk);
+  if (n <= k) {  // uniform over the row's CTAs: none of them waits
+    if (c == 0) write_short_row<NT>(out, n, o.width);
+    return;
+  }
+  uint32_t* row = scratch + r * kPersistStride;
+  const int len = (n + G - 1) / G;
+  const int a = min(n, c * len);
+  const int m = min(n, a + len) - a;
+  const float* x = p.logits + r * p.logits_stride + lo + a;
+  auto acc = [x](int i, uint32_t& key) {
+    key = order_key(x[i]);
+    return true;
+  };
+  uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(k);
+  for (int level = 0; level < 3; ++level) {
+    const int shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
+    const uint32_t bmask = level == 2 ? 1023u : 2047u;
+    for (int b = threadIdx.x; b < 2048; b += NT) sm.hist[b] = 0;
+    __syncthreads();
+    for (int base = threadIdx.x; base < m; base += 4 * NT) {
+      uint32_t key[4] = {0, 0, 0, 0};
+      bool ok[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * NT;
+        ok[u] = i < m && acc(i, key[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (ok[u] && (key[u] & mask) == prefix) atomicAdd(&sm.hist[(key[u] >> shift) & bmask], 1u);
+    }
+    __syncthreads();
+    uint32_t* gh = row + level * 2048;
+    for (int b = threadIdx.x; b < 2048; b += NT) {
+      const uint32_t h = sm.hist[b];
+      if (h != 0) atomicAdd(&gh[b], h);
+    }
+    row_barrier(row + kPersistArrive + level, static_cast<uint32_t>(G));
+    // The row's histogram: the same in every CTA, so every CTA finds the same bin.
+    const int b0 = static_cast<int>(threadIdx.x) * BPT;
+    uint32_t hv[BPT];
+    uint32_t local = 0;
+#pragma unroll
+    for (int j = 0; j < BPT; ++j) {
+      hv[j] = __ldcg(gh + b0 + j);
+      local += hv[j];
+    }
+    uint32_t total;
+    const uint32_t incl = block_incl_scan<NT>(local, sm.scan, total);
+    uint32_t above = total - incl;
+#pragma unroll
+    for (int j = BPT - 1; j >= 0; --j) {
+      if (above < need && need <= above + hv[j]) {  // exactly one (thread, bin)
+        sm.bin = static_cast<uint32_t>(b0 + j);
+        sm.need = need - above;
+      }
+      above += hv[j];
+    }
+    __syncthreads();
+    prefix |= sm.bin << shift;
+    mask |= bmask << shift;
+    need = sm.need;
+    __syncthreads();  // sm.bin / sm.need rewritten at the next level
+  }
+  const Threshold t{prefix, need};
+  // This piece's counts above and at the threshold, then every piece's, for the offsets.
+  uint32_t gt = 0, eq = 0;
+  for (int i = threadIdx.x; i < m; i += NT) {
+    uint32_t key;
+    acc(i, key);
+    gt += key > t.key ? 1u : 0u;
+    eq += key == t.key ? 1u : 0u;
+  }
+  uint32_t gt_all, eq_all;
+  block_incl_scan<NT>(gt, sm.scan, gt_all);
+  block_incl_scan<NT>(eq, sm.scan, eq_all);
+  if (threadIdx.x == 0) {
+    row[kPersistGt + c] = gt_all;
+    row[kPersistEq + c] = eq_all;
+  }
+  row_barrier(row + kPersistArrive + 3, static_cast<uint32_t>(G));
+  uint32_t gt_before = 0, eq_before = 0;
+  for (int cc = 0; cc < c; ++cc) {
+    gt_before += __ldcg(row + kPersistGt + cc);
+    eq_before += __ldcg(row + kPersistEq + cc);
+  }
+  const uint32_t base = gt_before + min(eq_before, t.take_eq);
+  const Threshold mine{t.key, t.take_eq > eq_before ? t.take_eq - eq_before : 0u};
+  block_emit<NT>(m, mine, acc, sm, [out, base, a](uint32_t rank, int i, uint32_t) { out[base + rank] = a + i; });
+  if (c == 0)
+    for (int64_t j = k + threadIdx.x; j < o.width; j += NT) out[j] = -1;
+}
+
 // Row r's window if 0 <= ks <= ke <= s_kv, else [0, 0) counted in err (the CPU op's error).
 __global__ void __launch_bounds__(256) sanitize_windows_kernel(const int32_t* ks, const int32_t* ke, int64_t rows,
                                                                int64_t s_kv, int32_t* lo, int32_t* hi, int32_t* err) {
@@ -180,8 +366,24 @@ void topk_launch(const TopkParams& p, const TopkOut& o, int64_t max_window, cons
   const int64_t sms = env.sms;
   const int64_t k = o.topk;
   // Few long rows: one CTA per row would leave most of the GPU idle, so each row is cut
-  // into G pieces (sqrt(n / k) balances the two stages), merged by a second kernel.
-  if (p.rows < sms && max_window >= 32768 && max_window >= 8 * k) {
+  // into G pieces. When G >= 2 CTAs per row can all be resident (one per SM, at most 32, at
+  // least 4096 keys each), one cooperative launch selects over the pieces together
+  // (topk_persistent_kernel); otherwise G ~ sqrt(n / k) pieces select their own top k and a
+  // second kernel merges them.
+  const bool few_long = p.rows < sms && max_window >= 32768 && max_window >= 8 * k;
+  const int64_t Gp = std::min<int64_t>({kPersistMaxG, sms / p.rows, max_window / 4096});
+  if (few_long && Gp >= 2) {
+    uint32_t* scratch = static_cast<uint32_t*>(env.alloc(p.rows * kPersistStride * 4));
+    const unsigned zb = static_cast<unsigned>(std::min<int64_t>((p.rows * kPersistZeroed + 255) / 256, 1024));
+    IC_LAUNCH(topk_zero_kernel, dim3(zb), 256, 0, env.stream, scratch, p.rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(Gp));
+    IC_LAUNCH_COOP(topk_persistent_kernel, grid, kPersistThreads, sizeof(SelectShared), env.stream, p, o,
+                   static_cast<int>(Gp), scratch);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  if (few_long) {
     int64_t G = std::llround(std::sqrt(static_cast<double>(max_window) / static_cast<double>(k)));
     G = std::min<int64_t>({G, 32, std::max<int64_t>(2, 2 * sms / p.rows)});
     G = std::max<int64_t>(G, 2);

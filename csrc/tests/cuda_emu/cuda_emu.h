@@ -269,6 +269,48 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
       }
 }
 
+// A cooperative launch (IC_LAUNCH_COOP): every block of the grid runs at once, so blocks may
+// wait for each other (grid-level handshakes through global atomics), as the CUDA runtime
+// guarantees for cudaLaunchAttributeCooperative. Shared memory must be dynamic (function-scope
+// __shared__ variables are statics here, one copy for all the blocks).
+template <class K, class... Args>
+void launch_cooperative(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
+  const int nt = static_cast<int>(block.x * block.y * block.z);
+  if (block.y != 1 || block.z != 1) throw std::runtime_error("emu: 1-D blocks only");
+  const size_t nb = static_cast<size_t>(grid.x) * grid.y * grid.z;
+  if (nb * static_cast<size_t>(nt) > 16384) throw std::runtime_error("emu: cooperative grid too large to emulate");
+  g_grid = Idx{grid.x, grid.y, grid.z};
+  g_blockdim = Idx{block.x, block.y, block.z};
+  std::vector<std::unique_ptr<Block>> blocks;
+  std::vector<std::thread> threads;
+  threads.reserve(nb * nt);
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        blocks.push_back(std::make_unique<Block>());
+        Block* B = blocks.back().get();
+        B->bar = std::make_unique<std::barrier<>>(nt);
+        for (int w = 0; w * 32 < nt; ++w) B->warps.push_back(std::make_unique<Warp>(std::min(32, nt - 32 * w)));
+        B->smem.assign(smem, 0xA5);
+        for (int i = 0; i < nt; ++i) {
+          threads.emplace_back([=] {
+            t_thread = Idx{static_cast<unsigned>(i), 0, 0};
+            t_block = Idx{bx, by, bz};
+            t_blk = B;
+            kernel(args...);
+            warp().bar.arrive_and_drop();
+            B->bar->arrive_and_drop();
+          });
+        }
+      }
+  for (auto& th : threads) th.join();
+}
+
+// ld.acquire.gpu of a word other blocks update atomically.
+inline unsigned ld_acquire(const unsigned* p) {
+  return std::atomic_ref<unsigned>(*const_cast<unsigned*>(p)).load(std::memory_order_acquire);
+}
+
 }  // namespace emu
 
 #define threadIdx (::emu::t_thread)
@@ -304,6 +346,12 @@ inline unsigned __ballot_sync(unsigned, int pred) {
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+template <class T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
 inline unsigned __float_as_uint(float f) {
   unsigned u;
   std::memcpy(&u, &f, 4);

@@ -199,7 +199,9 @@ def test_topk_windows_and_ties():
 
 
 @pytest.mark.parametrize("kind", ["randn", "ties", "nan_inf"])
-@pytest.mark.parametrize("sms", [132, 1])  # 132: few long rows take the split + merge path
+# Few long rows: 8 SMs take the persistent kernel (4 co-resident CTAs per row), 3 SMs the
+# split + merge path (fewer than 2 CTAs per row fit), 1 SM one CTA per row.
+@pytest.mark.parametrize("sms", [8, 3, 1])
 def test_topk_long_rows(kind, sms):
     torch.manual_seed(6)
     rows, n, topk = 2, 40000, 1024
@@ -216,6 +218,21 @@ def test_topk_long_rows(kind, sms):
     ke = torch.tensor([n, n - 1234], dtype=torch.int32)
     got = run_topk(logits, ks, ke, topk, sms=sms)
     assert torch.equal(got, ref.topk_indices(logits, ks, ke, topk))
+
+
+def test_topk_persistent_mixed_rows():
+    """The persistent kernel with a short row (window <= k: no handshake), a row whose window
+    leaves the last pieces empty-ish, heavy ties across piece borders, and an output wider than k."""
+    torch.manual_seed(7)
+    rows, n, topk = 3, 36000, 700
+    logits = torch.randint(-2, 3, (rows, n)).float()
+    logits[2, 20000:] = 5.0  # ties at the top, all in the later pieces
+    ks = torch.tensor([0, 100, 3], dtype=torch.int32)
+    ke = torch.tensor([n, 100 + topk - 1, 33000], dtype=torch.int32)
+    got = run_topk(logits, ks, ke, topk, topk + 9, sms=7)  # 2 CTAs per row
+    expect = ref.topk_indices(logits, ks, ke, topk, topk + 9)
+    assert torch.equal(got, expect)
+    assert torch.equal(run_topk(logits, ks, ke, topk, topk + 9, sms=1), expect)
 
 
 # ------------------------------------------------------------------ indexer
