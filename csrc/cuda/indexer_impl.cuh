@@ -96,7 +96,7 @@ __host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int st
   L.k = take(mma ? kKeyTile * kLd * 2 : kKeyTile * kLdF * 4);
   L.ksc = take(kKeyTile * 4);
   L.sc = take(rb * kKeyTile * 4);
-  L.tmp = take(mma ? 0 : 2 * rb * kKeyTile * 4);
+  L.tmp = take(mma ? rb * kKeyTile * 4 : 2 * rb * kKeyTile * 4);
   L.lo = take(rb * 4);
   L.hi = take(rb * 4);
   L.cnt = take(rb * 4);
@@ -245,32 +245,46 @@ __device__ __forceinline__ void stage_rows_f32(int nrows, RowFn row, float* dst,
 // Scores of the rows in need_mask against the staged 64-key tile -> sc[rr][64] (times the
 // key scales). Every thread of the CTA must call it. f16: the staged q and keys are f16 (fp8
 // inputs on sm_89+), else bf16; same fragments, same accumulation order, same bits.
+//
+// Warp w holds the B fragments of keys [32 (w % 2), +32) (four n-tiles, all of d) in registers
+// and runs the head tiles mt = w / 2, w / 2 + 2, ...: each A fragment (q, one ldmatrix.x4)
+// feeds four mma, so the CTA reads its q block twice per key tile (it was four times, two mma
+// per A fragment). The two head-tile parities' ReLU-weighted sums meet in shared memory (tmp)
+// and are added in a fixed order (even + odd), then scaled.
 template <bool kPadHeads>
 __device__ __forceinline__ void score_tile_mma(bool f16, const uint16_t* qs, const float* ws, const uint16_t* kt,
-                                               const float* ksc, float* sc, int rb, int hpad, uint32_t need_mask) {
+                                               const float* ksc, float* sc, float* tmp, int rb, int hpad,
+                                               uint32_t need_mask) {
   const int warp = warp_id(), lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
-  // B fragments of the warp's 16 keys (two n-tiles) for all of d: one ldmatrix.x4 per k-step.
-  uint32_t bf[kD / 16][4];
+  const int kw = warp & 1, par = warp >> 1;
+  // bf[ks][h]: b0, b1 of n-tile 2h and b0, b1 of n-tile 2h + 1 (keys 32 kw + 16 h + ...).
+  uint32_t bf[kD / 16][2][4];
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) ldsm_b_frag_nk_x2n(bf[ks], kt, kLd, warp * 16, ks * 16);
+  for (int ks = 0; ks < kD / 16; ++ks)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ldsm_b_frag_nk_x2n(bf[ks][h], kt, kLd, kw * 32 + h * 16, ks * 16);
+  float* dst = par == 0 ? sc : tmp;
+  const int mtiles = hpad / 16;
   for (int rr = 0; rr < rb; ++rr) {
     if (!((need_mask >> rr) & 1u)) continue;
     const uint16_t* qr = qs + rr * hpad * kLd;
     const float* wr = ws + rr * hpad;
-    float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-    for (int mt = 0; mt < hpad / 16; ++mt) {
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float part[4][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};
+    for (int mt = par; mt < mtiles; mt += 2) {
+      float acc[4][4] = {};
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         uint32_t af[4];
         ldsm_a_frag(af, qr, kLd, mt * 16, ks * 16);
-        if (f16) {
-          mma_f16_16816(acc[0], af, bf[ks][0], bf[ks][1]);
-          mma_f16_16816(acc[1], af, bf[ks][2], bf[ks][3]);
-        } else {
-          mma_bf16_16816(acc[0], af, bf[ks][0], bf[ks][1]);
-          mma_bf16_16816(acc[1], af, bf[ks][2], bf[ks][3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const uint32_t b0 = bf[ks][nt >> 1][(nt & 1) * 2], b1 = bf[ks][nt >> 1][(nt & 1) * 2 + 1];
+          if (f16) {
+            mma_f16_16816(acc[nt], af, b0, b1);
+          } else {
+            mma_bf16_16816(acc[nt], af, b0, b1);
+          }
         }
       }
       const float wl = wr[mt * 16 + g], wh = wr[mt * 16 + g + 8];
@@ -280,7 +294,7 @@ __device__ __forceinline__ void score_tile_mma(bool f16, const uint16_t* qs, con
       // separate instantiation, so that the production head counts (32, 64) keep their registers.
       const bool lo = !kPadHeads || __float_as_uint(wl) != 0u, hi = !kPadHeads || __float_as_uint(wh) != 0u;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           if (lo) part[nt][e] = fmaf(wl, relu_nan(acc[nt][e]), part[nt][e]);      // head mt*16 + g
@@ -290,21 +304,21 @@ __device__ __forceinline__ void score_tile_mma(bool f16, const uint16_t* qs, con
     }
     // Sum over the 8 lane groups (heads g): a fixed butterfly, the same for every key.
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) part[nt][e] += __shfl_xor_sync(kFullMask, part[nt][e], o);
     if (g == 0) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = warp * 16 + nt * 8 + 2 * t + e;
-          sc[rr * kKeyTile + j] = part[nt][e] * ksc[j];
-        }
+        for (int e = 0; e < 2; ++e) dst[rr * kKeyTile + kw * 32 + nt * 8 + 2 * t + e] = part[nt][e];
     }
   }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < rb * kKeyTile; idx += kThreads)
+    if ((need_mask >> (idx / kKeyTile)) & 1u) sc[idx] = (sc[idx] + tmp[idx]) * ksc[idx % kKeyTile];
 }
 
 // fp32: thread (key j, head parity) runs its heads, then the two parities are added.
@@ -418,8 +432,9 @@ struct Cta {
     }
     __syncthreads();
     if constexpr (kMma) {
-      score_tile_mma<kPadHeads>(fp8_f16<Elem>(), reinterpret_cast<const uint16_t*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
-                     reinterpret_cast<const uint16_t*>(smem + L.k), ksc(), sc(), a.rb, a.hpad, mask);
+      score_tile_mma<kPadHeads>(fp8_f16<Elem>(), reinterpret_cast<const uint16_t*>(smem + L.q),
+                                reinterpret_cast<const float*>(smem + L.w), reinterpret_cast<const uint16_t*>(smem + L.k),
+                                ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad, mask);
     } else {
       score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
                      reinterpret_cast<const float*>(smem + L.k), ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp),
@@ -432,7 +447,7 @@ struct Cta {
 // ------------------------------------------------------------------ plain scoring
 
 template <typename Elem, bool Paged, bool kPadHeads>
-__global__ void __launch_bounds__(kThreads) indexer_logits_kernel(IdxArgs a, LogitsOut o) {
+__global__ void __launch_bounds__(kThreads, 2) indexer_logits_kernel(IdxArgs a, LogitsOut o) {
   IC_DYNAMIC_SMEM(smem);
   Cta<Elem, Paged, kPadHeads> cta;
   cta.init(a, smem, make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, 0, false));
@@ -468,7 +483,7 @@ __global__ void __launch_bounds__(kThreads) indexer_logits_kernel(IdxArgs a, Log
 // ------------------------------------------------------------------ fused scoring + top-k
 
 template <typename Elem, bool Paged, bool kPadHeads>
-__global__ void __launch_bounds__(kThreads) indexer_fused_kernel(IdxArgs a, FusedArgs f) {
+__global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, FusedArgs f) {
   IC_DYNAMIC_SMEM(smem);
   Cta<Elem, Paged, kPadHeads> cta;
   const Layout L = make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, f.k, true);
