@@ -240,58 +240,12 @@ void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, bool bf16, int
   }
 }
 
-// Fused driver: rows [0, rows) in blocks; each (block, split) task keeps a RunningTopk per
-// row over its key range; splits of a block are merged in key order. Rows whose window
-// fits in topk need no scoring at all (their answer is 0..window-1).
-template <typename BlockKeys>
-void fused_topk(int64_t rows, int64_t row_block, int64_t max_keys, const int64_t* lo, const int64_t* hi,
-                const TopkOut& o, BlockKeys run_block) {
-  std::vector<int64_t> lo_eff(lo, lo + rows), hi_eff(hi, hi + rows);
-  for (int64_t r = 0; r < rows; ++r)
-    if (hi[r] - lo[r] <= o.topk) lo_eff[r] = hi_eff[r] = 0;
-  const int64_t blocks = (rows + row_block - 1) / row_block;
-  const int64_t splits = key_splits(blocks, max_keys);
-  std::vector<cpu::RunningTopk> sel(rows * splits);
-  at::parallel_for(0, blocks * splits, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / splits, sp = task % splits;
-      const int64_t r0 = b * row_block, r1 = std::min(rows, r0 + row_block);
-      int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = 0;
-      for (int64_t r = r0; r < r1; ++r) {
-        sel[r * splits + sp].reset(o.topk);
-        if (hi_eff[r] > lo_eff[r]) {
-          lo_all = std::min(lo_all, lo_eff[r]);
-          hi_all = std::max(hi_all, hi_eff[r]);
-        }
-      }
-      if (hi_all <= lo_all) continue;
-      // Tile-aligned split boundaries keep each tile inside one split.
-      const int64_t span = hi_all - lo_all;
-      const int64_t per = ((span + splits - 1) / splits + kTile - 1) / kTile * kTile;
-      const int64_t c0 = lo_all + sp * per, c1 = std::min(hi_all, c0 + per);
-      if (c1 <= c0) continue;
-      run_block(r0, r1, c0, c1, lo_eff.data() + r0, hi_eff.data() + r0,
-                [&](int64_t r, int64_t s0, int n, const float* scores) {
-                  cpu::RunningTopk& rs = sel[r * splits + sp];
-                  const int64_t a = std::max<int64_t>(lo_eff[r], s0), e = std::min<int64_t>(hi_eff[r], s0 + n);
-                  for (int64_t s = a; s < e; ++s) rs.push(cpu::order_key(scores[s - s0]), static_cast<int32_t>(s));
-                });
-    }
-  });
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      int32_t* out = o.out + r * o.stride;
-      const int64_t window = std::max<int64_t>(0, hi[r] - lo[r]);
-      if (window <= o.topk) {
-        write_short_row(out, window, o);
-        continue;
-      }
-      cpu::RunningTopk& first = sel[r * splits];
-      for (int64_t sp = 1; sp < splits; ++sp) first.absorb(sel[r * splits + sp]);
-      int64_t j = first.finish(out, static_cast<int32_t>(lo[r]));
-      for (; j < o.width; ++j) out[j] = -1;
-    }
-  });
+struct NoGuard {};
+
+// score_rows reports absolute rows; fused_topk's emit takes them relative to the block's r0.
+template <typename Emit>
+auto relative(int64_t r0, Emit emit) {
+  return [r0, emit](int64_t r, int64_t s0, int n, const float* scores) { emit(r - r0, s0, n, scores); };
 }
 
 DenseKeys dense_keys(const IndexerParams& p) {
@@ -492,10 +446,10 @@ void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);
   const auto row_query = dense_query(p, bf16);
-  fused_topk(p.s_q, kRowBlock, p.s_kv, lo.data(), hi.data(), o,
+  cpu::fused_topk<NoGuard>(p.s_q, kRowBlock, p.s_kv, kTile, lo.data(), hi.data(), o,
              [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
                  auto on_scores) {
-               score_rows(keys, p.qk_dtype, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, on_scores);
+               score_rows(keys, p.qk_dtype, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, relative(r0, on_scores));
              });
 }
 
@@ -509,11 +463,12 @@ void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
   for (int64_t b = 0; b < p.batch; ++b) max_keys = std::max<int64_t>(max_keys, p.seq_lens[b]);
   if (p.next_n <= kRowBlock) {
     // Decode / MTP verify: one row block per request; its draft rows share the request's keys.
-    fused_topk(p.batch * p.next_n, p.next_n, max_keys, lo.data(), hi.data(), o,
+    cpu::fused_topk<NoGuard>(p.batch * p.next_n, p.next_n, max_keys, kTile, lo.data(), hi.data(), o,
                [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
                    auto on_scores) {
                  const PagedKeys keys{p.cache, p.block_table + (r0 / p.next_n) * p.max_blocks, p.block_size, p.d};
-                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, on_scores);
+                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query,
+                            relative(r0, on_scores));
                });
     return;
   }
@@ -524,10 +479,10 @@ void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
     const PagedKeys keys{p.cache, p.block_table + b * p.max_blocks, p.block_size, p.d};
     const TopkOut ob{o.out + base * o.stride, o.stride, o.width, o.topk};
     auto query = [&](int64_t r, QueryRow& q) { row_query(base + r, q); };
-    fused_topk(p.next_n, kRowBlock, p.seq_lens[b], lo.data() + base, hi.data() + base, ob,
+    cpu::fused_topk<NoGuard>(p.next_n, kRowBlock, p.seq_lens[b], kTile, lo.data() + base, hi.data() + base, ob,
                [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
                    auto on_scores) {
-                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, query, on_scores);
+                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, query, relative(r0, on_scores));
                });
   }
 }

@@ -164,60 +164,6 @@ void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, int64_t nr, co
 
 int64_t elem_bytes(DType dt) { return dt == DType::kBFloat16 ? 2 : 1; }
 
-// Fused driver over rows [0, rows) in blocks of row_block: each (block, split) task keeps a
-// RunningTopk per row over its share of the key grid; splits merge in key order.
-// run_block(r0, r1, c0, c1, lo, hi, on_scores) scores rows [r0, r1) over keys [c0, c1).
-template <typename RunBlock>
-void fused_topk(int64_t rows, int64_t row_block, int64_t max_keys, const int64_t* lo, const int64_t* hi,
-                const TopkOut& o, RunBlock run_block) {
-  std::vector<int64_t> lo_eff(lo, lo + rows), hi_eff(hi, hi + rows);
-  for (int64_t r = 0; r < rows; ++r)
-    if (hi[r] - lo[r] <= o.topk) lo_eff[r] = hi_eff[r] = 0;  // answer is 0..window-1
-  const int64_t blocks = (rows + row_block - 1) / row_block;
-  const int64_t splits = key_splits(blocks, max_keys);
-  std::vector<cpu::RunningTopk> sel(rows * splits);
-  at::parallel_for(0, blocks * splits, 1, [&](int64_t begin, int64_t end) {
-    TileRelease release;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / splits, sp = task % splits;
-      const int64_t r0 = b * row_block, r1 = std::min(rows, r0 + row_block);
-      int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = 0;
-      for (int64_t r = r0; r < r1; ++r) {
-        sel[r * splits + sp].reset(o.topk);
-        if (hi_eff[r] > lo_eff[r]) {
-          lo_all = std::min(lo_all, lo_eff[r]);
-          hi_all = std::max(hi_all, hi_eff[r]);
-        }
-      }
-      if (hi_all <= lo_all) continue;
-      const int64_t base = lo_all / kKeys * kKeys;
-      const int64_t per = ((hi_all - base + splits - 1) / splits + kKeys - 1) / kKeys * kKeys;
-      const int64_t c0 = base + sp * per, c1 = std::min(hi_all, c0 + per);
-      if (c1 <= c0) continue;
-      run_block(r0, r1, c0, c1, lo_eff.data() + r0, hi_eff.data() + r0,
-                [&](int64_t r, int64_t s0, int64_t n, const float* scores) {
-                  cpu::RunningTopk& rs = sel[(r0 + r) * splits + sp];
-                  const int64_t a = std::max(lo_eff[r0 + r], s0), e = std::min(hi_eff[r0 + r], s0 + n);
-                  for (int64_t s = a; s < e; ++s) rs.push(cpu::order_key(scores[s - s0]), static_cast<int32_t>(s));
-                });
-    }
-  });
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      int32_t* out = o.out + r * o.stride;
-      const int64_t window = std::max<int64_t>(0, hi[r] - lo[r]);
-      if (window <= o.topk) {
-        write_short_row(out, window, o);
-        continue;
-      }
-      cpu::RunningTopk& first = sel[r * splits];
-      for (int64_t sp = 1; sp < splits; ++sp) first.absorb(sel[r * splits + sp]);
-      int64_t j = first.finish(out, static_cast<int32_t>(lo[r]));
-      for (; j < o.width; ++j) out[j] = -1;
-    }
-  });
-}
-
 DenseKeys dense_keys(const IndexerParams& p) {
   return DenseKeys{static_cast<const uint8_t*>(p.k), p.d * elem_bytes(p.qk_dtype), p.k_scale};
 }
@@ -292,7 +238,7 @@ bool indexer_topk_blas(const IndexerParams& p, const TopkOut& o) {
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);
-  fused_topk(p.s_q, kRows, p.s_kv, lo.data(), hi.data(), o,
+  cpu::fused_topk<TileRelease>(p.s_q, kRows, p.s_kv, kKeys, lo.data(), hi.data(), o,
              [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
                  auto on_scores) {
                Work& w = work(r1 - r0, p.h, p.d);
@@ -320,14 +266,15 @@ bool indexer_topk_paged_blas(const PagedIndexerParams& p, const TopkOut& o) {
   };
   if (p.next_n <= kRows) {
     // Decode / MTP verify: one row block per request (its draft rows share its keys).
-    fused_topk(p.batch * p.next_n, p.next_n, max_keys, lo.data(), hi.data(), o, run(0, -1));
+    cpu::fused_topk<TileRelease>(p.batch * p.next_n, p.next_n, max_keys, kKeys, lo.data(), hi.data(), o, run(0, -1));
     return true;
   }
   // A prefill chunk scored as next_n decode rows: row blocks of kRows within each request.
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t base = b * p.next_n;
     const TopkOut ob{o.out + base * o.stride, o.stride, o.width, o.topk};
-    fused_topk(p.next_n, kRows, p.seq_lens[b], lo.data() + base, hi.data() + base, ob, run(base, b));
+    cpu::fused_topk<TileRelease>(p.next_n, kRows, p.seq_lens[b], kKeys, lo.data() + base, hi.data() + base, ob,
+                                 run(base, b));
   }
   return true;
 }

@@ -1,5 +1,6 @@
 // Pieces the CPU indexer's two paths share (indexer.cpp: AVX-512 BF16 / portable kernels;
-// indexer_blas.cpp: oneDNN brgemm): row windows, short-row answers and the key-split count.
+// indexer_blas.cpp: oneDNN brgemm): row windows, short-row answers, the key-split count and
+// the fused scoring + top-k driver.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "indexcache/ops.h"
+#include "select.h"
 
 namespace indexcache {
 namespace cpu {
@@ -52,6 +54,64 @@ inline void paged_windows(const PagedIndexerParams& p, std::vector<int64_t>& lo,
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t j = 0; j < p.next_n; ++j)
       hi[b * p.next_n + j] = std::max<int64_t>(0, p.seq_lens[b] - p.next_n + j + 1);
+}
+
+// The fused scoring + top-k driver of both paths: rows [0, rows) in blocks of row_block; each
+// (block, key split) task keeps a RunningTopk per row over its key range; the splits of a row
+// are merged in key order. Rows whose window fits in topk need no scoring (0..window-1).
+// run_block(r0, r1, c0, c1, lo + r0, hi + r0, emit) scores rows [r0, r1) over keys [c0, c1)
+// and calls emit(r - r0, s0, n, scores) per tile of n keys from s0. Split boundaries are
+// multiples of `tile` keys, so no tile straddles two splits. Guard: one per worker chunk (the
+// blas path releases its AMX tiles there).
+template <typename Guard, typename RunBlock>
+void fused_topk(int64_t rows, int64_t row_block, int64_t max_keys, int64_t tile, const int64_t* lo, const int64_t* hi,
+                const TopkOut& o, RunBlock run_block) {
+  std::vector<int64_t> lo_eff(lo, lo + rows), hi_eff(hi, hi + rows);
+  for (int64_t r = 0; r < rows; ++r)
+    if (hi[r] - lo[r] <= o.topk) lo_eff[r] = hi_eff[r] = 0;
+  const int64_t blocks = (rows + row_block - 1) / row_block;
+  const int64_t splits = key_splits(blocks, max_keys);
+  std::vector<RunningTopk> sel(rows * splits);
+  at::parallel_for(0, blocks * splits, 1, [&](int64_t begin, int64_t end) {
+    [[maybe_unused]] Guard guard;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, sp = task % splits;
+      const int64_t r0 = b * row_block, r1 = std::min(rows, r0 + row_block);
+      int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        sel[r * splits + sp].reset(o.topk);
+        if (hi_eff[r] > lo_eff[r]) {
+          lo_all = std::min(lo_all, lo_eff[r]);
+          hi_all = std::max(hi_all, hi_eff[r]);
+        }
+      }
+      if (hi_all <= lo_all) continue;
+      const int64_t base = lo_all / tile * tile;
+      const int64_t per = ((hi_all - base + splits - 1) / splits + tile - 1) / tile * tile;
+      const int64_t c0 = base + sp * per, c1 = std::min(hi_all, c0 + per);
+      if (c1 <= c0) continue;
+      run_block(r0, r1, c0, c1, lo_eff.data() + r0, hi_eff.data() + r0,
+                [&](int64_t r, int64_t s0, int64_t n, const float* scores) {
+                  RunningTopk& rs = sel[(r0 + r) * splits + sp];
+                  const int64_t a = std::max(lo_eff[r0 + r], s0), e = std::min(hi_eff[r0 + r], s0 + n);
+                  for (int64_t s = a; s < e; ++s) rs.push(order_key(scores[s - s0]), static_cast<int32_t>(s));
+                });
+    }
+  });
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int32_t* out = o.out + r * o.stride;
+      const int64_t window = std::max<int64_t>(0, hi[r] - lo[r]);
+      if (window <= o.topk) {
+        write_short_row(out, window, o);
+        continue;
+      }
+      RunningTopk& first = sel[r * splits];
+      for (int64_t sp = 1; sp < splits; ++sp) first.absorb(sel[r * splits + sp]);
+      int64_t j = first.finish(out, static_cast<int32_t>(lo[r]));
+      for (; j < o.width; ++j) out[j] = -1;
+    }
+  });
 }
 
 }  // namespace cpu
