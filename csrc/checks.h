@@ -37,10 +37,14 @@ inline bool cuda_host_checks() {
   return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
 }
 
+// Rows read with a unit column step: stride(1) == 1, or nothing that stride could address (no
+// rows, or at most one column), whatever stride torch reports for such a view.
+inline bool rows_contiguous(const at::Tensor& t) { return t.size(0) == 0 || t.size(1) <= 1 || t.stride(1) == 1; }
+
 inline FillParams make_fill_params(at::Tensor& buf, int64_t num_rows) {
   IC_CHECK_DTYPE(buf, at::kInt, "topk buffer");
   IC_CHECK_DIM(buf, 2, "topk buffer");
-  TORCH_CHECK(buf.stride(1) == 1, "topk buffer rows must be contiguous, got strides ", buf.strides());
+  TORCH_CHECK(rows_contiguous(buf), "topk buffer rows must be contiguous, got strides ", buf.strides());
   TORCH_CHECK(num_rows >= 0, "num_rows must be >= 0, got ", num_rows);
   TORCH_CHECK(num_rows <= buf.size(0), "num_rows=", num_rows, " exceeds the topk buffer's ",
               buf.size(0), " rows (max_num_batched_tokens)");
@@ -94,7 +98,7 @@ inline QuantParams make_quant_params(const at::Tensor& x, at::Tensor& values, at
   IC_CHECK_CONTIG(x, "x");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % kQuantGroup == 0, "x's last dim must be a multiple of ", kQuantGroup,
               ", got shape ", x.sizes());
-  TORCH_CHECK(eps > 0, "eps must be > 0, got ", eps);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "eps must be finite and > 0, got ", eps);
   const int64_t d = x.size(-1);
   return QuantParams{x.data_ptr(), static_cast<uint8_t*>(values.data_ptr()), scales.data_ptr<float>(),
                      d == 0 ? 0 : x.numel() / d, d, static_cast<float>(eps), hadamard,
@@ -301,7 +305,7 @@ inline PagedIndexerParams make_paged_params(const at::Tensor& q, const at::Tenso
 inline LogitsOut make_logits_out(at::Tensor& out, int64_t rows, int64_t min_cols, const at::Tensor& like) {
   IC_CHECK_DTYPE(out, at::kFloat, "logits out");
   IC_CHECK_DIM(out, 2, "logits out");
-  TORCH_CHECK(out.stride(1) == 1, "logits out rows must be contiguous, got strides ", out.strides());
+  TORCH_CHECK(rows_contiguous(out), "logits out rows must be contiguous, got strides ", out.strides());
   IC_CHECK_SAME_DEVICE(out, like, "logits out", "q");
   TORCH_CHECK(out.size(0) == rows, "logits out has ", out.size(0), " rows, expected ", rows);
   TORCH_CHECK(out.size(1) >= min_cols, "logits out has ", out.size(1), " columns but the keys need ", min_cols);
@@ -312,7 +316,7 @@ inline LogitsOut make_logits_out(at::Tensor& out, int64_t rows, int64_t min_cols
 inline TopkOut make_topk_out(at::Tensor& out, int64_t rows, int64_t topk, const at::Tensor& like) {
   IC_CHECK_DTYPE(out, at::kInt, "topk buffer");
   IC_CHECK_DIM(out, 2, "topk buffer");
-  TORCH_CHECK(out.stride(1) == 1, "topk buffer rows must be contiguous, got strides ", out.strides());
+  TORCH_CHECK(rows_contiguous(out), "topk buffer rows must be contiguous, got strides ", out.strides());
   IC_CHECK_SAME_DEVICE(out, like, "topk buffer", "the inputs");
   TORCH_CHECK(topk >= 1, "topk must be >= 1, got ", topk);
   TORCH_CHECK(topk <= out.size(1), "topk=", topk, " exceeds the topk buffer's width ", out.size(1));
@@ -370,7 +374,7 @@ inline TopkParams make_topk_params(const at::Tensor& logits, const at::Tensor& k
                                    bool host_values = true) {
   IC_CHECK_DTYPE(logits, at::kFloat, "logits");
   IC_CHECK_DIM(logits, 2, "logits");
-  TORCH_CHECK(logits.stride(1) == 1, "logits rows must be contiguous, got strides ", logits.strides());
+  TORCH_CHECK(rows_contiguous(logits), "logits rows must be contiguous, got strides ", logits.strides());
   check_windows(ks, ke, logits.size(0), logits.size(1), logits, host_values);
   return TopkParams{logits.data_ptr<float>(), ks.data_ptr<int32_t>(), ke.data_ptr<int32_t>(), logits.size(0),
                     logits.stride(0)};

@@ -357,11 +357,7 @@ def test_fuzz_topk_indices(data, seed):
     pad, off = draw(st.integers(0, 5)), 0
     big = fuzz_logits(draw, rows, n + pad, seed)
     off = draw(st.integers(0, pad))
-    logits = big[:, off:off + n]  # row stride > n, offset start
-    if rows == 0:
-        # Open finding: an empty slice can carry strides like [1, 0], which the row-contiguity
-        # check rejects although nothing is read (docs/ops.md, Fuzzing).
-        logits = torch.empty(0, n)
+    logits = big[:, off:off + n]  # row stride > n, offset start (an empty slice may carry any strides)
     ks, ke = windows(draw, rows, n, topk)
     check_topk(logits, ks, ke, topk, width, rows + draw(st.integers(0, 2)))
 

@@ -457,6 +457,24 @@ def test_errors(device):
         ops.sparse_mla(qm, torch.zeros(1, 64, 600, dtype=torch.uint8, device=device), idx, 0.1)
     with pytest.raises(RuntimeError, match="sm_scale must be a positive"):
         ops.sparse_mla(qm, mcache, idx, float("nan"))
+    x = torch.randn(2, 128, device=device)
+    for eps in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="eps must be finite and > 0"):
+            ops.quantize_fp8(x, eps)
+
+
+def test_empty_views_with_odd_strides(device):
+    # Nothing can be read through a 0-row or one-column view, whatever its strides: accepted.
+    ks = ke = torch.zeros(0, dtype=torch.int32, device=device)
+    logits = torch.empty(0, 7, device=device).as_strided((0, 7), (1, 0))
+    out = torch.full((0, 4), -5, dtype=torch.int32, device=device).as_strided((0, 4), (1, 3))
+    assert ops.topk_indices(logits, ks, ke, 4, out=out).shape == (0, 4)
+    col = torch.randn(3, 5, device=device)[:, 2:3].as_strided((3, 1), (5, 9))
+    ks1, ke1 = torch.zeros(3, dtype=torch.int32, device=device), torch.ones(3, dtype=torch.int32, device=device)
+    got = ops.topk_indices(col, ks1, ke1, 1)
+    assert got.tolist() == [[0]] * 3
+    with pytest.raises(RuntimeError, match="logits rows must be contiguous"):
+        ops.topk_indices(torch.randn(5, 3, device=device).t(), ks1, ke1 + 1, 1)
 
 
 # ------------------------------------------------------------------ registration
