@@ -95,11 +95,15 @@ def count(ops: list[str], *prefixes: str) -> int:
 # kPadHeads (heads not a multiple of 16: small models only, a check in the hot loop).
 FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0ELb0E", "ItLb0ELb0E", "IhLb1ELb0E"
 PADDED = ["IhLb0ELb1E", "ItLb0ELb1E", "IhLb1ELb1E"]
+# sparse_mla_mma_kernel<NG, Vec>: NG head groups of 16 per CTA (1, 2, 4), Vec = 16-byte aligned
+# inputs (cp.async staging) or not (byte loads).
+SPARSE_MLA_ALIGNED = [f"sparse_mla_mma_kernelILi{ng}ELb1E" for ng in (1, 2, 4)]
+SPARSE_MLA_BYTES = [f"sparse_mla_mma_kernelILi{ng}ELb0E" for ng in (1, 2, 4)]
+SPARSE_MLA_MMA = SPARSE_MLA_ALIGNED + SPARSE_MLA_BYTES
 MMA_KERNELS = [
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + BF16_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
-    "sparse_mla_mma_kernelILb1E", "sparse_mla_mma_kernelILb0E",
-] + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED]
+] + SPARSE_MLA_MMA + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED]
 # Kernels with no local memory at all (no spills, no stack arrays). Not listed, because
 # they do use some today: indexer_logits_kernel<bf16> (1 spill pair), the fp32 fused
 # indexer kernel (a few).
@@ -109,8 +113,8 @@ NO_LOCAL = [
     "topk_rows_kernel", "topk_partial_kernel", "topk_merge_kernel", "fill_topk_buffer_kernel",
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
-    "sparse_mla_mma_kernelILb1E", "sparse_mla_mma_kernelILb0E", "sparse_mla_fma_kernel",
-]
+    "sparse_mla_fma_kernel", "sparse_mla_merge_kernel",
+] + SPARSE_MLA_MMA
 
 
 def test_disassembly_parsed():
@@ -130,15 +134,28 @@ def test_no_local_memory(name):
     assert count(ops, "LDL", "STL") == 0, [op for op in ops if op.startswith(("LDL", "STL"))]
 
 
-def test_sparse_mla_aligned_staging_has_no_byte_loads():
-    ops = kernel("sparse_mla_mma_kernelILb1E")
+@pytest.mark.parametrize("name", SPARSE_MLA_ALIGNED)
+def test_sparse_mla_aligned_staging_has_no_byte_loads(name):
+    ops = kernel(name)
     byte_loads = [op for op in ops if op.startswith("LDG") and (".U8" in op or ".S8" in op)]
     assert byte_loads == []
-    assert count(ops, "LDG.E.128") > 0  # the 16-byte pieces (q, bf16 rows, fp8 RoPE)
+    assert count(ops, "LDG.E.128") > 0  # q in 16-byte pieces
 
 
-def test_sparse_mla_byte_fallback_is_separate():
-    # The misaligned-cache instantiation keeps the byte-safe loads; the check above would be
+@pytest.mark.parametrize("name", SPARSE_MLA_ALIGNED)
+def test_sparse_mla_aligned_staging_is_cp_async(name):
+    # KV tiles (bf16 rows, raw fp8_ds_mla rows) are copied with cp.async.cg 16 B (LDGSTS), the
+    # next tile in flight during the current one; fp8 pairs are converted by
+    # cvt.rn.f16x2.e4m3x2 (F2FP.F16.E4M3.UNPACK_B on sm_90a), then f16 -> fp32 (HADD2.F32).
+    ops = kernel(name)
+    assert count(ops, "LDGSTS") > 0
+    assert count(ops, "LDGDEPBAR") > 0 and count(ops, "DEPBAR") > 0  # commit_group, wait_group
+    assert count(ops, "F2FP.F16.E4M3.UNPACK_B") > 0
+
+
+@pytest.mark.parametrize("name", SPARSE_MLA_BYTES)
+def test_sparse_mla_byte_fallback_is_separate(name):
+    # The misaligned-cache instantiations keep the byte-safe loads; the check above would be
     # vacuous if both instantiations had folded into one without them.
-    ops = kernel("sparse_mla_mma_kernelILb0E")
+    ops = kernel(name)
     assert any(op.startswith("LDG") and ".U8" in op for op in ops)

@@ -387,5 +387,82 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
 }
 
+// ------------------------------------------------------------------ cp.async (sm_80+)
+//
+// 16-byte global -> shared copies that complete asynchronously: cp_async_16 queues one
+// (both addresses 16-byte aligned), cp_async_commit closes the thread's open group, and
+// cp_async_wait<N> waits until at most N of the thread's committed groups are still in
+// flight. The data is only visible to the issuing thread after the wait, and to the others
+// after a barrier that follows it. The emulator defers each copy to the wait that covers it.
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
+#ifdef IC_CUDA_EMULATION
+  ::emu::cp_async_16(smem_dst, gmem_src);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem_src) : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem_dst) = *reinterpret_cast<const uint4*>(gmem_src);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef IC_CUDA_EMULATION
+  ::emu::cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef IC_CUDA_EMULATION
+  ::emu::cp_async_wait(N);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// ------------------------------------------------------------------ e4m3 -> bf16, scaled
+//
+// Eight e4m3 bytes (u.x's low byte first) times `scale`, each rounded to bf16 as
+// float_to_bf16(e4m3_to_float(b) * scale), packed two per word (lower index low). Where
+// IC_FP8_F16 (sm_89+) the bytes are converted in pairs by cvt.rn.f16x2.e4m3x2 and then to
+// fp32: both steps are exact, so the result is bit-identical to the software decode used on
+// older archs (the emulator runs both, through ::emu::g_fp8_f16).
+
+// f16 bits -> fp32 (exact).
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
+#ifdef IC_CUDA_EMULATION
+  return ::emu::f16_to_float(h);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ uint4 e4m3x8_scaled_to_bf16(uint2 u, float scale) {
+  uint32_t w[4];
+  if (IC_FP8_F16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t src = i < 2 ? u.x : u.y;
+      const uint32_t h2 = e4m3x2_to_f16x2(static_cast<uint16_t>(src >> (16 * (i & 1))));
+      w[i] = pack_bf16(f16_bits_to_f32(static_cast<uint16_t>(h2)) * scale,
+                       f16_bits_to_f32(static_cast<uint16_t>(h2 >> 16)) * scale);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t src = i < 2 ? u.x : u.y;
+      const int sh = 16 * (i & 1);
+      w[i] = pack_bf16(e4m3_to_float(static_cast<uint8_t>(src >> sh)) * scale,
+                       e4m3_to_float(static_cast<uint8_t>(src >> (sh + 8))) * scale);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 }  // namespace cuda
 }  // namespace indexcache

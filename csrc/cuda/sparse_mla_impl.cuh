@@ -26,27 +26,18 @@ namespace indexcache {
 namespace cuda {
 namespace mla_detail {
 
-constexpr int kMlaHeads = 16;   // heads per CTA (one mma row tile)
-constexpr int kMmaThreads = 128;
+constexpr int kMlaHeads = 16;   // heads per mma row tile (one head group; the FMA kernel's CTA)
+constexpr int kGroupThreads = 128;  // 4 warps per head group
 constexpr int kMmaKeys = 32;    // keys per tile
+constexpr int kIdxChunk = 2048;  // index entries compacted per pass of the mma kernel
+constexpr int kMinSplitEntries = 256;  // index entries per split at least
+constexpr int kMaxSplits = 32;
+constexpr int kMergeThreads = 128;
 constexpr int kLdKv = kMlaDim + 8;  // 584: conflict-free fragment loads
 constexpr int kLdP = kMmaKeys + 8;  // 40
 constexpr int kFmaThreads = 256;
 constexpr int kFmaKeys = 16;
 constexpr int kLdF = kMlaDim + 1;   // 577
-
-struct MlaMmaSmem {
-  uint16_t q[kMlaHeads * kLdKv];
-  uint16_t kv[kMmaKeys * kLdKv];
-  float sp[4][kMlaHeads][kMmaKeys];  // per-warp partial scores
-  uint16_t p[kMlaHeads * kLdP];      // probabilities, bf16
-  float alpha[kMlaHeads];
-  float m[kMlaHeads];
-  float l[kMlaHeads];
-  int32_t bad[kMlaHeads];  // a non-finite score was seen: out and lse are NaN (docs/ops.md)
-  int32_t list[kMmaThreads];
-  uint32_t scan[32];
-};
 
 struct MlaFmaSmem {
   float q[kMlaHeads * kLdF];
@@ -76,11 +67,11 @@ __device__ __forceinline__ float kv_elem(const SparseMlaParams& p, int64_t slot,
 // Entries other than -1 outside [0, num_slots) are dropped too and counted in err (which
 // only the first head group of a row passes, so each entry counts once).
 template <int NT>
-__device__ __forceinline__ int compact_indices(const SparseMlaParams& p, int64_t t, int64_t c0, int32_t* list,
-                                               uint32_t* scan, int32_t* err) {
+__device__ __forceinline__ int compact_indices(const SparseMlaParams& p, int64_t t, int64_t c0, int64_t end,
+                                               int32_t* list, uint32_t* scan, int32_t* err) {
   const int64_t j = c0 + threadIdx.x;
   int32_t s = -1;
-  if (j < p.topk) s = p.indices[t * p.topk + j];
+  if (j < end) s = p.indices[t * p.topk + j];
   const bool valid = s >= 0 && s < p.num_slots;
   if (!valid && s != -1) count_error(err);
   uint32_t total;
@@ -88,6 +79,15 @@ __device__ __forceinline__ int compact_indices(const SparseMlaParams& p, int64_t
   if (valid) list[incl - 1] = s;
   __syncthreads();
   return static_cast<int>(total);
+}
+
+// Indices [c0, c1) of row t (c1 - c0 <= kIdxChunk) compacted into list, NT at a time.
+template <int NT>
+__device__ __forceinline__ int compact_chunk(const SparseMlaParams& p, int64_t t, int64_t c0, int64_t c1, int32_t* list,
+                                             uint32_t* scan, int32_t* err) {
+  int n = 0;
+  for (int64_t c = c0; c < c1; c += NT) n += compact_indices<NT>(p, t, c, c1, list + n, scan, err);
+  return n;
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -102,198 +102,368 @@ __device__ __forceinline__ float warp_max_f(float x) {
 }
 
 // ------------------------------------------------------------------ bf16 tensor-core path
+//
+// CTA = NG head groups x 4 warps (NG = 1, 2, 4: up to 64 heads, 512 threads). Every group does
+// for its 16 heads what one 4-warp CTA used to do (partial S per warp over a quarter of the 576
+// dims, owned softmax heads, P V over a quarter of d_v; Q stays in shared memory because the
+// 64 accumulators of O fill the 128 registers a 512-thread CTA allows), and all
+// groups read one staged KV tile, so a selected row is fetched and dequantized once per 64
+// heads. Aligned caches are copied with cp.async into a double buffer (bf16 rows straight to
+// their tile, fp8_ds_mla rows as raw bytes that are dequantized in shared memory), the next
+// tile in flight while the current one is computed. A CTA may own only part of the row's
+// index list (split): it then writes fp32 partial O (not normalised) and (m, l) to scratch and
+// sparse_mla_merge_kernel combines the splits in a fixed order.
 
-// Cache row `slot` -> 576 bf16 in shared memory (dst 16-byte aligned). Vec: the cache base
-// is 16-byte aligned, so every 16-byte piece of a row is too (rows are 1152 or 656 bytes,
-// the fp8 RoPE part starts at byte 528) and no byte loads are needed.
-template <bool Vec>
-__device__ __forceinline__ void stage_kv_row_bf16(const SparseMlaParams& p, int64_t slot, uint16_t* dst, int part) {
-  // part: one 16-byte piece of the destination row (72 per row). The cache is bf16 or
-  // fp8_ds_mla here (fp32 caches take the FMA kernel).
+// Cache row `slot`, 16-byte piece `part` (of 72) -> 8 bf16 in shared memory, byte-safe loads
+// (caches that are not 16-byte aligned).
+__device__ __forceinline__ void stage_kv_piece_bytes(const SparseMlaParams& p, int64_t slot, uint16_t* dst, int part) {
   uint16_t v[8];
-  if constexpr (Vec) {
-    if (p.kv_dtype == DType::kBFloat16) {
-      *reinterpret_cast<uint4*>(dst + part * 8) =
-          *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.kv) + slot * kMlaDim + part * 8);
-      return;
-    }
-    const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
-    if (part >= kMlaLatent / 8) {
-      // The 64 bf16 RoPE values are stored as they are staged: one 16-byte copy per piece.
-      *reinterpret_cast<uint4*>(dst + part * 8) =
-          *reinterpret_cast<const uint4*>(row + kMlaLatent + 16 + (part - kMlaLatent / 8) * 16);
-      return;
-    }
-    const float scale = *reinterpret_cast<const float*>(row + kMlaLatent + 4 * (part * 8 / kQuantGroup));
-    const uint2 u = *reinterpret_cast<const uint2*>(row + part * 8);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint8_t b = static_cast<uint8_t>((i < 4 ? u.x : u.y) >> (8 * (i & 3)));
-      v[i] = float_to_bf16(e4m3_to_float(b) * scale);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = float_to_bf16(kv_elem(p, slot, part * 8 + i));
-  }
+  for (int i = 0; i < 8; ++i) v[i] = float_to_bf16(kv_elem(p, slot, part * 8 + i));
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(v[2 * i]) | (static_cast<uint32_t>(v[2 * i + 1]) << 16);
-  *reinterpret_cast<uint4*>(dst + part * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+  *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <bool Vec>
-__global__ void __launch_bounds__(kMmaThreads) sparse_mla_mma_kernel(SparseMlaParams p, int32_t* err) {
-  constexpr bool vec = Vec;
+constexpr int kKvTileElems = kMmaKeys * kLdKv;                 // one bf16 tile
+constexpr int kKvTileBytes = kKvTileElems * 2;                 // 37376
+constexpr int kRawTileBytes = kMmaKeys * kMlaFp8Bytes;         // 20992: 32 raw fp8_ds_mla rows
+constexpr int kFp8Pieces = kMlaFp8Bytes / 16;                  // 41 16-byte pieces per row
+constexpr int kKvRegion = kKvTileBytes + 2 * kRawTileBytes;    // >= 2 bf16 tiles (74752)
+static_assert(kKvRegion >= 2 * kKvTileBytes, "region holds two bf16 tiles");
+static_assert(kMlaFp8Bytes % 16 == 0 && kKvTileBytes % 16 == 0 && (kLdKv * 2) % 16 == 0, "16-byte pieces");
+
+// Starts the copy (or, misaligned, does it) of tile `it` (valid slots list[32 it ...]) into
+// buffer b: bf16 tile b of the region, or (aligned fp8_ds_mla) raw buffer b. Rows past the
+// last valid slot become zeros in the bf16 tile (their P is 0, and 0 * garbage could be NaN).
+template <int NT, bool Vec>
+__device__ __forceinline__ void issue_kv_tile(const SparseMlaParams& p, const int32_t* list, int nv, int it, int b,
+                                              unsigned char* region) {
+  const int k0 = it * kMmaKeys;
+  const int nk = nv - k0 < kMmaKeys ? nv - k0 : kMmaKeys;
+  uint16_t* const tile = reinterpret_cast<uint16_t*>(region) + b * kKvTileElems;
+  constexpr int kChunks = kMlaDim / 8;
+  if constexpr (Vec) {
+    if (p.kv_dtype == DType::kFp8E4M3) {
+      unsigned char* const rb = region + kKvTileBytes + b * kRawTileBytes;
+      const uint8_t* const kvb = static_cast<const uint8_t*>(p.kv);
+      for (int c = threadIdx.x; c < nk * kFp8Pieces; c += NT) {
+        const int j = c / kFp8Pieces, piece = c % kFp8Pieces;
+        cp_async_16(rb + j * kMlaFp8Bytes + piece * 16,
+                    kvb + static_cast<int64_t>(list[k0 + j]) * kMlaFp8Bytes + piece * 16);
+      }
+      return;
+    }
+    const uint16_t* const kvh = static_cast<const uint16_t*>(p.kv);
+    for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += NT) {
+      const int j = c / kChunks, part = c % kChunks;
+      uint16_t* d = tile + j * kLdKv + part * 8;
+      if (j < nk) {
+        cp_async_16(d, kvh + static_cast<int64_t>(list[k0 + j]) * kMlaDim + part * 8);
+      } else {
+        *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  } else {
+    for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += NT) {
+      const int j = c / kChunks, part = c % kChunks;
+      uint16_t* d = tile + j * kLdKv + part * 8;
+      if (j < nk) {
+        stage_kv_piece_bytes(p, list[k0 + j], d, part);
+      } else {
+        *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+}
+
+// Raw fp8_ds_mla rows (shared) -> the bf16 tile 0: value x its group's fp32 scale, rounded
+// to bf16 (as the CPU does); the RoPE part is copied; rows past nk become zeros.
+template <int NT>
+__device__ __forceinline__ void dequant_raw_tile(const unsigned char* rb, int nk, uint16_t* tile) {
+  constexpr int kChunks = kMlaDim / 8;
+  for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += NT) {
+    const int j = c / kChunks, part = c % kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (j < nk) {
+      const unsigned char* r = rb + j * kMlaFp8Bytes;
+      if (part >= kMlaLatent / 8) {
+        v = *reinterpret_cast<const uint4*>(r + kMlaLatent + 16 + (part - kMlaLatent / 8) * 16);
+      } else {
+        const float scale = *reinterpret_cast<const float*>(r + kMlaLatent + 4 * (part * 8 / kQuantGroup));
+        v = e4m3x8_scaled_to_bf16(*reinterpret_cast<const uint2*>(r + part * 8), scale);
+      }
+    }
+    *reinterpret_cast<uint4*>(tile + j * kLdKv + part * 8) = v;
+  }
+}
+
+template <int NG>
+struct MlaMmaSmem {
+  static constexpr int kHeads = kMlaHeads * NG;
+  // KV tiles: bf16 tiles 0 and 1, or (aligned fp8) bf16 tile 0 + raw buffers 0 and 1.
+  alignas(16) unsigned char region[kKvRegion];
+  alignas(16) uint16_t q[kHeads * kLdKv];  // A fragments are read from here (registers are full)
+  float sp[NG][4][kMlaHeads][kMmaKeys];  // per-warp partial scores of each head group
+  uint16_t p[kHeads * kLdP];             // probabilities, bf16
+  float alpha[kHeads];
+  float m[kHeads];
+  float l[kHeads];
+  int32_t bad[kHeads];  // a non-finite score was seen: out and lse are NaN (docs/ops.md)
+  int32_t list[kIdxChunk];
+  uint32_t scan[32];
+};
+
+// How a row's index list is split across CTAs: split s owns entries [s chunk, (s+1) chunk).
+// splits == 1: the CTA writes out and lse itself (o_part == nullptr).
+struct MlaSplit {
+  int splits = 1;
+  int64_t chunk = 0;
+  float* o_part = nullptr;  // [splits][s_q][h_q][d_v], unnormalised
+  float* ml = nullptr;      // [splits][s_q][h_q][2]: running max (NaN: a non-finite score), sum
+};
+
+template <int NG, bool Vec>
+__global__ void __launch_bounds__(NG * kGroupThreads, 1)
+    sparse_mla_mma_kernel(SparseMlaParams p, MlaSplit sp, int32_t* err) {
+  constexpr int NT = NG * kGroupThreads;
+  constexpr int kHeads = kMlaHeads * NG;
   IC_DYNAMIC_SMEM(smem_raw);
-  MlaMmaSmem& sm = *reinterpret_cast<MlaMmaSmem*>(smem_raw);
-  const int64_t groups = (p.h_q + kMlaHeads - 1) / kMlaHeads;
-  const int64_t t = blockIdx.x / groups;
-  const int64_t h0 = (blockIdx.x % groups) * kMlaHeads;
-  const int nh = static_cast<int>(std::min<int64_t>(kMlaHeads, p.h_q - h0));
+  MlaMmaSmem<NG>& sm = *reinterpret_cast<MlaMmaSmem<NG>*>(smem_raw);
+  const int64_t hctas = (p.h_q + kHeads - 1) / kHeads;
+  const int split = static_cast<int>(blockIdx.x % static_cast<unsigned>(sp.splits));
+  const int64_t rest = blockIdx.x / static_cast<unsigned>(sp.splits);
+  const int64_t t = rest / hctas;
+  const int64_t h0 = (rest % hctas) * kHeads;
+  const int nh = static_cast<int>(std::min<int64_t>(kHeads, p.h_q - h0));
   int32_t* const row_err = h0 == 0 ? err : nullptr;  // each index entry counted once
   const int warp = warp_id(), lane = lane_id();
+  const int gi = warp >> 2, wq = warp & 3;  // head group, quarter within it
+  const int hg = kMlaHeads * gi;            // the group's first head in the CTA
+  const bool active = hg < nh;              // warp-uniform: the group has a real head
   const int g = lane >> 2, tq = lane & 3;
   constexpr int kChunks = kMlaDim / 8;  // 16-byte pieces per 576-value bf16 row
+  uint16_t* const tiles = reinterpret_cast<uint16_t*>(sm.region);
+  const bool raw_fp8 = Vec && p.kv_dtype == DType::kFp8E4M3;
 
   // q rows (bf16) -> shared, zeros past the last head.
   const uint16_t* qg = static_cast<const uint16_t*>(p.q) + (t * p.h_q + h0) * kMlaDim;
-  for (int c = threadIdx.x; c < kMlaHeads * kChunks; c += kMmaThreads) {
+  for (int c = threadIdx.x; c < kHeads * kChunks; c += NT) {
     const int hh = c / kChunks, part = c % kChunks;
     uint16_t* d = sm.q + hh * kLdKv + part * 8;
     if (hh >= nh) {
       *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
-    } else if (vec) {
+    } else if (Vec) {
       *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(qg + hh * kMlaDim + part * 8);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) d[i] = qg[hh * kMlaDim + part * 8 + i];
     }
   }
-  __syncthreads();
-  // This warp's quarter of the 36 k-steps of Q, kept in registers.
-  constexpr int kSteps = kMlaDim / 16 / 4;  // 9
-  uint32_t qa[kSteps][4];
-#pragma unroll
-  for (int s = 0; s < kSteps; ++s) load_a_frag(qa[s], sm.q, kLdKv, 0, (warp * kSteps + s) * 16);
+  // (The first barrier inside the loop orders these stores before the fragment loads.)
+  constexpr int kSteps = kMlaDim / 16 / 4;  // 9 k-steps: this warp's quarter of the 576 dims
 
   const int cw = static_cast<int>(p.d_v) / 4;  // value columns per warp (multiple of 16)
   const int nts = cw / 8;
   float o[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-  float m_run[4], l_run[4];  // heads 4 * warp + i (the softmax owner of each head)
-  bool bad_run[4];          // a valid key's score was NaN or +-inf
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    m_run[i] = -__int_as_float(0x7f800000);
-    l_run[i] = 0.f;
-    bad_run[i] = false;
+  // The running max, sum and non-finite flag of each head live in shared memory (sm.m, sm.l,
+  // sm.bad), written only by lane 0 of the head's softmax owner (registers are full).
+  if (threadIdx.x < kHeads) {
+    sm.m[threadIdx.x] = -__int_as_float(0x7f800000);
+    sm.l[threadIdx.x] = 0.f;
+    sm.bad[threadIdx.x] = 0;
   }
 
-  for (int64_t c0 = 0; c0 < p.topk; c0 += kMmaThreads) {
-    const int nv = compact_indices<kMmaThreads>(p, t, c0, sm.list, sm.scan, row_err);
-    for (int k0 = 0; k0 < nv; k0 += kMmaKeys) {
-      const int nk = nv - k0 < kMmaKeys ? nv - k0 : kMmaKeys;
-      for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += kMmaThreads) {
-        const int j = c / kChunks, part = c % kChunks;
-        uint16_t* d = sm.kv + j * kLdKv;
-        if (j < nk) {
-          stage_kv_row_bf16<Vec>(p, sm.list[k0 + j], d, part);
-        } else {
-          *reinterpret_cast<uint4*>(d + part * 8) = make_uint4(0, 0, 0, 0);
-        }
+  const int64_t e0 = split * sp.chunk;
+  const int64_t e1 = std::min<int64_t>(p.topk, e0 + sp.chunk);
+  for (int64_t c0 = e0; c0 < e1; c0 += kIdxChunk) {
+    const int nv = compact_chunk<NT>(p, t, c0, std::min<int64_t>(e1, c0 + kIdxChunk), sm.list, sm.scan, row_err);
+    const int ntiles = (nv + kMmaKeys - 1) / kMmaKeys;
+    if (ntiles > 0) {
+      issue_kv_tile<NT, Vec>(p, sm.list, nv, 0, 0, sm.region);
+      cp_async_commit();
+    }
+    for (int it = 0; it < ntiles; ++it) {
+      const int b = it & 1;
+      // The next tile's buffer was last read before the previous iteration's final barrier.
+      if (it + 1 < ntiles) issue_kv_tile<NT, Vec>(p, sm.list, nv, it + 1, b ^ 1, sm.region);
+      cp_async_commit();
+      cp_async_wait<1>();  // this thread's copies of tile `it` have landed
+      __syncthreads();     // ... and everyone's
+      const int nk = nv - it * kMmaKeys < kMmaKeys ? nv - it * kMmaKeys : kMmaKeys;
+      const uint16_t* kv = tiles + (raw_fp8 ? 0 : b * kKvTileElems);
+      if (raw_fp8) {
+        dequant_raw_tile<NT>(sm.region + kKvTileBytes + b * kRawTileBytes, nk, tiles);
+        __syncthreads();
       }
-      __syncthreads();
       // Partial S over this warp's 144 dims: 16 heads x 32 keys.
+      if (active) {
+        float acc[kMmaKeys / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < kMmaKeys / 8; ++nt) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int nt = 0; nt < kMmaKeys / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
-          uint32_t b0, b1;
-          load_b_frag_nk(b0, b1, sm.kv, kLdKv, nt * 8, (warp * kSteps + s) * 16);
-          mma_bf16_16816(acc, qa[s], b0, b1);
-        }
-        sm.sp[warp][g][nt * 8 + 2 * tq] = acc[0];
-        sm.sp[warp][g][nt * 8 + 2 * tq + 1] = acc[1];
-        sm.sp[warp][g + 8][nt * 8 + 2 * tq] = acc[2];
-        sm.sp[warp][g + 8][nt * 8 + 2 * tq + 1] = acc[3];
-      }
-      __syncthreads();
-      // Online softmax: warp w owns heads 4w..4w+3, lane = key.
+          uint32_t qa[4];
+          load_a_frag(qa, sm.q, kLdKv, hg, (wq * kSteps + s) * 16);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int hh = warp * 4 + i;
-        const bool valid = lane < nk;
-        float s = (((sm.sp[0][hh][lane] + sm.sp[1][hh][lane]) + sm.sp[2][hh][lane]) + sm.sp[3][hh][lane]) * p.sm_scale;
-        bad_run[i] = bad_run[i] || __ballot_sync(kFullMask, valid && !is_finite_f(s)) != 0u;
-        s = valid ? s : -__int_as_float(0x7f800000);
-        const float m_new = fmaxf(m_run[i], warp_max_f(s));
-        const float alpha = expf(m_run[i] - m_new);
-        const float e = valid ? expf(s - m_new) : 0.f;
-        l_run[i] = l_run[i] * alpha + warp_sum(e);
-        m_run[i] = m_new;
-        sm.p[hh * kLdP + lane] = float_to_bf16(e);
-        if (lane == 0) sm.alpha[hh] = alpha;
-      }
-      __syncthreads();
-      // O[:, warp's columns] = alpha * O + P V.
-      const float a_lo = sm.alpha[g], a_hi = sm.alpha[g + 8];
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
-        o[nt][0] *= a_lo;
-        o[nt][1] *= a_lo;
-        o[nt][2] *= a_hi;
-        o[nt][3] *= a_hi;
-      }
-#pragma unroll
-      for (int ks = 0; ks < kMmaKeys / 16; ++ks) {
-        uint32_t pa[4];
-        load_a_frag(pa, sm.p, kLdP, 0, ks * 16);
-#pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-          if (nt < nts) {
+          for (int nt = 0; nt < kMmaKeys / 8; ++nt) {
             uint32_t b0, b1;
-            load_b_frag_kn(b0, b1, sm.kv, kLdKv, warp * cw + nt * 8, ks * 16);
-            mma_bf16_16816(o[nt], pa, b0, b1);
+            load_b_frag_nk(b0, b1, kv, kLdKv, nt * 8, (wq * kSteps + s) * 16);
+            mma_bf16_16816(acc[nt], qa, b0, b1);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kMmaKeys / 8; ++nt) {
+          sm.sp[gi][wq][g][nt * 8 + 2 * tq] = acc[nt][0];
+          sm.sp[gi][wq][g][nt * 8 + 2 * tq + 1] = acc[nt][1];
+          sm.sp[gi][wq][g + 8][nt * 8 + 2 * tq] = acc[nt][2];
+          sm.sp[gi][wq][g + 8][nt * 8 + 2 * tq + 1] = acc[nt][3];
+        }
+      }
+      __syncthreads();
+      // Online softmax: warp (gi, wq) owns heads 4 wq .. 4 wq + 3 of group gi, lane = key.
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int hh = wq * 4 + i;
+          const bool valid = lane < nk;
+          const float m_run = sm.m[hg + hh];
+          float s = (((sm.sp[gi][0][hh][lane] + sm.sp[gi][1][hh][lane]) + sm.sp[gi][2][hh][lane]) +
+                     sm.sp[gi][3][hh][lane]) *
+                    p.sm_scale;
+          const bool bad = __ballot_sync(kFullMask, valid && !is_finite_f(s)) != 0u;
+          s = valid ? s : -__int_as_float(0x7f800000);
+          const float m_new = fmaxf(m_run, warp_max_f(s));
+          const float alpha = expf(m_run - m_new);
+          const float e = valid ? expf(s - m_new) : 0.f;
+          const float sum = warp_sum(e);
+          sm.p[(hg + hh) * kLdP + lane] = float_to_bf16(e);
+          __syncwarp();  // every lane has read sm.m before lane 0 rewrites it
+          if (lane == 0) {
+            sm.l[hg + hh] = sm.l[hg + hh] * alpha + sum;
+            sm.m[hg + hh] = m_new;
+            if (bad) sm.bad[hg + hh] = 1;
+            sm.alpha[hg + hh] = alpha;
           }
         }
       }
-      __syncthreads();  // kv, sp, p, alpha are rewritten by the next tile
-    }
-  }
-  if (lane == 0) {
+      __syncthreads();
+      // O[group's heads, warp's columns] = alpha * O + P V.
+      if (active) {
+        const float a_lo = sm.alpha[hg + g], a_hi = sm.alpha[hg + g + 8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      sm.m[warp * 4 + i] = m_run[i];
-      sm.l[warp * 4 + i] = l_run[i];
-      sm.bad[warp * 4 + i] = bad_run[i] ? 1 : 0;
+        for (int nt = 0; nt < 16; ++nt) {
+          o[nt][0] *= a_lo;
+          o[nt][1] *= a_lo;
+          o[nt][2] *= a_hi;
+          o[nt][3] *= a_hi;
+        }
+#pragma unroll
+        for (int ks = 0; ks < kMmaKeys / 16; ++ks) {
+          uint32_t pa[4];
+          load_a_frag(pa, sm.p, kLdP, hg, ks * 16);
+#pragma unroll
+          for (int nt = 0; nt < 16; ++nt) {
+            if (nt < nts) {
+              uint32_t b0, b1;
+              load_b_frag_kn(b0, b1, kv, kLdKv, wq * cw + nt * 8, ks * 16);
+              mma_bf16_16816(o[nt], pa, b0, b1);
+            }
+          }
+        }
+      }
+      __syncthreads();  // the tile buffers, sp, p, alpha are rewritten next
     }
   }
   __syncthreads();
   const float ninf = -__int_as_float(0x7f800000);
-  if (threadIdx.x < nh) {
-    const float l = sm.l[threadIdx.x];
-    p.lse[t * p.h_q + h0 + threadIdx.x] =
-        sm.bad[threadIdx.x] ? quiet_nan() : (l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf);
-  }
-  uint16_t* out = static_cast<uint16_t*>(p.out);
+  if (sp.o_part == nullptr) {
+    if (threadIdx.x < nh) {
+      const float l = sm.l[threadIdx.x];
+      p.lse[t * p.h_q + h0 + threadIdx.x] =
+          sm.bad[threadIdx.x] ? quiet_nan() : (l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf);
+    }
+    uint16_t* out = static_cast<uint16_t*>(p.out);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int hh = g + 8 * half;
-    if (hh >= nh) continue;
-    const float l = sm.l[hh];
-    // NaN times anything is NaN: a bad head's whole row comes out NaN.
-    const float inv = sm.bad[hh] ? quiet_nan() : (l > 0.f ? 1.0f / l : 0.f);
-    uint16_t* orow = out + (t * p.h_q + h0 + hh) * p.d_v;
+    for (int half = 0; half < 2; ++half) {
+      const int hh = hg + g + 8 * half;
+      if (hh >= nh) continue;
+      const float l = sm.l[hh];
+      // NaN times anything is NaN: a bad head's whole row comes out NaN.
+      const float inv = sm.bad[hh] ? quiet_nan() : (l > 0.f ? 1.0f / l : 0.f);
+      uint16_t* orow = out + (t * p.h_q + h0 + hh) * p.d_v;
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      if (nt < nts) {
-        const int col = warp * cw + nt * 8 + 2 * tq;
-        orow[col] = float_to_bf16(o[nt][2 * half] * inv);
-        orow[col + 1] = float_to_bf16(o[nt][2 * half + 1] * inv);
+      for (int nt = 0; nt < 16; ++nt) {
+        if (nt < nts) {
+          const int col = wq * cw + nt * 8 + 2 * tq;
+          orow[col] = float_to_bf16(o[nt][2 * half] * inv);
+          orow[col + 1] = float_to_bf16(o[nt][2 * half + 1] * inv);
+        }
       }
     }
+  } else {
+    // This split's share: unnormalised O and (m, l); a non-finite score marks m NaN.
+    const int64_t base = (split * p.s_q + t) * p.h_q + h0;
+    if (threadIdx.x < nh) {
+      sp.ml[2 * (base + threadIdx.x)] = sm.bad[threadIdx.x] ? quiet_nan() : sm.m[threadIdx.x];
+      sp.ml[2 * (base + threadIdx.x) + 1] = sm.l[threadIdx.x];
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int hh = hg + g + 8 * half;
+      if (hh >= nh) continue;
+      float* orow = sp.o_part + (base + hh) * p.d_v;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        if (nt < nts) {
+          const int col = wq * cw + nt * 8 + 2 * tq;
+          orow[col] = o[nt][2 * half];
+          orow[col + 1] = o[nt][2 * half + 1];
+        }
+      }
+    }
+  }
+}
+
+// One CTA per (query row, head): combines the splits' partials in split order (deterministic).
+// Any split with a non-finite score: out and lse NaN; no valid slot in any split: 0 and -inf.
+__global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(SparseMlaParams p, MlaSplit sp) {
+  __shared__ float w[kMaxSplits];
+  __shared__ float inv_s;
+  const int64_t row = blockIdx.x;  // t * h_q + h
+  const int64_t rows = p.s_q * p.h_q;
+  if (threadIdx.x == 0) {
+    const float ninf = -__int_as_float(0x7f800000);
+    float mx = ninf;
+    bool bad = false;
+    for (int s = 0; s < sp.splits; ++s) {
+      const float m = sp.ml[2 * (s * rows + row)], l = sp.ml[2 * (s * rows + row) + 1];
+      if (m != m) bad = true;
+      else if (l > 0.f) mx = fmaxf(mx, m);
+    }
+    float sum = 0.f;
+    for (int s = 0; s < sp.splits; ++s) {
+      const float m = sp.ml[2 * (s * rows + row)], l = sp.ml[2 * (s * rows + row) + 1];
+      const float ws = (!bad && l > 0.f) ? expf(m - mx) : 0.f;
+      w[s] = ws;
+      sum += l * ws;
+    }
+    p.lse[row] = bad ? quiet_nan() : (sum > 0.f ? mx + logf(sum) : ninf);
+    inv_s = bad ? quiet_nan() : (sum > 0.f ? 1.0f / sum : 0.f);
+  }
+  __syncthreads();
+  const float inv = inv_s;
+  uint16_t* orow = static_cast<uint16_t*>(p.out) + row * p.d_v;
+  for (int c = threadIdx.x; c < p.d_v; c += kMergeThreads) {
+    float acc = 0.f;
+    for (int s = 0; s < sp.splits; ++s) {
+      const float ws = w[s];
+      if (ws != 0.f) acc = fmaf(sp.o_part[(s * rows + row) * p.d_v + c], ws, acc);
+    }
+    orow[c] = float_to_bf16(acc * inv);
   }
 }
 
@@ -325,7 +495,7 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
 #pragma unroll
   for (int h = 0; h < kMlaHeads; ++h) acc[h][0] = acc[h][1] = 0.f;
   for (int64_t c0 = 0; c0 < p.topk; c0 += kFmaThreads) {
-    const int nv = compact_indices<kFmaThreads>(p, t, c0, sm.list, sm.scan, row_err);  // barrier inside
+    const int nv = compact_indices<kFmaThreads>(p, t, c0, p.topk, sm.list, sm.scan, row_err);  // barrier inside
     for (int k0 = 0; k0 < nv; k0 += kFmaKeys) {
       const int nk = nv - k0 < kFmaKeys ? nv - k0 : kFmaKeys;
       for (int idx = threadIdx.x; idx < kFmaKeys * kMlaDim; idx += kFmaThreads) {
@@ -414,31 +584,80 @@ int mla_smem(Kernel kernel, int bytes, const DeviceEnv& env) {
   return bytes;
 }
 
+
+// Splits of each row's index list: only when the (query row, head CTA) pairs leave at least
+// half the SMs idle, at most one wave of CTAs, at least kMinSplitEntries entries per split,
+// at most kMaxSplits. A function of the shape and the SM count only (deterministic results).
+inline int mla_num_splits(int64_t base_ctas, int64_t topk, int sms) {
+  if (base_ctas <= 0 || base_ctas * 2 > sms) return 1;
+  const int64_t s = std::min<int64_t>({sms / base_ctas, topk / kMinSplitEntries, kMaxSplits});
+  return static_cast<int>(std::max<int64_t>(s, 1));
+}
+
+template <int NG, bool Vec>
+void launch_mma(const SparseMlaParams& p, const MlaSplit& sp, int64_t ctas, const DeviceEnv& env) {
+  const int smem = mla_smem(sparse_mla_mma_kernel<NG, Vec>, static_cast<int>(sizeof(MlaMmaSmem<NG>)), env);
+  IC_LAUNCH((sparse_mla_mma_kernel<NG, Vec>), dim3(static_cast<unsigned>(ctas)), NG * kGroupThreads, smem,
+            env.stream, p, sp, env.err);
+}
+
+template <bool Vec>
+void launch_mma_heads(int ng, const SparseMlaParams& p, const MlaSplit& sp, int64_t ctas, const DeviceEnv& env) {
+  if (ng == 4) {
+    launch_mma<4, Vec>(p, sp, ctas, env);
+  } else if (ng == 2) {
+    launch_mma<2, Vec>(p, sp, ctas, env);
+  } else {
+    launch_mma<1, Vec>(p, sp, ctas, env);
+  }
+}
+
 }  // namespace mla_detail
 
 void sparse_mla_cuda(const SparseMlaParams& p, const DeviceEnv& env) {
   using namespace mla_detail;
-  const int64_t groups = (p.h_q + kMlaHeads - 1) / kMlaHeads;
-  const int64_t ctas = p.s_q * groups;
-  if (ctas == 0) return;
-  TORCH_CHECK(ctas <= INT_MAX, "too many (query, head group) pairs for the CUDA sparse MLA: ", ctas);
+  if (p.s_q == 0 || p.h_q == 0) return;
   if (p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32) {
+    // Heads per CTA: 64, or h_q rounded up to 16 when smaller (16 or 32).
+    const int ng = p.h_q > 2 * kMlaHeads ? 4 : (p.h_q > kMlaHeads ? 2 : 1);
+    const int64_t heads = kMlaHeads * ng;
+    const int64_t base = p.s_q * ((p.h_q + heads - 1) / heads);
+    MlaSplit sp;
+    sp.chunk = p.topk;
+    const int want = mla_num_splits(base, p.topk, env.sms);
+    if (want > 1) {
+      // Whole tiles per split where possible; the last split may be shorter.
+      sp.chunk = ((p.topk + want - 1) / want + kMmaKeys - 1) / kMmaKeys * kMmaKeys;
+      sp.splits = static_cast<int>((p.topk + sp.chunk - 1) / sp.chunk);
+    }
+    const int64_t ctas = base * sp.splits;
+    TORCH_CHECK(ctas <= INT_MAX && p.s_q * p.h_q <= INT_MAX,
+                "too many (query, head group) pairs for the CUDA sparse MLA: ", ctas);
+    if (sp.splits > 1) {
+      const int64_t rows = sp.splits * p.s_q * p.h_q;
+      sp.o_part = static_cast<float*>(env.alloc(rows * p.d_v * 4));
+      sp.ml = static_cast<float*>(env.alloc(rows * 2 * 4));
+    }
     const uintptr_t qa = reinterpret_cast<uintptr_t>(p.q), ka = reinterpret_cast<uintptr_t>(p.kv);
     // bf16 rows are 1152 B, fp8 rows 656 B: both keep 16-byte alignment from the base.
     const bool vec = (qa % 16 == 0) && (ka % 16 == 0);
     if (vec) {
-      const int smem = mla_smem(sparse_mla_mma_kernel<true>, static_cast<int>(sizeof(MlaMmaSmem)), env);
-      IC_LAUNCH(sparse_mla_mma_kernel<true>, dim3(static_cast<unsigned>(ctas)), kMmaThreads, smem, env.stream, p,
-                env.err);
+      launch_mma_heads<true>(ng, p, sp, ctas, env);
     } else {
-      const int smem = mla_smem(sparse_mla_mma_kernel<false>, static_cast<int>(sizeof(MlaMmaSmem)), env);
-      IC_LAUNCH(sparse_mla_mma_kernel<false>, dim3(static_cast<unsigned>(ctas)), kMmaThreads, smem, env.stream, p,
-                env.err);
+      launch_mma_heads<false>(ng, p, sp, ctas, env);
     }
-  } else {
-    const int smem = mla_smem(sparse_mla_fma_kernel, static_cast<int>(sizeof(MlaFmaSmem)), env);
-    IC_LAUNCH(sparse_mla_fma_kernel, dim3(static_cast<unsigned>(ctas)), kFmaThreads, smem, env.stream, p, env.err);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (sp.splits > 1) {
+      IC_LAUNCH(sparse_mla_merge_kernel, dim3(static_cast<unsigned>(p.s_q * p.h_q)), kMergeThreads, 0, env.stream,
+                p, sp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return;
   }
+  const int64_t ctas = p.s_q * ((p.h_q + kMlaHeads - 1) / kMlaHeads);
+  TORCH_CHECK(ctas <= INT_MAX, "too many (query, head group) pairs for the CUDA sparse MLA: ", ctas);
+  const int smem = mla_smem(sparse_mla_fma_kernel, static_cast<int>(sizeof(MlaFmaSmem)), env);
+  IC_LAUNCH(sparse_mla_fma_kernel, dim3(static_cast<unsigned>(ctas)), kFmaThreads, smem, env.stream, p, env.err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

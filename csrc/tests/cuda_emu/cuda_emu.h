@@ -18,6 +18,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -239,6 +241,49 @@ inline void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, ui
 // e4m3x2 -> f16x2 and the f16 mma), false the software e4m3 -> bf16 path of older archs.
 inline bool g_fp8_f16 = true;
 
+// cp.async.cg.shared.global 16 / commit_group / wait_group N (sm_80+), deferred: a copy is
+// only queued (in the issuing thread's open group) and performed when that thread's
+// cp.async.wait_group covers its group, so reading the destination earlier, or from another
+// thread without a barrier after the wait, sees stale shared memory. Both addresses must be
+// 16-byte aligned and the destination must lie in the block's dynamic shared memory; a thread
+// that exits with copies it never waited for is an error.
+struct CpAsync {
+  unsigned char* dst;
+  const unsigned char* src;
+};
+inline thread_local std::vector<CpAsync> t_cp_open;
+inline thread_local std::vector<std::vector<CpAsync>> t_cp_groups;  // committed, oldest first
+[[noreturn]] inline void cp_async_fail(const char* what) {
+  std::fprintf(stderr, "emu: cp.async misuse: %s\n", what);
+  std::abort();
+}
+inline void cp_async_16(void* dst, const void* src) {
+  const auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  if ((d & 15u) != 0 || (s & 15u) != 0) cp_async_fail("address not 16-byte aligned");
+  const auto lo = reinterpret_cast<uintptr_t>(t_blk->smem.data());
+  if (d < lo || d + 16 > lo + t_blk->smem.size()) cp_async_fail("destination outside dynamic shared memory");
+  t_cp_open.push_back(CpAsync{static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src)});
+}
+inline void cp_async_commit() {
+  t_cp_groups.push_back(std::move(t_cp_open));
+  t_cp_open.clear();
+}
+inline void cp_async_wait(int n) {
+  // Only committed groups count; the open group stays in flight.
+  const size_t keep = static_cast<size_t>(n);
+  if (t_cp_groups.size() <= keep) return;
+  const size_t done = t_cp_groups.size() - keep;
+  for (size_t g = 0; g < done; ++g)
+    for (const CpAsync& c : t_cp_groups[g]) std::memcpy(c.dst, c.src, 16);
+  t_cp_groups.erase(t_cp_groups.begin(), t_cp_groups.begin() + static_cast<std::ptrdiff_t>(done));
+}
+inline void cp_async_check_exit() {
+  bool pending = !t_cp_open.empty();
+  for (const auto& g : t_cp_groups) pending = pending || !g.empty();
+  if (pending) cp_async_fail("thread exited with copies it never waited for");
+  t_cp_groups.clear();
+}
+
 template <class K, class... Args>
 void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
   const int nt = static_cast<int>(block.x * block.y * block.z);
@@ -260,6 +305,7 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
             t_block = Idx{bx, by, bz};
             t_blk = &B;
             kernel(args...);
+            cp_async_check_exit();
             // An exited thread no longer takes part in barriers.
             warp().bar.arrive_and_drop();
             B.bar->arrive_and_drop();

@@ -518,3 +518,137 @@ def test_sparse_mla_misaligned(cache_kind):
              I(512), ctypes.c_float(scale), ctypes.c_int(BF16), ctypes.c_int(dt_code(cache)))
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+# ------------------------------------------------------------------ sparse MLA: 64-head CTAs, splits, cp.async
+
+def run_mla(q, cache, idx, d_v, sms=132, scale=None):
+    s_q, h = q.shape[:2]
+    scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0) if scale is None else scale
+    out = torch.full((s_q, h, d_v), 0x7F81, dtype=torch.int16).view(torch.bfloat16)  # a NaN no kernel makes
+    lse = torch.full((s_q, h), 0x7F8DEAD1, dtype=torch.int32).view(torch.float32)
+    call("emu_sparse_mla", P(q), P(cache), P(idx), P(out), P(lse), I(s_q), I(h), I(idx.shape[1]),
+         I(cache.shape[0] * cache.shape[1]), I(d_v), ctypes.c_float(scale), ctypes.c_int(BF16),
+         ctypes.c_int(dt_code(cache)), sms=sms)
+    assert not (out.view(torch.int16) == 0x7F81).any() and not (lse.view(torch.int32) == 0x7F8DEAD1).any()
+    return out, lse
+
+
+def mla_splits(s_q, h, topk, sms):
+    """The launcher's split count (sparse_mla_impl.cuh mla_num_splits), for the tests' own checks."""
+    heads = 64 if h > 32 else (32 if h > 16 else 16)
+    base = s_q * -(-h // heads)
+    if base * 2 > sms:
+        return 1
+    want = max(1, min(sms // base, topk // 256, 32))
+    if want == 1:
+        return 1
+    chunk = -(-(-(-topk // want)) // 32) * 32
+    return -(-topk // chunk)
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("s_q,h,topk,d_v,sms", [
+    (1, 128, 600, 512, 132),   # 64-head CTAs, 2 splits + merge
+    (2, 20, 700, 512, 132),    # 32-head CTAs (4 real heads in the second group), 2 splits
+    (2, 72, 300, 128, 132),    # a 64-head CTA with 8 real heads (3 idle groups), no split (topk < 512)
+    (1, 16, 1100, 64, 132),    # 16-head CTAs, 4 splits, short d_v
+])
+def test_sparse_mla_wide_and_split(cache_kind, s_q, h, topk, d_v, sms):
+    cache, idx = make_mla(cache_kind, s_q, topk, blocks=20, bs=64, seed=h + topk)
+    splits = mla_splits(s_q, h, topk, sms)
+    if s_q > 1:
+        idx[1] = -1  # a row with no valid slot: 0 and -inf
+    # Row 0's first half has no valid slot, so with splits the first split sees nothing (l = 0).
+    idx[0, : topk // 2] = -1
+    q = torch.randn(s_q, h, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out, lse = run_mla(q, cache, idx, d_v, sms=sms)
+    ro, rl = ref.sparse_mla(q, cache, idx, ref.mla_softmax_scale(128, 64, 1.0, 40.0), d_v)
+    got = out.float()
+    assert torch.isfinite(got).all()
+    if s_q > 1:
+        assert (got[1] == 0).all() and torch.isneginf(lse[1]).all()
+    assert rel_err(got, ro.float()) < 1e-2
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - rl[fin]).abs().max() < 2e-2
+    if (s_q, h, topk) == (1, 128, 600):
+        assert splits == 2
+        # Deterministic: a second call gives the same bits.
+        out2, lse2 = run_mla(q, cache, idx, d_v, sms=sms)
+        assert torch.equal(out2.view(torch.int16), out.view(torch.int16)) and torch.equal(lse2, lse)
+    if splits > 1:
+        # The unsplit result (the SMs busy: 1 here) agrees within the bar.
+        o1, l1 = run_mla(q, cache, idx, d_v, sms=1)
+        assert rel_err(out.float(), o1.float()) < 1e-2
+        assert torch.equal(torch.isfinite(l1), fin) and (l1[fin] - lse[fin]).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
+def test_sparse_mla_split_nonfinite(cache_kind):
+    """A NaN in one q head, and an inf cache row that only the second split selects: those heads
+    / that row come out NaN (out and lse), the rest stays finite and matches the reference."""
+    s_q, h, topk = 2, 128, 600
+    assert mla_splits(s_q, h, topk, 132) == 2
+    cache, idx = make_mla(cache_kind, s_q, topk, blocks=20, bs=64, seed=3)
+    n = cache.shape[0] * cache.shape[1]
+    bad_slot = n - 1
+    idx[idx == bad_slot] = 0
+    idx[1, topk - 5] = bad_slot  # in the second split's part of row 1
+    flat = cache.view(n, -1)
+    if cache_kind == "fp8":
+        flat[bad_slot, 600] = 0x80  # a RoPE bf16 = 0x7F80: +inf
+        flat[bad_slot, 601] = 0x7F
+    else:
+        flat[bad_slot, 3] = math.inf
+    q = torch.randn(s_q, h, 576, generator=torch.Generator().manual_seed(6)).bfloat16()
+    q[0, 77, 100] = math.nan
+    out, lse = run_mla(q, cache, idx, 512)
+    ro, rl = ref.sparse_mla(q, cache, idx, ref.mla_softmax_scale(128, 64, 1.0, 40.0), 512)
+    assert torch.equal(torch.isnan(out.float()), torch.isnan(ro.float()))
+    assert torch.equal(torch.isnan(lse), torch.isnan(rl))
+    assert torch.isnan(lse[1]).all() and torch.isnan(lse[0, 77]) and torch.isfinite(lse[0, :77]).all()
+    ok = ~torch.isnan(rl)
+    assert rel_err(out.float()[ok], ro.float()[ok]) < 1e-2
+
+
+def test_sparse_mla_fp8_paths_identical():
+    """The sm_89+ dequantization (cvt.rn.f16x2.e4m3x2, then fp32) and the software e4m3 decode give
+    the same bits; every finite e4m3 code appears in the selected rows."""
+    g = torch.Generator().manual_seed(8)
+    n, s_q, h, topk = 128, 2, 40, 96
+    cache = torch.randint(0, 256, (n, 656), dtype=torch.uint8, generator=g)
+    lat = cache[:, :512]
+    lat[(lat & 0x7F) == 0x7F] = 0x3C
+    lat[:126, 0] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)[:126]
+    lat[:124, 1] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)[126:250]
+    scales = torch.rand(n, 4, generator=g) * 0.02 + 1e-3
+    cache[:, 512:528] = scales.view(torch.uint8).view(n, 16)
+    cache[:, 528:] = (torch.randn(n, 64, generator=g) * 0.1).bfloat16().view(torch.uint8).view(n, 128)
+    cache = cache.view(2, 64, 656).contiguous()
+    idx = torch.stack([torch.randperm(n, generator=g)[:topk] for _ in range(s_q)]).int()
+    q = torch.randn(s_q, h, 576, generator=g).bfloat16()
+    outs = []
+    was = fp8_path(True)
+    try:
+        for on in (True, False):
+            fp8_path(on)
+            outs.append(run_mla(q, cache, idx, 512))
+    finally:
+        fp8_path(was)
+    assert torch.equal(outs[0][0].view(torch.int16), outs[1][0].view(torch.int16))
+    assert torch.equal(outs[0][1], outs[1][1])
+    ro, _ = ref.sparse_mla(q, cache, idx, ref.mla_softmax_scale(128, 64, 1.0, 40.0), 512)
+    assert rel_err(outs[0][0].float(), ro.float()) < 1e-2
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
+def test_sparse_mla_misaligned_wide_split(cache_kind):
+    """cp.async staging (aligned) and the byte-load path (misaligned) of the 64-head kernel with a
+    split give the same bits."""
+    cache, idx = make_mla(cache_kind, 1, 600, blocks=20, bs=64, seed=12)
+    q = torch.randn(1, 70, 576, generator=torch.Generator().manual_seed(13)).bfloat16()
+    assert mla_splits(1, 70, 600, 132) == 2
+    a = run_mla(q, cache, idx, 512)
+    b = run_mla(misaligned(q), misaligned(cache), idx, 512)
+    assert torch.equal(a[0].view(torch.int16), b[0].view(torch.int16)) and torch.equal(a[1], b[1])
