@@ -104,9 +104,8 @@ MMA_KERNELS = [
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + BF16_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
 ] + SPARSE_MLA_MMA + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED]
-# Kernels with no local memory at all (no spills, no stack arrays). Not listed, because
-# they do use some today: indexer_logits_kernel<bf16> (1 spill pair), the fp32 fused
-# indexer kernel (a few).
+# Kernels with no local memory at all (no spills, no stack arrays). The remaining indexer
+# kernels (bf16 logits, fp32, padded heads) are asserted below with the issue 12 checks.
 NO_LOCAL = [
     "quantize_kernel", "index_k_insert_kernel", "mla_insert_kernel", "positions_to_slots_kernel",
     "sanitize_windows_kernel", "sanitize_seq_lens_kernel", "paged_windows_kernel",
@@ -159,3 +158,41 @@ def test_sparse_mla_byte_fallback_is_separate(name):
     # vacuous if both instantiations had folded into one without them.
     ops = kernel(name)
     assert any(op.startswith("LDG") and ".U8" in op for op in ops)
+
+
+# ------------------------------------------------------------------ issue 12: indexer and top-k
+
+INDEXER_MMA = [n for n in MMA_KERNELS if n.startswith("indexer_")]
+FP8_INDEXER = [n for n in INDEXER_MMA if "|Ih" in n]
+BF16_INDEXER = [n for n in INDEXER_MMA if "|It" in n]
+INDEXER_FP32 = ["indexer_logits_kernel|IfLb0ELb0E", "indexer_fused_kernel|IfLb0ELb0E"]
+
+
+@pytest.mark.parametrize("name", INDEXER_MMA)
+def test_indexer_fragments_by_ldmatrix(name):
+    # Per head tile: 8 ldmatrix.x4 for q (A); per key tile: 16 for the warp's 32 keys (B).
+    ops = kernel(name)
+    assert count(ops, "LDSM") >= 24, [op for op in ops if op.startswith("LDSM")]
+
+
+@pytest.mark.parametrize("name", FP8_INDEXER)
+def test_fp8_indexer_converts_in_hardware_and_runs_f16_mma(name):
+    # sm_90a: e4m3 pairs -> f16 pairs (cvt.rn.f16x2.e4m3x2 is F2FP.F16.E4M3.UNPACK_B) and the
+    # f16 mma (HMMA.16816.F32, no .BF16); four mma per q fragment, 8 k-steps: 32 in the loop.
+    ops = kernel(name)
+    assert count(ops, "F2FP.F16.E4M3.UNPACK_B") > 0
+    assert ops.count("HMMA.16816.F32") >= 32
+    assert count(ops, "HMMA.16816.F32.BF16") == 0
+
+
+@pytest.mark.parametrize("name", BF16_INDEXER)
+def test_bf16_indexer_runs_bf16_mma(name):
+    ops = kernel(name)
+    assert ops.count("HMMA.16816.F32.BF16") >= 32
+    assert count(ops, "F2FP.F16.E4M3.UNPACK_B") == 0
+
+
+@pytest.mark.parametrize("name", INDEXER_MMA + INDEXER_FP32 + ["topk_persistent_kernel", "topk_zero_kernel"])
+def test_no_local_memory_indexer_and_persistent_topk(name):
+    ops = kernel(name)
+    assert count(ops, "LDL", "STL") == 0, [op for op in ops if op.startswith(("LDL", "STL"))]

@@ -3,10 +3,12 @@
 //
 // Both kernels share one tile routine. A CTA (4 warps) owns a block of up to 8 query rows
 // whose q (all heads) and weights stay in shared memory, and walks tiles of 64 keys:
-//   - fp8 / bf16 inputs: the tile is converted to bf16 (exact for e4m3) in shared memory,
-//     each warp keeps the B fragments of its 16 keys in registers, and mma.sync m16n8k16
-//     (bf16 in, fp32 accumulate) produces 16 heads x 8 keys per instruction; the
-//     ReLU-weighted head sum is folded in registers, then across the 8 lane groups.
+//   - fp8 / bf16 inputs: the tile is staged as 16-bit values in shared memory (bf16; fp8 as
+//     f16 through the hardware e4m3x2 conversion on sm_89+, as bf16 in software before:
+//     exact either way), each warp keeps the B fragments of 32 keys in registers (ldmatrix)
+//     and runs every other 16-head tile with mma.sync m16n8k16 (fp32 accumulate); the
+//     ReLU-weighted head sum is folded in registers, across the 8 lane groups, then the two
+//     head-tile parities are added in shared memory.
 //   - fp32 inputs: a plain fp32 FMA loop (exact-enough for the 1e-5 bar; bf16 would not be).
 // The plain op writes a row's scores (-inf outside its window). The fused op never writes
 // scores: each row keeps a bounded candidate list in global scratch (2k + 64 entries),

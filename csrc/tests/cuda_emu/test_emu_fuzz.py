@@ -141,6 +141,35 @@ def test_emu_fuzz_topk(data, seed):
     assert torch.equal(got[:rows], ref.topk_indices(logits, ks, ke, topk, topk + 2))
 
 
+@settings(max_examples=5, deadline=None)
+@given(data=st.data(), seed=seeds)
+def test_emu_fuzz_topk_persistent(data, seed):
+    """Few long rows: the persistent cooperative kernel (G = 2..4 CTAs per row) against the
+    reference, ties, signed zeros and non-finite values included; short rows mixed in."""
+    draw = data.draw
+    rows = draw(st.integers(1, 2))
+    n = draw(st.integers(32768, 36000))
+    topk = draw(st.integers(1, n // 8))
+    g = torch.Generator().manual_seed(seed)
+    kind = draw(st.sampled_from(["randn", "ties", "signed_zero", "nonfinite"]))
+    if kind == "randn":
+        logits = torch.randn(rows, n, generator=g)
+    elif kind == "ties":
+        logits = torch.randint(-2, 3, (rows, n), generator=g).float()
+    elif kind == "signed_zero":
+        logits = torch.randint(-1, 2, (rows, n), generator=g).float() * 0.0
+    else:
+        logits = torch.randn(rows, n, generator=g)
+        c = torch.randint(0, 6, (rows, n), generator=g)
+        logits[c == 0], logits[c == 1], logits[c == 2], logits[c == 3] = math.nan, -math.nan, math.inf, -math.inf
+    ks = torch.tensor([draw(st.integers(0, n // 4)) for _ in range(rows)], dtype=torch.int32)
+    ke = torch.tensor([draw(st.integers(int(a), n)) for a in ks], dtype=torch.int32)
+    sms = rows * draw(st.integers(2, 4)) + draw(st.integers(0, 1))
+    got = run_topk(logits, ks, ke, topk, topk + 2, rows + 1, sms=sms)
+    assert (got[rows:] == -7777).all()
+    assert torch.equal(got[:rows], ref.topk_indices(logits, ks, ke, topk, topk + 2))
+
+
 @few()
 @given(data=st.data(), seed=seeds)
 def test_emu_fuzz_indexer(data, seed):
