@@ -108,7 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "prompt_tokens": res.prompt_tokens, "prefill_seconds": res.prefill_seconds,
             "prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens": res.decode_tokens,
             "decode_seconds": res.decode_seconds, "decode_tokens_per_s": res.decode_tokens_per_s,
-            "acceptance_rate": res.acceptance_rate, "warnings": notes,
+            "acceptance_rate": res.acceptance_rate, "decode_step": res.decode_step, "warnings": notes,
         } for ov, m, res, text, notes in runs]
         print(json.dumps(out[0] if len(out) == 1 else out))
         return 0
@@ -127,7 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print((f"[... {len(prompt) - 120} chars] " + prompt[-120:] if len(prompt) > 200 else prompt) + text)
         print("------------")
         line = (f"prefill: {res.prompt_tokens} tokens in {res.prefill_seconds:.3f} s ({res.prefill_tokens_per_s:.1f} tok/s); "
-                f"decode: {res.decode_tokens} tokens in {res.decode_seconds:.3f} s ({res.decode_tokens_per_s:.1f} tok/s)")
+                f"decode: {res.decode_tokens} tokens in {res.decode_seconds:.3f} s ({res.decode_tokens_per_s:.1f} tok/s, "
+                f"{res.decode_step} steps)")
         if res.acceptance_rate is not None:
             line += f"; MTP acceptance {res.acceptance_rate:.2f} ({res.accepted_tokens}/{res.draft_tokens})"
         print(line)
