@@ -16,6 +16,32 @@ using namespace indexcache::cuda;
 
 namespace {
 
+// One warp: four 8x8 16-bit matrices (src, row-major) staged in shared memory with a row stride
+// of 24 elements, read back by ldmatrix (variant 1, 2, 4: .x1/.x2/.x4; 5: .x4.trans) with lane i
+// passing the row i % 8 of matrix i / 8; out[lane][j] = register j.
+__global__ void ldmatrix_probe_kernel(int variant, const uint16_t* src, uint32_t* out) {
+  IC_DYNAMIC_SMEM(smem);
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem);
+  const int lane = static_cast<int>(threadIdx.x);
+  for (int i = lane; i < 4 * 64; i += 32) sm[(i / 8) * 24 + i % 8] = src[i];
+  __syncthreads();
+  const uint16_t* row = sm + lane * 24;  // matrix lane / 8, row lane % 8
+  uint32_t r[4] = {0, 0, 0, 0};
+  if (variant == 1) {
+    ::emu::ldmatrix<1>(r, row, false);
+  } else if (variant == 2) {
+    uint32_t q[2];
+    ldmatrix_x2(q, row);
+    r[0] = q[0];
+    r[1] = q[1];
+  } else if (variant == 4) {
+    ldmatrix_x4(r, row);
+  } else {
+    ldmatrix_x4_trans(r, row);
+  }
+  for (int j = 0; j < 4; ++j) out[lane * 4 + j] = r[j];
+}
+
 int g_sms = 132;
 int g_smem_optin = 227 * 1024;
 std::string g_error;
@@ -73,6 +99,11 @@ int emu_set_fp8_f16(int on) {
 }
 // The emulator's cvt.rn.f16x2.e4m3x2 (checked against torch's e4m3 -> f16 conversion).
 uint32_t emu_cvt_f16x2_e4m3x2(uint32_t v) { return ::emu::cvt_f16x2_e4m3x2(static_cast<uint16_t>(v)); }
+
+// The emulator's ldmatrix (ldmatrix_probe_kernel), checked against the PTX ISA layout.
+int emu_ldmatrix(int variant, const uint16_t* src, uint32_t* out) {
+  return guarded([&] { IC_LAUNCH(ldmatrix_probe_kernel, dim3(1), 32, 32 * 24 * 2, nullptr, variant, src, out); });
+}
 
 int emu_quantize(const void* x, int dtype, uint8_t* values, float* scales, int64_t rows, int64_t d, float eps,
                  int hadamard) {

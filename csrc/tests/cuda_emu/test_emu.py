@@ -346,6 +346,28 @@ def test_cvt_e4m3x2_to_f16x2():
                 assert half == int(expect[code]), (code, hex(half), hex(int(expect[code])))
 
 
+@pytest.mark.parametrize("variant", [1, 2, 4, 5])  # .x1, .x2, .x4, .x4.trans
+def test_ldmatrix_layout(variant):
+    """ldmatrix per the PTX ISA: lane t receives elements (t / 4, 2 (t % 4) .. +1) of matrix j in
+    register j (.trans: (2 (t % 4), t / 4) and (2 (t % 4) + 1, t / 4)), the lower one in the low half."""
+    src = torch.randint(0, 1 << 16, (4, 8, 8), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    src16 = src.to(torch.int16).contiguous()
+    out32 = torch.zeros(32, 4, dtype=torch.int32)
+    rc = lib().emu_ldmatrix(ctypes.c_int(variant), P(src16), P(out32))
+    assert rc == 0, lib().emu_last_error()
+    out = out32.long() & 0xFFFFFFFF
+    n = 4 if variant == 5 else variant
+    for t in range(32):
+        for j in range(4):
+            if j >= n:
+                assert out[t, j] == 0
+                continue
+            m = src[j] & 0xFFFF
+            lo, hi = (m[2 * (t % 4), t // 4], m[2 * (t % 4) + 1, t // 4]) if variant == 5 else \
+                     (m[t // 4, 2 * (t % 4)], m[t // 4, 2 * (t % 4) + 1])
+            assert int(out[t, j]) == int(lo) | (int(hi) << 16), (variant, t, j)
+
+
 def fp8_path(on):
     return lib().emu_set_fp8_f16(ctypes.c_int(1 if on else 0))
 
