@@ -29,7 +29,6 @@ namespace mla_detail {
 constexpr int kMlaHeads = 16;   // heads per mma row tile (one head group; the FMA kernel's CTA)
 constexpr int kGroupThreads = 128;  // 4 warps per head group
 constexpr int kMmaKeys = 32;    // keys per tile
-constexpr int kIdxChunk = 2048;  // index entries compacted per pass of the mma kernel
 constexpr int kMinSplitEntries = 256;  // index entries per split at least
 constexpr int kMaxSplits = 32;
 constexpr int kMergeThreads = 128;
@@ -81,7 +80,7 @@ __device__ __forceinline__ int compact_indices(const SparseMlaParams& p, int64_t
   return static_cast<int>(total);
 }
 
-// Indices [c0, c1) of row t (c1 - c0 <= kIdxChunk) compacted into list, NT at a time.
+// Indices [c0, c1) of row t (c1 - c0 <= the list's size) compacted into list, NT at a time.
 template <int NT>
 __device__ __forceinline__ int compact_chunk(const SparseMlaParams& p, int64_t t, int64_t c0, int64_t c1, int32_t* list,
                                              uint32_t* scan, int32_t* err) {
@@ -202,6 +201,9 @@ __device__ __forceinline__ void dequant_raw_tile(const unsigned char* rb, int nk
 template <int NG>
 struct MlaMmaSmem {
   static constexpr int kHeads = kMlaHeads * NG;
+  // Index entries compacted per pass (the pipeline drains at each pass's end). NG = 1 keeps
+  // it at 1024 so that two CTAs fit an SM (112,000 B each).
+  static constexpr int kIdxChunk = NG == 1 ? 1024 : 2048;
   // KV tiles: bf16 tiles 0 and 1, or (aligned fp8) bf16 tile 0 + raw buffers 0 and 1.
   alignas(16) unsigned char region[kKvRegion];
   alignas(16) uint16_t q[kHeads * kLdKv];  // A fragments are read from here (registers are full)
@@ -279,6 +281,7 @@ __global__ void __launch_bounds__(NG * kGroupThreads, 1)
 
   const int64_t e0 = split * sp.chunk;
   const int64_t e1 = std::min<int64_t>(p.topk, e0 + sp.chunk);
+  constexpr int kIdxChunk = MlaMmaSmem<NG>::kIdxChunk;
   for (int64_t c0 = e0; c0 < e1; c0 += kIdxChunk) {
     const int nv = compact_chunk<NT>(p, t, c0, std::min<int64_t>(e1, c0 + kIdxChunk), sm.list, sm.scan, row_err);
     const int ntiles = (nv + kMmaKeys - 1) / kMmaKeys;

@@ -575,6 +575,7 @@ def mla_splits(s_q, h, topk, sms):
     (2, 20, 700, 512, 132),    # 32-head CTAs (4 real heads in the second group), 2 splits
     (2, 72, 300, 128, 132),    # a 64-head CTA with 8 real heads (3 idle groups), no split (topk < 512)
     (1, 16, 1100, 64, 132),    # 16-head CTAs, 4 splits, short d_v
+    (1, 40, 2100, 64, 1),      # one SM: no split; two compaction passes (2048 + 52 entries)
 ])
 def test_sparse_mla_wide_and_split(cache_kind, s_q, h, topk, d_v, sms):
     cache, idx = make_mla(cache_kind, s_q, topk, blocks=20, bs=64, seed=h + topk)
