@@ -260,12 +260,8 @@ def test_sparse_mla_fp8_rope_staging_vector_and_scalar():
     cache, idx = make_mla("fp8", 2, 96, seed=31)
     # Distinctive RoPE bits: every bf16 value differs, so a wrong byte order or offset shows.
     rope = cache[..., 528:].view(torch.bfloat16)
-    # Seeded: unseeded draws (whatever the tests before left in torch's RNG) failed the lse bar
-    # below about 1 time in 8 (the bf16 rounding of the dequantized keys against the fp32
-    # reference: errors 0.01-0.028 over seeds); this one has 0.0095.
-    g = torch.Generator().manual_seed(1)
-    rope.copy_(torch.randn(rope.shape, generator=g) * 3)
-    q = torch.randn(2, 16, 576, generator=g).bfloat16()
+    rope.copy_(torch.randn(rope.shape) * 3)
+    q = torch.randn(2, 16, 576).bfloat16()
     outs = []
     for cc in (cache, misaligned(cache)):
         out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
@@ -276,5 +272,15 @@ def test_sparse_mla_fp8_rope_staging_vector_and_scalar():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     ro, rl = ref.sparse_mla(q, cache, idx, 0.2, 512)
     fin = torch.isfinite(rl)
-    assert (outs[0][1][fin] - rl[fin]).abs().max() < 2e-2
+    # The kernel rounds each dequantized latent value to bf16 (relative error <= 2^-9); the
+    # reference keeps fp32. lse is a smooth max of the scores, so it moves by at most the largest
+    # score change: 0.2 * 2^-9 * sum_c |q_c| |k_c| over the latent dims of a selected key, plus
+    # fp32 summation of 576 terms (<= 2^-14 of sum_c |q_c| |k_c| over all dims) on both sides.
+    k = ref.mla_kv_cache_dequant(cache).reshape(-1, 576).abs()[idx.long().clamp(min=0)]
+    qa = q.float().abs()
+    latent = torch.einsum("thc,tjc->thj", qa[..., :512], k[..., :512])
+    full = torch.einsum("thc,tjc->thj", qa, k)
+    per_key = (2.0 ** -9 * latent + 2.0 ** -13 * full).masked_fill((idx < 0).unsqueeze(1), 0.0)
+    bound = 0.2 * per_key.amax(dim=-1)
+    assert ((outs[0][1] - rl).abs() <= bound)[fin].all()
     assert errors() == 0
