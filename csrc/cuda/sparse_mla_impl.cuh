@@ -1,16 +1,17 @@
 // CUDA sparse MLA, absorbed form (DESIGN.md §5). Torch-free kernels and launch code; the op
 // glue is in sparse_mla.cu.
 //
-// One CTA per (query row, group of 16 heads). The row's indices are compacted 128 at a time
-// (stable, -1 and out-of-range entries dropped), the valid slots are read in tiles, and an
-// online softmax in fp32 folds each tile in; a row with no valid slot writes 0 and lse -inf.
-//   - q bf16 with a bf16 or fp8_ds_mla cache (sparse_mla_mma_kernel, 4 warps, tiles of 32
-//     keys): the tile is dequantized to bf16 in shared memory (fp8 values times their fp32
-//     scale, rounded to bf16, as the CPU does); S = Q K^T with mma.sync m16n8k16, each warp
-//     owning a quarter of the 576 dims with its Q fragments in registers, the 4 partial S
-//     added in a fixed order; P (bf16) times V with each warp owning a quarter of d_v.
-//   - fp32 q or an fp32 cache (sparse_mla_fma_kernel, 256 threads, tiles of 16 keys): plain
-//     fp32 FMAs, for the 1e-5 bar.
+// The row's indices are compacted (stable, -1 and out-of-range entries dropped), the valid
+// slots are read in tiles, and an online softmax in fp32 folds each tile in; a row with no
+// valid slot writes 0 and lse -inf.
+//   - q bf16 with a bf16 or fp8_ds_mla cache (sparse_mla_mma_kernel<NG, Vec>): a CTA serves
+//     one query row and NG groups of 16 heads (up to 64) sharing one staged tile of 32 keys,
+//     dequantized to bf16 in shared memory (fp8 values times their fp32 scale, rounded to bf16,
+//     as the CPU does); S = Q K^T and P V with mma.sync m16n8k16 (see the section below). With
+//     few (row, head-group) CTAs a row's index list is split across CTAs and
+//     sparse_mla_merge_kernel combines their partial results by log-sum-exp.
+//   - fp32 q or an fp32 cache (sparse_mla_fma_kernel, 256 threads, 16 heads, tiles of 16
+//     keys): plain fp32 FMAs, for the 1e-5 bar.
 // Deterministic: fixed summation orders, no atomics.
 #pragma once
 
@@ -604,6 +605,10 @@ void launch_mma(const SparseMlaParams& p, const MlaSplit& sp, int64_t ctas, cons
             env.stream, p, sp, env.err);
 }
 
+inline int mma_smem_bytes(int ng) {
+  return static_cast<int>(ng == 4 ? sizeof(MlaMmaSmem<4>) : (ng == 2 ? sizeof(MlaMmaSmem<2>) : sizeof(MlaMmaSmem<1>)));
+}
+
 template <bool Vec>
 void launch_mma_heads(int ng, const SparseMlaParams& p, const MlaSplit& sp, int64_t ctas, const DeviceEnv& env) {
   if (ng == 4) {
@@ -621,8 +626,10 @@ void sparse_mla_cuda(const SparseMlaParams& p, const DeviceEnv& env) {
   using namespace mla_detail;
   if (p.s_q == 0 || p.h_q == 0) return;
   if (p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32) {
-    // Heads per CTA: 64, or h_q rounded up to 16 when smaller (16 or 32).
-    const int ng = p.h_q > 2 * kMlaHeads ? 4 : (p.h_q > kMlaHeads ? 2 : 1);
+    // Heads per CTA: 64, or h_q rounded up to 16 when smaller (16 or 32); fewer where the
+    // device's shared memory per block cannot hold that CTA (A100: 163 KB takes 32 heads).
+    int ng = p.h_q > 2 * kMlaHeads ? 4 : (p.h_q > kMlaHeads ? 2 : 1);
+    while (ng > 1 && mma_smem_bytes(ng) > env.smem_optin) ng /= 2;
     const int64_t heads = kMlaHeads * ng;
     const int64_t base = p.s_q * ((p.h_q + heads - 1) / heads);
     MlaSplit sp;

@@ -544,16 +544,30 @@ def test_sparse_mla_misaligned(cache_kind):
 
 # ------------------------------------------------------------------ sparse MLA: 64-head CTAs, splits, cp.async
 
-def run_mla(q, cache, idx, d_v, sms=132, scale=None):
+def run_mla(q, cache, idx, d_v, sms=132, scale=None, smem=227 * 1024):
     s_q, h = q.shape[:2]
     scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0) if scale is None else scale
     out = torch.full((s_q, h, d_v), 0x7F81, dtype=torch.int16).view(torch.bfloat16)  # a NaN no kernel makes
     lse = torch.full((s_q, h), 0x7F8DEAD1, dtype=torch.int32).view(torch.float32)
     call("emu_sparse_mla", P(q), P(cache), P(idx), P(out), P(lse), I(s_q), I(h), I(idx.shape[1]),
          I(cache.shape[0] * cache.shape[1]), I(d_v), ctypes.c_float(scale), ctypes.c_int(BF16),
-         ctypes.c_int(dt_code(cache)), sms=sms)
+         ctypes.c_int(dt_code(cache)), sms=sms, smem=smem)
     assert not (out.view(torch.int16) == 0x7F81).any() and not (lse.view(torch.int32) == 0x7F8DEAD1).any()
     return out, lse
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
+def test_sparse_mla_fewer_heads_per_cta_when_shared_memory_is_short(cache_kind):
+    """A100 allows 163 KB per block: 64-head CTAs (201 KB) do not fit, so the launcher takes
+    32-head CTAs (144 KB) and the same bits come out (one SM: no split either way). Below the
+    16-head CTA's 112,000 B it is an error that names the sizes."""
+    cache, idx = make_mla(cache_kind, 2, 200, blocks=4, bs=64, seed=7)
+    q = torch.randn(2, 40, 576, generator=torch.Generator().manual_seed(8)).bfloat16()
+    wide = run_mla(q, cache, idx, 512, sms=1)
+    a100 = run_mla(q, cache, idx, 512, sms=1, smem=166912)
+    assert torch.equal(wide[0], a100[0]) and torch.equal(wide[1], a100[1])
+    with pytest.raises(RuntimeError, match="sparse MLA needs 112000 bytes of shared memory; the device allows 101376"):
+        run_mla(q, cache, idx, 512, sms=1, smem=101376)
 
 
 def mla_splits(s_q, h, topk, sms):
