@@ -169,7 +169,10 @@ def generate(model, prompts, max_new_tokens: int = 32, *, temperature: float = 0
     blocks = sum(-(-(len(p) + max_new_tokens + k + 2) // bs) for p in prompts)
     cache = model.allocate_cache(blocks, kv_cache_dtype, bs)
     step_mode = _decode_mode(decode_step, model, cache, k, timer)
-    steps: dict = {}      # batch size -> DecodeStep (its graph captured on first use)
+    # batch size -> DecodeStep (its graph captured on first use). The graphs share one memory
+    # pool, which is safe because the batch only shrinks: a graph is never replayed after a
+    # later one was captured (that capture may reuse the earlier graph's freed temporaries).
+    steps: dict = {}
     step_rids: dict = {}  # batch size -> the requests its block table holds now
     max_blocks = max(-(-(len(p) + max_new_tokens + k + 2) // bs) for p in prompts)
     for r in reqs:
