@@ -119,6 +119,8 @@ if [ $BUILD_OK -eq 0 ]; then
   stage ceilings 40 bench.log "$PY" "$OUT/.ceilings.py" "$OUT/ceilings.json"
   # 5. The op benchmark: ours vs the reference path and torch.topk.
   stage bench 150 bench.log "$PY" bench/bench_ops.py --device cuda --json "$OUT/bench_cuda.json"
+  # The decode step: eager vs sync-free static vs the replayed CUDA graph (table in bench.log).
+  stage decode 60 bench.log "$PY" bench/bench_decode_step.py --device cuda --repeat 3
 fi
 rm -f "$OUT/.ceilings.py"
 

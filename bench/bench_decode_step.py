@@ -1,0 +1,71 @@
+"""Plain decode through generate(): the eager step vs the sync-free static step vs (on CUDA) the
+CUDA-graph step, interleaved and repeated, side by side in one run.
+
+    python bench/bench_decode_step.py [--device cpu|cuda] [--batch 4] [--new-tokens 24]
+                                      [--repeat 3] [--dtype bf16] [--json PATH]
+
+Runs the embedded default model (or --model DIR) on --batch prompts of different lengths and
+prints decode tokens per second per mode (median, min, max over --repeat rounds; the modes take
+turns within each round) and each mode's ratio to eager, plus whether every mode generated the
+same tokens as eager (greedy). With --json, one record per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import torch
+
+from indexcache.generation import ByteTokenizer, load_tokenizer
+from indexcache.models import from_pretrained
+from indexcache.models.tiny import embedded_model_path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    path = args.model or embedded_model_path()
+    model = from_pretrained(path, dtype=args.dtype, device=args.device)
+    tok = ByteTokenizer() if args.model is None else load_tokenizer(path)
+    text = tok.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    prompts = [text[: 120 + 90 * i] for i in range(args.batch)]
+    modes = ["eager", "static"] + (["graph"] if args.device == "cuda" else [])
+    model.generate([text[:8]], 2, decode_step=modes[-1])  # one-off set-up out of the timings
+    speed = {m: [] for m in modes}
+    tokens = {}
+    for _ in range(args.repeat):
+        for m in modes:
+            res = model.generate(prompts, args.new_tokens, stop_tokens=[], decode_step=m)
+            speed[m].append(res.decode_tokens_per_s)
+            tokens[m] = res.tokens
+    base = statistics.median(speed["eager"])
+    where = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    print(f"decode, {args.batch} requests x {args.new_tokens} tokens, {args.device} ({where}) {args.dtype}, "
+          f"{args.repeat} rounds")
+    print(f"{'mode':<8} {'tok/s median':>13} {'min':>8} {'max':>8} {'vs eager':>9} {'tokens as eager':>16}")
+    records = []
+    for m in modes:
+        med = statistics.median(speed[m])
+        same = tokens[m] == tokens["eager"]
+        print(f"{m:<8} {med:>13.1f} {min(speed[m]):>8.1f} {max(speed[m]):>8.1f} {med / base:>8.2f}x {str(same):>16}")
+        records.append({"mode": m, "tok_per_s": med, "tok_per_s_min": min(speed[m]), "tok_per_s_max": max(speed[m]),
+                        "vs_eager": med / base, "same_tokens_as_eager": same, "device": args.device, "where": where,
+                        "batch": args.batch, "new_tokens": args.new_tokens, "dtype": args.dtype})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
