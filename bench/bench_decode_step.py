@@ -7,7 +7,9 @@ CUDA-graph step, interleaved and repeated, side by side in one run.
 Runs the embedded default model (or --model DIR) on --batch prompts of different lengths and
 prints decode tokens per second per mode (median, min, max over --repeat rounds; the modes take
 turns within each round) and each mode's ratio to eager, plus whether every mode generated the
-same tokens as eager (greedy). With --json, one record per mode.
+same tokens as eager (greedy). With --json, one record per mode. generate() allocates a fresh
+cache per call, so the graph mode's time includes one capture (a warm-up forward and the
+capture) per batch size per call; raise --new-tokens to amortise it.
 """
 
 from __future__ import annotations
