@@ -115,6 +115,21 @@ def test_emu_fuzz_cache_inserts(data, seed):
     assert nan_equal(mcache, mexpect)
 
 
+def topk_logits(draw, rows, n, seed):
+    """Logits for the top-k fuzz: plain, heavy ties, signed zeros only, or a quarter non-finite."""
+    g = torch.Generator().manual_seed(seed)
+    kind = draw(st.sampled_from(["randn", "ties", "signed_zero", "nonfinite"]))
+    if kind == "ties":
+        return torch.randint(-2, 3, (rows, n), generator=g).float()
+    if kind == "signed_zero":
+        return torch.randint(-1, 2, (rows, n), generator=g).float() * 0.0
+    logits = torch.randn(rows, n, generator=g)
+    if kind == "nonfinite":
+        c = torch.randint(0, 6, (rows, n), generator=g)
+        logits[c == 0], logits[c == 1], logits[c == 2], logits[c == 3] = math.nan, -math.nan, math.inf, -math.inf
+    return logits
+
+
 @few()
 @given(data=st.data(), seed=seeds)
 def test_emu_fuzz_topk(data, seed):
@@ -122,18 +137,7 @@ def test_emu_fuzz_topk(data, seed):
     rows = draw(st.integers(1, 3))
     n = draw(st.integers(1, draw(st.sampled_from([50, 3000]))))
     topk = draw(st.integers(1, n + 2))
-    g = torch.Generator().manual_seed(seed)
-    kind = draw(st.sampled_from(["randn", "ties", "signed_zero", "nonfinite"]))
-    if kind == "randn":
-        logits = torch.randn(rows, n, generator=g)
-    elif kind == "ties":
-        logits = torch.randint(-2, 3, (rows, n), generator=g).float()
-    elif kind == "signed_zero":
-        logits = torch.randint(-1, 2, (rows, n), generator=g).float() * 0.0
-    else:
-        logits = torch.randn(rows, n, generator=g)
-        c = torch.randint(0, 6, (rows, n), generator=g)
-        logits[c == 0], logits[c == 1], logits[c == 2], logits[c == 3] = math.nan, -math.nan, math.inf, -math.inf
+    logits = topk_logits(draw, rows, n, seed)
     ks = torch.tensor([draw(st.integers(0, n)) for _ in range(rows)], dtype=torch.int32)
     ke = torch.tensor([draw(st.integers(int(a), n)) for a in ks], dtype=torch.int32)
     got = run_topk(logits, ks, ke, topk, topk + 2, rows + 1, sms=draw(st.sampled_from([1, 132])))
@@ -150,18 +154,7 @@ def test_emu_fuzz_topk_persistent(data, seed):
     rows = draw(st.integers(1, 2))
     n = draw(st.integers(32768, 36000))
     topk = draw(st.integers(1, n // 8))
-    g = torch.Generator().manual_seed(seed)
-    kind = draw(st.sampled_from(["randn", "ties", "signed_zero", "nonfinite"]))
-    if kind == "randn":
-        logits = torch.randn(rows, n, generator=g)
-    elif kind == "ties":
-        logits = torch.randint(-2, 3, (rows, n), generator=g).float()
-    elif kind == "signed_zero":
-        logits = torch.randint(-1, 2, (rows, n), generator=g).float() * 0.0
-    else:
-        logits = torch.randn(rows, n, generator=g)
-        c = torch.randint(0, 6, (rows, n), generator=g)
-        logits[c == 0], logits[c == 1], logits[c == 2], logits[c == 3] = math.nan, -math.nan, math.inf, -math.inf
+    logits = topk_logits(draw, rows, n, seed)
     ks = torch.tensor([draw(st.integers(0, n // 4)) for _ in range(rows)], dtype=torch.int32)
     ke = torch.tensor([draw(st.integers(int(a), n)) for a in ks], dtype=torch.int32)
     sms = rows * draw(st.integers(2, 4)) + draw(st.integers(0, 1))
