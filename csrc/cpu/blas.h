@@ -22,6 +22,12 @@ bool cpu_has_avx512bf16_rt();  // AVX-512F/BW/BF16, read at run time
 bool cpu_has_amx_bf16_rt();     // AMX-TILE/BF16 in CPUID, and Linux granted the tile-data state
 bool blas_uses_tiles();         // oneDNN's brgemm runs on AMX here (torch's could_pack)
 
+// Tile state is per thread; oneDNN wants it released when a thread leaves its brgemm calls.
+// One per parallel_for chunk that calls brgemm (defined in isa.cpp).
+struct TileRelease {
+  ~TileRelease();
+};
+
 bool indexer_logits_blas(const IndexerParams& p, const LogitsOut& o);
 bool indexer_logits_paged_blas(const PagedIndexerParams& p, const LogitsOut& o);
 bool indexer_topk_blas(const IndexerParams& p, const TopkOut& o);

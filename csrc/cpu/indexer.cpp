@@ -28,7 +28,10 @@
 namespace indexcache {
 namespace {
 
+using cpu::dense_keys;
 using cpu::dense_windows;
+using cpu::DenseKeys;
+using cpu::PagedKeys;
 using cpu::fill_neg_inf;
 using cpu::key_splits;
 using cpu::paged_windows;
@@ -41,60 +44,17 @@ constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 // The blas path (blas.h) declines fp32 inputs; they, like CPUs without AVX-512 BF16, run fp32.
 bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && cpu_isa() != kPathPortable && cpu_has_avx512bf16_rt(); }
 
-struct E4m3Tables {
-  uint16_t bf16[256];
-  float f32[256];
-  E4m3Tables() {
-    for (int i = 0; i < 256; ++i) {
-      f32[i] = e4m3_to_float(static_cast<uint8_t>(i));
-      bf16[i] = float_to_bf16(f32[i]);  // exact: e4m3 fits in bf16
-    }
-  }
-};
-const E4m3Tables& tables() {
-  static const E4m3Tables t;
-  return t;
-}
-
 inline float elem_f32(const void* row, DType dt, int64_t i) {
   switch (dt) {
     case DType::kFloat32: return static_cast<const float*>(row)[i];
     case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(row)[i]);
-    default: return tables().f32[static_cast<const uint8_t*>(row)[i]];
+    default: return cpu::e4m3_tables().f32[static_cast<const uint8_t*>(row)[i]];
   }
 }
 inline uint16_t elem_bf16(const void* row, DType dt, int64_t i) {
   return dt == DType::kBFloat16 ? static_cast<const uint16_t*>(row)[i]
-                                : tables().bf16[static_cast<const uint8_t*>(row)[i]];
+                                : cpu::e4m3_tables().bf16[static_cast<const uint8_t*>(row)[i]];
 }
-
-// ---------------------------------------------------------------- key sources
-
-// Keys [0, s_kv) of a dense [s_kv, d] tensor.
-struct DenseKeys {
-  const uint8_t* base;
-  int64_t row_bytes;
-  const float* scale;  // nullable
-  const void* row(int64_t s) const { return base + s * row_bytes; }
-  float scale_of(int64_t s) const { return scale ? scale[s] : 1.0f; }
-};
-
-// Request positions [0, seq_len) of one request in the paged index-K cache.
-struct PagedKeys {
-  const uint8_t* cache;
-  const int32_t* table;  // this request's block-table row
-  int64_t block_size, d;
-  const void* row(int64_t s) const {
-    const uint8_t* block = cache + static_cast<int64_t>(table[s / block_size]) * block_size * (d + 4);
-    return block + (s % block_size) * d;
-  }
-  float scale_of(int64_t s) const {
-    const uint8_t* block = cache + static_cast<int64_t>(table[s / block_size]) * block_size * (d + 4);
-    float v;
-    std::memcpy(&v, block + block_size * d + (s % block_size) * 4, 4);
-    return v;
-  }
-};
 
 // A packed tile of up to 32 keys starting at s0; missing keys are zero.
 struct KeyTile {
@@ -248,13 +208,8 @@ auto relative(int64_t r0, Emit emit) {
   return [r0, emit](int64_t r, int64_t s0, int n, const float* scores) { emit(r - r0, s0, n, scores); };
 }
 
-DenseKeys dense_keys(const IndexerParams& p) {
-  const int64_t elem = p.qk_dtype == DType::kFloat32 ? 4 : (p.qk_dtype == DType::kBFloat16 ? 2 : 1);
-  return DenseKeys{static_cast<const uint8_t*>(p.k), p.d * elem, p.k_scale};
-}
-
 auto dense_query(const IndexerParams& p, bool bf16) {
-  const int64_t elem = p.qk_dtype == DType::kFloat32 ? 4 : (p.qk_dtype == DType::kBFloat16 ? 2 : 1);
+  const int64_t elem = cpu::elem_bytes(p.qk_dtype);
   return [&p, bf16, elem](int64_t r, QueryRow& q) {
     prepare_query(static_cast<const uint8_t*>(p.q) + r * p.h * p.d * elem, p.qk_dtype, p.h, p.d, bf16,
                   p.weights + r * p.h, q);

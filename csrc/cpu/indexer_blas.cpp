@@ -25,7 +25,11 @@
 namespace indexcache {
 namespace {
 
+using cpu::dense_keys;
 using cpu::dense_windows;
+using cpu::DenseKeys;
+using cpu::elem_bytes;
+using cpu::PagedKeys;
 using cpu::fill_neg_inf;
 using cpu::key_splits;
 using cpu::paged_windows;
@@ -34,45 +38,6 @@ using cpu::write_short_row;
 constexpr int64_t kRows = 8;           // query rows per GEMM: M = kRows · h
 constexpr int64_t kKeys = 256;         // keys per GEMM (N), zero-padded at the end
 constexpr int64_t kTaskKeys = 2048;    // keys per task in the plain ops
-
-const uint16_t* e4m3_bf16() {
-  static const auto* t = [] {
-    auto* v = new uint16_t[256];
-    for (int i = 0; i < 256; ++i) v[i] = float_to_bf16(e4m3_to_float(static_cast<uint8_t>(i)));  // exact
-    return v;
-  }();
-  return t;
-}
-
-// Tile state is per thread; oneDNN wants it released when a thread leaves its brgemm calls.
-struct TileRelease {
-  ~TileRelease() {
-    if (blas_uses_tiles()) at::native::cpublas::brgemm_release(true);
-  }
-};
-
-struct DenseKeys {
-  const uint8_t* base;
-  int64_t row_bytes;
-  const float* scale;  // nullable
-  const uint8_t* row(int64_t s) const { return base + s * row_bytes; }
-  float scale_of(int64_t s) const { return scale ? scale[s] : 1.0f; }
-};
-
-struct PagedKeys {
-  const uint8_t* cache;
-  const int32_t* table;
-  int64_t block_size, d;
-  const uint8_t* block(int64_t s) const {
-    return cache + static_cast<int64_t>(table[s / block_size]) * block_size * (d + 4);
-  }
-  const uint8_t* row(int64_t s) const { return block(s) + (s % block_size) * d; }
-  float scale_of(int64_t s) const {
-    float v;
-    std::memcpy(&v, block(s) + block_size * d + (s % block_size) * 4, 4);
-    return v;
-  }
-};
 
 struct Work {
   std::vector<uint16_t> q;    // [rows · h][d] bf16 (A)
@@ -96,7 +61,7 @@ void prep_q(const uint8_t* q, DType dt, int64_t nr, int64_t h, int64_t d, Work& 
   if (dt == DType::kBFloat16) {
     std::memcpy(w.q.data(), q, n * 2);
   } else {
-    const uint16_t* t = e4m3_bf16();
+    const uint16_t* t = cpu::e4m3_tables().bf16;
     for (int64_t i = 0; i < n; ++i) w.q[i] = t[q[i]];
   }
 }
@@ -109,7 +74,7 @@ void pack_keys(const Keys& keys, DType dt, int64_t d, int64_t s0, int64_t n, Wor
     for (int64_t p = 0; p < pairs; ++p) std::fill_n(kb + p * kKeys + n, kKeys - n, 0u);
     std::fill_n(w.scale + n, kKeys - n, 0.f);
   }
-  const uint16_t* t = e4m3_bf16();
+  const uint16_t* t = cpu::e4m3_tables().bf16;
   for (int64_t j = 0; j < n; ++j) {
     w.scale[j] = keys.scale_of(s0 + j);
     const uint8_t* r = keys.row(s0 + j);
@@ -160,12 +125,6 @@ void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, int64_t nr, co
       on_scores(r, s0, n, w.scores);
     }
   }
-}
-
-int64_t elem_bytes(DType dt) { return dt == DType::kBFloat16 ? 2 : 1; }
-
-DenseKeys dense_keys(const IndexerParams& p) {
-  return DenseKeys{static_cast<const uint8_t*>(p.k), p.d * elem_bytes(p.qk_dtype), p.k_scale};
 }
 
 const uint8_t* dense_q(const IndexerParams& p, int64_t r) {

@@ -1,15 +1,17 @@
 // Pieces the CPU indexer's two paths share (indexer.cpp: AVX-512 BF16 / portable kernels;
-// indexer_blas.cpp: oneDNN brgemm): row windows, short-row answers, the key-split count and
-// the fused scoring + top-k driver.
+// indexer_blas.cpp: oneDNN brgemm): e4m3 tables, key sources, row windows, short-row answers,
+// the key-split count and the fused scoring + top-k driver.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "indexcache/fp8.h"
 #include "indexcache/ops.h"
 #include "select.h"
 
@@ -35,6 +37,53 @@ inline int64_t key_splits(int64_t row_blocks, int64_t keys) {
   const int64_t want = (2 * threads + row_blocks - 1) / row_blocks;
   return std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinSplitKeys));
 }
+
+// e4m3 byte -> fp32 and -> bf16 bits (exact: every e4m3 value is a bf16 value).
+struct E4m3Tables {
+  uint16_t bf16[256];
+  float f32[256];
+  E4m3Tables() {
+    for (int i = 0; i < 256; ++i) {
+      f32[i] = e4m3_to_float(static_cast<uint8_t>(i));
+      bf16[i] = float_to_bf16(f32[i]);
+    }
+  }
+};
+inline const E4m3Tables& e4m3_tables() {
+  static const E4m3Tables t;
+  return t;
+}
+
+inline int64_t elem_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : (dt == DType::kBFloat16 ? 2 : 1); }
+
+// Keys [0, s_kv) of a dense [s_kv, d] tensor.
+struct DenseKeys {
+  const uint8_t* base;
+  int64_t row_bytes;
+  const float* scale;  // nullable
+  const uint8_t* row(int64_t s) const { return base + s * row_bytes; }
+  float scale_of(int64_t s) const { return scale ? scale[s] : 1.0f; }
+};
+
+inline DenseKeys dense_keys(const IndexerParams& p) {
+  return DenseKeys{static_cast<const uint8_t*>(p.k), p.d * elem_bytes(p.qk_dtype), p.k_scale};
+}
+
+// Request positions [0, seq_len) of one request in the paged index-K cache.
+struct PagedKeys {
+  const uint8_t* cache;
+  const int32_t* table;  // this request's block-table row
+  int64_t block_size, d;
+  const uint8_t* block(int64_t s) const {
+    return cache + static_cast<int64_t>(table[s / block_size]) * block_size * (d + 4);
+  }
+  const uint8_t* row(int64_t s) const { return block(s) + (s % block_size) * d; }
+  float scale_of(int64_t s) const {
+    float v;
+    std::memcpy(&v, block(s) + block_size * d + (s % block_size) * 4, 4);
+    return v;
+  }
+};
 
 // Prefill rows: row r sees keys [ks[r], ke[r]), clamped to the keys there are.
 inline void dense_windows(const IndexerParams& p, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {

@@ -54,6 +54,10 @@ bool blas_uses_tiles() {
   return v;
 }
 
+TileRelease::~TileRelease() {
+  if (blas_uses_tiles()) at::native::cpublas::brgemm_release(true);
+}
+
 void set_cpu_isa(int isa) { g_isa_request.store(isa); }
 
 int cpu_isa() {

@@ -35,12 +35,6 @@ constexpr int64_t kBlock = 128;          // selected keys per brgemm pair (N of 
 constexpr int64_t kMinSplitKeys = 256;   // a key split keeps at least this many selections
 constexpr int kPairs = kMlaDim / 2;      // 288
 
-struct TileRelease {
-  ~TileRelease() {
-    if (blas_uses_tiles()) at::native::cpublas::brgemm_release(true);
-  }
-};
-
 struct Work {
   std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [kBlock][576]
   std::vector<uint32_t> kb;   // Kᵀ as pairs [288][kBlock]
