@@ -26,6 +26,7 @@ import indexcache._C as _C
 from indexcache import ops
 from indexcache import reference as ref
 
+from bitwise import bits, nan_equal
 from test_ops import POISON_I, rel_err
 
 POISON_F32_BITS = 0x7F8DEAD1  # a signalling NaN: no kernel produces this payload
@@ -42,28 +43,6 @@ def poisoned(shape, dtype):
     if dtype == torch.bfloat16:
         return torch.full(shape, POISON_BF16_BITS, dtype=torch.int16).view(torch.bfloat16)
     return torch.full(shape, POISON_I, dtype=dtype)
-
-
-def bits(t):
-    if t.dtype in (torch.float32, torch.int32):
-        return t.contiguous().view(torch.int32)
-    if t.dtype in (torch.bfloat16, torch.int16):
-        return t.contiguous().view(torch.int16)
-    return t.contiguous().view(torch.uint8)
-
-
-def nan_equal(a, b):
-    """Bit-equal, except that any NaN equals any NaN (payload and sign are unspecified:
-    torch and the kernels round a float NaN to different bf16 NaNs)."""
-    if a.dtype == torch.uint8 and a.shape[-1] == 656:  # fp8_ds_mla rows
-        a, b = a.reshape(-1, 656), b.reshape(-1, 656)
-        return (torch.equal(a[:, :512], b[:, :512])
-                and nan_equal(a[:, 512:528].contiguous().view(torch.float32), b[:, 512:528].contiguous().view(torch.float32))
-                and nan_equal(a[:, 528:].contiguous().view(torch.bfloat16), b[:, 528:].contiguous().view(torch.bfloat16)))
-    if a.dtype in (torch.float32, torch.bfloat16):
-        na, nb = torch.isnan(a), torch.isnan(b)
-        return torch.equal(na, nb) and torch.equal(bits(a)[~na], bits(b)[~nb])
-    return torch.equal(a, b)
 
 
 def assert_written(t):

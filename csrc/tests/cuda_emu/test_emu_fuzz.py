@@ -14,13 +14,20 @@ arguments, including the index values the launchers themselves must skip (sparse
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import math
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_emu import BF16, F32, FP8, I, P, call, dt_code, ref, rel_err, run_fused, run_logits, run_topk
+from test_emu import BF16, F32, FP8, ROOT, I, P, call, dt_code, ref, rel_err, run_fused, run_logits, run_topk
+
+# tests/bitwise.py by path (this folder runs without the package's tests on sys.path)
+_spec = importlib.util.spec_from_file_location("indexcache_tests_bitwise", ROOT / "tests" / "bitwise.py")
+_bitwise = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bitwise)
+bits, nan_equal = _bitwise.bits, _bitwise.nan_equal
 
 NONFINITE = [math.nan, -math.nan, math.inf, -math.inf]
 seeds = st.integers(0, 2**31 - 1)
@@ -42,24 +49,6 @@ def sprinkle(draw, x):
     for _ in range(draw(st.integers(1, 3))):
         flat[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from(NONFINITE))
     return x
-
-
-def bits(t):
-    return t.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
-
-
-def nan_equal(a, b):
-    """Bit-equal, except that any NaN equals any NaN (payload and sign are unspecified:
-    torch and the kernels round a float NaN to different bf16 NaNs)."""
-    if a.dtype == torch.uint8 and a.shape[-1] == 656:  # fp8_ds_mla rows
-        a, b = a.reshape(-1, 656), b.reshape(-1, 656)
-        return (torch.equal(a[:, :512], b[:, :512])
-                and nan_equal(a[:, 512:528].contiguous().view(torch.float32), b[:, 512:528].contiguous().view(torch.float32))
-                and nan_equal(a[:, 528:].contiguous().view(torch.bfloat16), b[:, 528:].contiguous().view(torch.bfloat16)))
-    if a.dtype in (torch.float32, torch.bfloat16):
-        na, nb = torch.isnan(a), torch.isnan(b)
-        return torch.equal(na, nb) and torch.equal(bits(a)[~na], bits(b)[~nb])
-    return torch.equal(a, b)
 
 
 @few()
