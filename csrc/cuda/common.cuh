@@ -128,6 +128,29 @@ struct SelectShared {
   uint32_t need;
 };
 
+// One radix level's histogram of elements [0, n) into hist[2048] (shared): every element
+// whose key matches `prefix` under `mask` counts in bin (key >> shift) & bmask. Zeroes hist
+// first; every thread must call it (barriers inside; the counts are visible after it).
+template <int NT, typename Acc>
+__device__ __forceinline__ void radix_histogram(int n, const Acc& acc, uint32_t prefix, uint32_t mask, int shift,
+                                                uint32_t bmask, uint32_t* hist) {
+  for (int b = threadIdx.x; b < 2048; b += NT) hist[b] = 0;
+  __syncthreads();
+  for (int base = threadIdx.x; base < n; base += 4 * NT) {
+    uint32_t key[4] = {0, 0, 0, 0};
+    bool ok[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = base + u * NT;
+      ok[u] = i < n && acc(i, key[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (ok[u] && (key[u] & mask) == prefix) atomicAdd(&hist[(key[u] >> shift) & bmask], 1u);
+  }
+  __syncthreads();
+}
+
 // acc(i, key) -> bool: element i's key, false when element i is absent (not counted).
 // Requires 1 <= k <= (number of valid elements among [0, n)).
 template <int NT, typename Acc>
@@ -139,21 +162,7 @@ __device__ Threshold block_threshold(int n, uint32_t k, const Acc& acc, SelectSh
     // 11 + 11 + 10 bits, most significant first.
     const int shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
     const uint32_t bmask = level == 2 ? 1023u : 2047u;
-    for (int b = threadIdx.x; b < 2048; b += NT) sm.hist[b] = 0;
-    __syncthreads();
-    for (int base = threadIdx.x; base < n; base += 4 * NT) {
-      uint32_t key[4] = {0, 0, 0, 0};
-      bool ok[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int i = base + u * NT;
-        ok[u] = i < n && acc(i, key[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (ok[u] && (key[u] & mask) == prefix) atomicAdd(&sm.hist[(key[u] >> shift) & bmask], 1u);
-    }
-    __syncthreads();
+    radix_histogram<NT>(n, acc, prefix, mask, shift, bmask, sm.hist);
     // Find the bin holding the need-th largest: above(b) < need <= above(b) + hist[b].
     const int b0 = static_cast<int>(threadIdx.x) * BPT;
     uint32_t local = 0;

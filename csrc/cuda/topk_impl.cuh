@@ -236,21 +236,7 @@ __global__ void __launch_bounds__(kPersistThreads) topk_persistent_kernel(TopkPa
   for (int level = 0; level < 3; ++level) {
     const int shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
     const uint32_t bmask = level == 2 ? 1023u : 2047u;
-    for (int b = threadIdx.x; b < 2048; b += NT) sm.hist[b] = 0;
-    __syncthreads();
-    for (int base = threadIdx.x; base < m; base += 4 * NT) {
-      uint32_t key[4] = {0, 0, 0, 0};
-      bool ok[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int i = base + u * NT;
-        ok[u] = i < m && acc(i, key[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (ok[u] && (key[u] & mask) == prefix) atomicAdd(&sm.hist[(key[u] >> shift) & bmask], 1u);
-    }
-    __syncthreads();
+    radix_histogram<NT>(m, acc, prefix, mask, shift, bmask, sm.hist);
     uint32_t* gh = row + level * 2048;
     for (int b = threadIdx.x; b < 2048; b += NT) {
       const uint32_t h = sm.hist[b];
