@@ -166,17 +166,18 @@ def generate(model, prompts, max_new_tokens: int = 32, *, temperature: float = 0
 
     reqs = [_Req(i, p) for i, p in enumerate(prompts)]
     bs = 64
-    blocks = sum(-(-(len(p) + max_new_tokens + k + 2) // bs) for p in prompts)
-    cache = model.allocate_cache(blocks, kv_cache_dtype, bs)
+    room = [len(p) + max_new_tokens + k + 2 for p in prompts]  # tokens each request may hold
+    per_req = [-(-n // bs) for n in room]
+    cache = model.allocate_cache(sum(per_req), kv_cache_dtype, bs)
     step_mode = _decode_mode(decode_step, model, cache, k, timer)
     # batch size -> DecodeStep (its graph captured on first use). The graphs share one memory
     # pool, which is safe because the batch only shrinks: a graph is never replayed after a
     # later one was captured (that capture may reuse the earlier graph's freed temporaries).
     steps: dict = {}
     step_rids: dict = {}  # batch size -> the requests its block table holds now
-    max_blocks = max(-(-(len(p) + max_new_tokens + k + 2) // bs) for p in prompts)
-    for r in reqs:
-        cache.manager.allocate(r.i, len(r.prompt) + max_new_tokens + k + 2)
+    max_blocks = max(per_req)
+    for r, n in zip(reqs, room):
+        cache.manager.allocate(r.i, n)
     res = GenerationResult(tokens=[r.out for r in reqs], finish_reasons=[None] * len(reqs),
                            prompt_tokens=sum(len(p) for p in prompts))
     limit = args.max_position_embeddings
