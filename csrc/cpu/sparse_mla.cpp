@@ -57,6 +57,10 @@ void load_kv_row_bf16(const SparseMlaParams& p, int64_t slot, uint16_t* dst) {
     std::memcpy(dst, static_cast<const uint16_t*>(p.kv) + slot * kMlaDim, kMlaDim * 2);
     return;
   }
+  if (p.kv_dtype == DType::kFp8E4M3) {
+    mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, dst);
+    return;
+  }
   float tmp[kMlaDim];
   load_kv_row(p, slot, tmp);
   for (int i = 0; i < kMlaDim; ++i) dst[i] = float_to_bf16(tmp[i]);

@@ -48,11 +48,7 @@ struct Work {
 // Cache row `slot` as bf16 (fp8 rows are dequantized into `tmp`, then rounded to bf16).
 const uint16_t* kv_row(const SparseMlaParams& p, int64_t slot, uint16_t* tmp) {
   if (p.kv_dtype == DType::kBFloat16) return static_cast<const uint16_t*>(p.kv) + slot * kMlaDim;
-  const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
-  float scales[4];
-  std::memcpy(scales, row + kMlaLatent, 16);
-  for (int i = 0; i < kMlaLatent; ++i) tmp[i] = float_to_bf16(e4m3_to_float(row[i]) * scales[i / kQuantGroup]);
-  std::memcpy(tmp + kMlaLatent, row + kMlaLatent + 16, kMlaRope * 2);
+  mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, tmp);
   return tmp;
 }
 

@@ -123,4 +123,14 @@ IC_HD void hadamard_128_inplace(float* x) {
   for (int i = 0; i < kQuantGroup; ++i) x[i] *= s;
 }
 
+// One fp8_ds_mla cache row (656 bytes) as the 576 bf16 values the bf16 compute paths use:
+// each latent e4m3 value times its group's fp32 scale, rounded to bf16; the RoPE part copied.
+// Host code (the CPU ops); the CUDA kernels stage rows their own way.
+inline void mla_fp8_row_to_bf16(const uint8_t* row, uint16_t* dst) {
+  float scales[4];
+  std::memcpy(scales, row + kMlaLatent, 16);
+  for (int i = 0; i < kMlaLatent; ++i) dst[i] = float_to_bf16(e4m3_to_float(row[i]) * scales[i / kQuantGroup]);
+  std::memcpy(dst + kMlaLatent, row + kMlaLatent + 16, kMlaRope * 2);
+}
+
 }  // namespace indexcache
