@@ -5,7 +5,7 @@
 
 #include "indexcache/ops.h"
 #include "indexcache/plan.h"
-#include "cpu/blas.h"
+#include "cpu/isa.h"
 
 #ifndef INDEXCACHE_CUDA_ARCHS
 #define INDEXCACHE_CUDA_ARCHS ""
@@ -73,14 +73,6 @@ indexcache::LayerPlan build_plan(int num_hidden_layers, int num_nextn_predict_la
   return indexcache::build_layer_plan(o);
 }
 
-bool cpu_has_avx512bf16() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, mod) {
@@ -113,33 +105,43 @@ PYBIND11_MODULE(_C, mod) {
 
   mod.def(
       "_set_cpu_isa",
-      [](const std::string& isa) {
-        if (isa == "auto") {
-          indexcache::set_cpu_isa(0);
-        } else if (isa == "portable") {
-          indexcache::set_cpu_isa(1);
-        } else if (isa == "avx512bf16") {
-          indexcache::set_cpu_isa(2);
-        } else if (isa == "blas") {
-          indexcache::set_cpu_isa(3);
-        } else {
-          throw py::value_error("cpu isa must be 'auto', 'portable', 'avx512bf16' or 'blas', got '" + isa + "'");
+      [](const std::string& name) {
+        try {
+          indexcache::request_cpu_path(indexcache::cpu_path_from_name(name));
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
         }
       },
       "Choose the CPU kernels' code path: 'auto' (blas where AMX tiles are present, else AVX-512 BF16 "
-      "where present, else portable), 'portable', 'avx512bf16' (falls back to portable without it) or "
-      "'blas' (oneDNN brgemm: the AMX tiles where present).");
+      "where present, else portable), 'portable', 'avx512bf16' or 'blas' (oneDNN brgemm: the AMX tiles "
+      "where present). A path this CPU cannot run is a ValueError that says why (_cpu_paths()).");
   mod.def(
       "_cpu_isa",
       [](const std::string& op) {
-        switch (op == "sparse_mla" ? indexcache::sparse_mla_path() : indexcache::cpu_isa()) {
-          case 0: return "avx512bf16";
-          case 2: return "blas";
-          default: return "portable";
-        }
+        return indexcache::cpu_path_name(op == "sparse_mla" ? indexcache::sparse_mla_path() : indexcache::cpu_path());
       },
       py::arg("op") = "",
       "The CPU path the kernels take; op='sparse_mla' for sparse MLA's (which may differ).");
+  mod.def(
+      "_cpu_paths",
+      []() {
+        py::dict d;
+        for (indexcache::CpuPath p : indexcache::kCpuPaths)
+          d[indexcache::cpu_path_name(p)] = indexcache::cpu_path_unavailable(p);
+        return d;
+      },
+      "Every CPU path by name: '' where this CPU runs it, else the reason it cannot.");
+  mod.def("_cpu_features", []() {
+    const indexcache::CpuFeatures& f = indexcache::cpu_features();
+    py::dict d;
+    d["avx2_fma"] = f.avx2_fma;
+    d["avx512"] = f.avx512;
+    d["avx512bf16"] = f.avx512bf16;
+    d["amx_bf16"] = f.amx_bf16;
+    d["brgemm_bf16"] = f.brgemm_bf16;
+    d["brgemm_tiles"] = f.brgemm_tiles;
+    return d;
+  });
 
   mod.def("_build_info", []() {
     py::dict d;
@@ -152,7 +154,7 @@ PYBIND11_MODULE(_C, mod) {
     d["cuda_archs"] = std::string(INDEXCACHE_CUDA_ARCHS);
     d["cxx_compiler"] = INDEXCACHE_CXX_COMPILER;
     d["nvcc"] = std::string(INDEXCACHE_NVCC);
-    d["cpu_avx512bf16"] = cpu_has_avx512bf16();
+    d["cpu_avx512bf16"] = indexcache::cpu_features().avx512bf16;
     return d;
   });
 }

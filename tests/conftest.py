@@ -20,6 +20,26 @@ settings.register_profile("default", max_examples=250, **_COMMON)
 settings.register_profile("long", max_examples=3000, **_COMMON)
 
 
+def pytest_report_header(config):
+    """The CPU and the kernel paths this run exercises, printed before the first test, so a
+    failure on one kind of machine says which (DESIGN.md §9: three CPU kinds so far)."""
+    import indexcache._C as _C
+
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    feats = ", ".join(k for k, v in _C._cpu_features().items() if v) or "none"
+    paths = _C._cpu_paths()
+    runs = ", ".join(p for p, why in paths.items() if not why)
+    lacks = "; ".join(f"{p}: {why}" for p, why in paths.items() if why) or "none"
+    return [f"cpu: {model} ({os.cpu_count()} logical CPUs); features: {feats}",
+            f"cpu paths: auto -> {_C._cpu_isa()}; tested: {runs}; skipped: {lacks}",
+            f"gpu: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (CUDA cases skip)'}"]
+
+
 def pytest_configure(config):
     # Hypothesis loads its "ci" profile when CI is set (.ci/run sets it), and this conftest is
     # imported after its plugin reads --hypothesis-profile: load ours explicitly.

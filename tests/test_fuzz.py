@@ -67,9 +67,9 @@ def _restore_isa():
     _C._set_cpu_isa("auto")
 
 
-# Every CPU path: the default, portable, and the two forced ones (avx512bf16 falls back to portable
-# on a CPU without it; blas runs everywhere, through AMX tiles where the CPU has them).
-isas = st.sampled_from(["auto", "portable", "avx512bf16", "blas"])
+# Every CPU path this CPU runs: the default and each available one by name (_cpu_paths() says
+# which a CPU lacks and why: no AVX-512 BF16, or a torch brgemm that refuses bf16).
+isas = st.sampled_from(["auto"] + [name for name, why in _C._cpu_paths().items() if not why])
 
 
 def sprinkle(draw, x, where_ok=True):

@@ -23,16 +23,18 @@ def _isa_path(name):
         _C._set_cpu_isa("auto")
 
 
-@pytest.fixture(params=["auto", "portable", "avx512bf16", "blas"])
+@pytest.fixture(params=["auto", *_C._cpu_paths()])
 def cpu_isa(request):
-    """CPU kernels run every path this machine has: the default ('auto'), the portable one, the
-    AVX-512 BF16 kernels and the oneDNN brgemm ('blas') path, each once (a forced path that is
-    what 'auto' already takes is skipped). 'blas' runs everywhere: where oneDNN has no AMX
-    kernel torch answers brgemm through its own GEMM, so the path's logic is tested on every CPU."""
-    if request.param not in ("auto", "portable") and _isa_path(request.param) == _isa_path("auto"):
-        pytest.skip(f"'{request.param}' is what 'auto' takes on this CPU")
-    if request.param == "avx512bf16" and _isa_path("avx512bf16")[0] == "portable":
-        pytest.skip("no AVX-512 BF16 on this CPU")
+    """CPU kernels run every path this machine has: the default ('auto') and each path by name
+    (portable, the AVX-512 BF16 kernels, the oneDNN brgemm 'blas' path), each once. A forced path
+    that is what 'auto' already takes is skipped, and so is one this CPU cannot run, with the
+    reason `_cpu_paths()` gives (on AVX2-only CPUs torch's brgemm refuses bf16, so no 'blas')."""
+    if request.param != "auto":
+        why = _C._cpu_paths()[request.param]
+        if why:
+            pytest.skip(f"'{request.param}' cannot run here: {why}")
+        if request.param != "portable" and _isa_path(request.param) == _isa_path("auto"):
+            pytest.skip(f"'{request.param}' is what 'auto' takes on this CPU")
     _C._set_cpu_isa(request.param)
     yield request.param
     _C._set_cpu_isa("auto")
@@ -475,6 +477,49 @@ def test_empty_views_with_odd_strides(device):
     assert got.tolist() == [[0]] * 3
     with pytest.raises(RuntimeError, match="logits rows must be contiguous"):
         ops.topk_indices(torch.randn(5, 3, device=device).t(), ks1, ke1 + 1, 1)
+
+
+def _cpuinfo_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return None
+    return set(line.split(":", 1)[1].split()) if line else None
+
+
+def test_cpu_features_match_cpuinfo():
+    flags = _cpuinfo_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags line on this machine")
+    f = _C._cpu_features()
+    assert f["avx2_fma"] == ({"avx2", "fma", "f16c"} <= flags)
+    assert f["avx512"] == ({"avx512f", "avx512bw"} <= flags)
+    assert f["avx512bf16"] == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags)
+    paths = _C._cpu_paths()
+    assert (paths["avx512bf16"] == "") == f["avx512bf16"]
+    assert (paths["blas"] == "") == f["brgemm_bf16"]
+    if not f["avx512"] and "amx_bf16" not in flags:
+        # torch's bf16 brgemm needs a oneDNN ukernel: AVX-512 or AMX (DESIGN.md §9, AVX2-only CPUs)
+        assert paths["blas"] and "brgemm" in paths["blas"]
+    assert paths["portable"] == ""
+
+
+def test_cpu_path_errors():
+    with pytest.raises(ValueError, match="unknown CPU path 'avx9000'.*'portable'"):
+        _C._set_cpu_isa("avx9000")
+    before = _C._cpu_isa()
+    for name, why in _C._cpu_paths().items():
+        if why:
+            with pytest.raises(ValueError, match=f"CPU path '{name}' cannot run here"):
+                _C._set_cpu_isa(name)
+            assert _C._cpu_isa() == before  # a refused request changes nothing
+        else:
+            _C._set_cpu_isa(name)
+            assert _C._cpu_isa() == name
+            _C._set_cpu_isa("auto")
+    assert _C._cpu_isa() == before
+    assert _C._cpu_paths()[_C._cpu_isa()] == ""  # auto never picks a path the CPU lacks
 
 
 # ------------------------------------------------------------------ registration

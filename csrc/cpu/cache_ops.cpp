@@ -10,6 +10,7 @@
 #include "../checks.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
+#include "isa.h"
 
 namespace indexcache {
 namespace {
@@ -40,14 +41,7 @@ __attribute__((target("avx512f,avx512bw"))) void to_e4m3_avx512(const float* x, 
   }
 }
 
-bool quant_use_avx512() {
-#if defined(__x86_64__)
-  static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return v && cpu_isa() != 1;  // every path but the portable one (ops.h)
-#else
-  return false;
-#endif
-}
+bool quant_use_avx512() { return use_avx512(); }
 
 // One group of 128 values: optional Hadamard, ue8m0 scale, e4m3 bytes.
 inline float quantize_group(const void* src, DType dt, int64_t offset, float eps, bool hadamard,

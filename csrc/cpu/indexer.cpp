@@ -42,7 +42,7 @@ constexpr int64_t kRowBlock = 8;      // query rows sharing one packed key tile
 constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 
 // The blas path (blas.h) declines fp32 inputs; they, like CPUs without AVX-512 BF16, run fp32.
-bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && cpu_isa() != kPathPortable && cpu_has_avx512bf16_rt(); }
+bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && use_avx512bf16(); }
 
 inline float elem_f32(const void* row, DType dt, int64_t i) {
   switch (dt) {
@@ -227,7 +227,7 @@ auto paged_query(const PagedIndexerParams& p, bool bf16) {
 // set_cpu_isa / cpu_isa: csrc/cpu/isa.cpp.
 
 void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
-  if (cpu_isa() == kPathBlas && indexer_logits_blas(p, o)) return;
+  if (cpu_path() == CpuPath::kBlas && indexer_logits_blas(p, o)) return;
   const bool bf16 = use_bf16_path(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
@@ -254,7 +254,7 @@ void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
 }
 
 void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
-  if (cpu_isa() == kPathBlas && indexer_logits_paged_blas(p, o)) return;
+  if (cpu_path() == CpuPath::kBlas && indexer_logits_paged_blas(p, o)) return;
   const bool bf16 = use_bf16_path(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);
@@ -329,15 +329,6 @@ __attribute__((target("avx512f"))) int64_t filter_at_least_avx512(const float* x
   return w;
 }
 
-bool cpu_has_avx512f() {
-#if defined(__x86_64__)
-  static const bool v = __builtin_cpu_supports("avx512f");
-  return v;
-#else
-  return false;
-#endif
-}
-
 // Top-k of one long row (n > k) through a sampled floor: a strided sample estimates a key
 // that about 1.5k elements exceed; one vectorised pass keeps those, and the exact radix
 // select runs on the survivors only. If fewer than k survive, the full radix select runs.
@@ -345,7 +336,7 @@ bool cpu_has_avx512f() {
 int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector<uint32_t>& scratch,
                  Scratch<uint32_t>& key_buf, Scratch<int32_t>& pos_buf) {
   int64_t j = 0;
-  if (n >= 8 * k && n >= 4096 && cpu_has_avx512f() && cpu_isa() != kPathPortable) {
+  if (n >= 8 * k && n >= 4096 && use_avx512()) {
     // 32 contiguous runs of 16 (one cache line each) spread over the row: as good a sample
     // for the floor as 512 strided values, at 32 cache misses instead of 512.
     constexpr int64_t m = 512, run = 16, runs = m / run;
@@ -395,7 +386,7 @@ void topk_cpu(const TopkParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
-  if (cpu_isa() == kPathBlas && indexer_topk_blas(p, o)) return;
+  if (cpu_path() == CpuPath::kBlas && indexer_topk_blas(p, o)) return;
   const bool bf16 = use_bf16_path(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
@@ -409,7 +400,7 @@ void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
-  if (cpu_isa() == kPathBlas && indexer_topk_paged_blas(p, o)) return;
+  if (cpu_path() == CpuPath::kBlas && indexer_topk_paged_blas(p, o)) return;
   const bool bf16 = use_bf16_path(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);

@@ -1,9 +1,11 @@
-// Run-time choice of the CPU kernels' code path. Nothing here is decided at build time:
-// the same library loads and picks its path on Zen 4 (AVX-512 BF16), on Xeons with AMX
-// (the oneDNN brgemm path, which runs on the tile unit) and on CPUs with neither.
+// Run-time choice of the CPU kernels' code path (isa.h). The one place that reads CPUID.
+#include "isa.h"
+
 #include <ATen/native/CPUBlas.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
+#include <stdexcept>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -16,66 +18,125 @@
 namespace indexcache {
 namespace {
 
-std::atomic<int> g_isa_request{kIsaAuto};
+std::atomic<int> g_request{static_cast<int>(CpuPath::kAuto)};
+
+bool probe_amx_bf16() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
+  if (!tile || !bf16) return false;
+  // Linux hands a process the 8 KiB tile-data register state only on request
+  // (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile load faults.
+  // oneDNN asks too; asking twice is harmless.
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+// Asks torch rather than guessing from CPUID: its bf16 brgemm with a VNNI-packed B needs a
+// oneDNN ukernel for this CPU (AVX-512 or AMX) and raises otherwise ("BFloat16 Brgemm VNNI
+// format is only supported ... when amx is supported" on AVX2-only CPUs).
+bool probe_brgemm_bf16(bool release_tiles) {
+  alignas(64) uint16_t a[2 * 32] = {}, bm[32 * 32] = {};
+  alignas(64) float c[2 * 32] = {};
+  try {
+    at::native::cpublas::brgemm(2, 32, 32, 32, 32, 32, false, reinterpret_cast<const at::BFloat16*>(a),
+                                reinterpret_cast<const at::BFloat16*>(bm), c, true);
+    if (release_tiles) at::native::cpublas::brgemm_release(true);
+  } catch (const c10::Error&) {
+    return false;
+  }
+  for (float v : c)
+    if (v != 0.f) return false;
+  return true;
+}
+
+CpuFeatures probe() {
+  CpuFeatures f;
+#if defined(__x86_64__)
+  f.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  f.avx512bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
+  f.amx_bf16 = probe_amx_bf16();
+#endif
+  f.brgemm_tiles = f.amx_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
+  f.brgemm_bf16 = probe_brgemm_bf16(f.brgemm_tiles);
+  return f;
+}
+
+CpuPath auto_path() {
+  const CpuFeatures& f = cpu_features();
+  if (f.brgemm_tiles && f.brgemm_bf16) return CpuPath::kBlas;
+  if (f.avx512bf16) return CpuPath::kAvx512Bf16;
+  return CpuPath::kPortable;
+}
 
 }  // namespace
 
-bool cpu_has_avx512bf16_rt() {
-#if defined(__x86_64__)
-  static const bool v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512f");
-  return v;
-#else
-  return false;
-#endif
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = probe();
+  return f;
 }
 
-bool cpu_has_amx_bf16_rt() {
-#if defined(__x86_64__)
-  static const bool v = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-    if (!tile || !bf16) return false;
-    // Linux hands a process the 8 KiB tile-data register state only on request
-    // (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile load faults.
-    // oneDNN asks too; asking twice is harmless.
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return v;
-#else
-  return false;
-#endif
+const char* cpu_path_name(CpuPath p) {
+  switch (p) {
+    case CpuPath::kAuto: return "auto";
+    case CpuPath::kPortable: return "portable";
+    case CpuPath::kAvx512Bf16: return "avx512bf16";
+    case CpuPath::kBlas: return "blas";
+  }
+  return "?";
 }
 
-bool blas_uses_tiles() {
-  static const bool v = cpu_has_amx_bf16_rt() && at::native::cpublas::could_pack(at::kBFloat16);
-  return v;
+CpuPath cpu_path_from_name(const std::string& name) {
+  if (name == "auto") return CpuPath::kAuto;
+  std::string choices = "'auto'";
+  for (CpuPath p : kCpuPaths) {
+    if (name == cpu_path_name(p)) return p;
+    choices += std::string(", '") + cpu_path_name(p) + "'";
+  }
+  throw std::invalid_argument("unknown CPU path '" + name + "': choose one of " + choices);
 }
 
-TileRelease::~TileRelease() {
-  if (blas_uses_tiles()) at::native::cpublas::brgemm_release(true);
-}
-
-void set_cpu_isa(int isa) { g_isa_request.store(isa); }
-
-int cpu_isa() {
-  switch (g_isa_request.load()) {
-    case kIsaPortable: return kPathPortable;
-    case kIsaAvx512: return cpu_has_avx512bf16_rt() ? kPathAvx512Bf16 : kPathPortable;
-    case kIsaBlas: return kPathBlas;
+std::string cpu_path_unavailable(CpuPath p) {
+  const CpuFeatures& f = cpu_features();
+  switch (p) {
+    case CpuPath::kAvx512Bf16:
+      return f.avx512bf16 ? "" : "no AVX-512 BF16 on this CPU";
+    case CpuPath::kBlas:
+      return f.brgemm_bf16 ? ""
+                           : "torch's oneDNN brgemm refuses bf16 on this CPU (it needs AVX-512 or AMX; "
+                             "this one has neither)";
     default:
-      if (blas_uses_tiles()) return kPathBlas;
-      return cpu_has_avx512bf16_rt() ? kPathAvx512Bf16 : kPathPortable;
+      return "";
   }
 }
 
-int sparse_mla_path() {
-  // Kept apart from cpu_isa() because the choice for sparse MLA was measured separately: on
-  // Zen 4 brgemm led in wall-time runs on a loaded machine, but not in CPU time nor at one or
-  // two decode rows (docs/performance.md), so 'auto' keeps the AVX-512 BF16 kernels there.
-  return cpu_isa();
+void request_cpu_path(CpuPath p) {
+  if (p != CpuPath::kAuto) {
+    const std::string why = cpu_path_unavailable(p);
+    if (!why.empty()) throw std::invalid_argument(std::string("CPU path '") + cpu_path_name(p) + "' cannot run here: " + why);
+  }
+  g_request.store(static_cast<int>(p));
+}
+
+CpuPath cpu_path() {
+  const auto r = static_cast<CpuPath>(g_request.load());
+  return r == CpuPath::kAuto ? auto_path() : r;
+}
+
+CpuPath sparse_mla_path() {
+  // On Zen 4 brgemm led sparse MLA in wall-time runs on a loaded machine, but not in CPU time
+  // nor at one or two decode rows (docs/performance.md), so 'auto' keeps the AVX-512 BF16
+  // kernels there: the same choice as the indexer's today.
+  return cpu_path();
+}
+
+TileRelease::~TileRelease() {
+  if (cpu_features().brgemm_tiles) at::native::cpublas::brgemm_release(true);
 }
 
 }  // namespace indexcache

@@ -27,7 +27,7 @@ constexpr int64_t kHeadBlock = 64;
 constexpr int kPairs = kMlaDim / 2;  // 288
 
 bool mla_use_bf16(const SparseMlaParams& p) {
-  return p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32 && cpu_isa() != kPathPortable;
+  return p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32 && use_avx512bf16();
 }
 
 // Row s of the cache as fp32 [576].
@@ -318,7 +318,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 }  // namespace
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
-  if (sparse_mla_path() == kPathBlas && sparse_mla_blas(p)) return;
+  if (sparse_mla_path() == CpuPath::kBlas && sparse_mla_blas(p)) return;
   const bool bf16 = mla_use_bf16(p);
   const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t head_blocks = (p.h_q + hb - 1) / hb;

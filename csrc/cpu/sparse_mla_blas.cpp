@@ -113,7 +113,7 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
   std::fill(w.z.begin(), w.z.end(), 0.f);
   if (n == 0) return;
   const at::BFloat16* q = reinterpret_cast<const at::BFloat16*>(static_cast<const uint16_t*>(p.q) + t * h * kMlaDim);
-  const bool avx512 = cpu_has_avx512bf16_rt();  // AVX-512F/BW/BF16
+  const bool avx512 = cpu_features().avx512bf16;  // AVX-512F/BW/BF16
   static const uint16_t zero_row[kMlaDim] = {};
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, n - j0);

@@ -143,10 +143,6 @@ void positions_to_slots_cpu(const SlotParams& p);
 void sparse_mla_cpu(const SparseMlaParams& p);
 void mla_insert_cpu(const MlaInsertParams& p);
 
-// Selects the CPU code path (csrc/cpu/isa.cpp): 0 = auto (blas where AMX tiles are present,
-// else AVX-512 BF16 where present, else portable), 1 = portable, 2 = AVX-512 BF16, 3 = blas.
-void set_cpu_isa(int isa);
-// The path taken: 0 = AVX-512 BF16, 1 = portable, 2 = blas (oneDNN brgemm, csrc/cpu/blas.h).
-int cpu_isa();
+// The CPU code path (portable, AVX-512 BF16, oneDNN brgemm) is chosen at run time: csrc/cpu/isa.h.
 
 }  // namespace indexcache
