@@ -61,14 +61,27 @@ class _Family:
     attention: str
     indexer_rope: str  # name of the RoPE function the indexer uses in that module
     returns_topk: bool  # GLM's attention returns (out, weights, topk) and reads prev_topk_indices
+    # transformers' interleaved RoPE returns the rotated pairs de-interleaved ([evens | odds]); a dot
+    # product does not care, but the Hadamard rotation before fp8 does: the checkpoints (and vLLM, and
+    # this project's model) rotate in place, so the fp8 path restores the interleaved layout
+    indexer_rope_deinterleaved: bool
 
 
 FAMILIES = {
     "DeepseekV32ForCausalLM": _Family("deepseek_v32", "deepseek_v32", "DeepseekV32ForCausalLM", "DeepseekV32Attention",
-                                      "apply_rotary_pos_emb", False),
+                                      "apply_rotary_pos_emb", False, False),
     "GlmMoeDsaForCausalLM": _Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaForCausalLM", "GlmMoeDsaAttention",
-                                    "apply_rotary_pos_emb_interleave", True),
+                                    "apply_rotary_pos_emb_interleave", True, True),
 }
+
+
+def _installed_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("indexcache.integrations.transformers needs transformers "
+                         f"{','.join(SUPPORTED_TRANSFORMERS)}: pip install 'indexcache[transformers]'") from None
+    return transformers.__version__
 
 
 def check_transformers_version(version: Optional[str] = None) -> str:
@@ -76,12 +89,7 @@ def check_transformers_version(version: Optional[str] = None) -> str:
     from packaging.version import Version
 
     if version is None:
-        try:
-            import transformers
-        except ImportError:
-            raise ValueError("indexcache.integrations.transformers needs transformers "
-                             f"{','.join(SUPPORTED_TRANSFORMERS)}: pip install 'indexcache[transformers]'") from None
-        version = transformers.__version__
+        version = _installed_version()
     lo, hi = Version(SUPPORTED_TRANSFORMERS[0][2:]), Version(SUPPORTED_TRANSFORMERS[1][1:])
     v = Version(version)
     if not (lo <= v < hi):
@@ -171,6 +179,9 @@ def _indexer_topk(attn, state: _State, hidden_states, q_resid, cos, sin, cache, 
     k = idx.k_norm(idx.wk(hidden_states)).unsqueeze(2)
     k_rot, k_pass = torch.split(k, [r, d - r], dim=-1)
     q_rot, k_rot = state.rope_indexer(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    if state.fp8 and state.family.indexer_rope_deinterleaved:
+        q_rot = torch.stack(q_rot.chunk(2, dim=-1), dim=-1).flatten(-2)
+        k_rot = torch.stack(k_rot.chunk(2, dim=-1), dim=-1).flatten(-2)
     q = torch.cat([q_rot, q_pass], dim=-1).reshape(b * s, h, d)
     k = torch.cat([k_rot, k_pass], dim=-1).reshape(b * s, d)
     w = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float().reshape(b * s, h)
