@@ -41,6 +41,15 @@ CLASSES = {"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
            "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM")}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models are tiny: a second thread only adds contention (10x slower on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
