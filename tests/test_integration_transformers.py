@@ -298,3 +298,16 @@ def test_errors(glm_path, tmp_path, monkeypatch):
                              index_head_dim=16)
     with pytest.raises(ValueError, match="kv_lora_rank=32, qk_rope_head_dim=8, index_head_dim=16"):
         enable(load(small, "glm_moe_dsa"))
+
+
+def test_bf16_model(glm_path, lower_position_ties):
+    # a bf16 model: bf16 latent cache and sparse MLA; with transformers' fp32 scores of the same bf16
+    # q / k it selects what transformers selects, and attends in bf16 (absorbed vs its expanded form)
+    ids = prompts(2, 40, seed=19)
+    want = logits(load(glm_path, "glm_moe_dsa").to(torch.bfloat16), ids)
+    model = enable(load(glm_path, "glm_moe_dsa").to(torch.bfloat16), indexer_fp8=False)
+    got = logits(model, ids)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and rel(got, want) < 3e-2
+    out = enable(load(glm_path, "glm_moe_dsa").to(torch.bfloat16)).generate(  # fp8 indexer from bf16 q / k
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 44)

@@ -86,10 +86,9 @@ def _installed_version() -> str:
 
 def check_transformers_version(version: Optional[str] = None) -> str:
     """The installed transformers version, or a ``ValueError`` when it is outside the supported range."""
-    from packaging.version import Version
-
     if version is None:
         version = _installed_version()
+    from packaging.version import Version  # a dependency of transformers
     lo, hi = Version(SUPPORTED_TRANSFORMERS[0][2:]), Version(SUPPORTED_TRANSFORMERS[1][1:])
     v = Version(version)
     if not (lo <= v < hi):
