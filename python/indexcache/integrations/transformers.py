@@ -350,6 +350,9 @@ def enable(model, *, hf_overrides: Union[None, str, Mapping[str, Any]] = None, i
         attn.forward = types.MethodType(_make_forward(state, i, w_uk, w_uv), attn)
         state.layers.append(attn)
     state.hook = model.model.register_forward_pre_hook(lambda module, args: state.reset())
+    # The replaced attention ignores the implementation; only the mask transformers builds for it is
+    # read. sdpa's is bool (1 byte per query-key pair) where eager's is fp32 (4 GiB at 32K tokens).
+    model.config._attn_implementation = "sdpa"
     model._indexcache_state = state
     model.indexcache_plan = plan
     model.indexcache_summary = ic.describe(plan) + f"; indexer {'fp8' if state.fp8 else 'fp32'}" + (
