@@ -131,8 +131,8 @@ def _windows(mask: Optional[torch.Tensor], batch: int, s_q: int, s_kv: int, devi
     """Each query row's visible keys ``[ks, ke)`` from transformers' 4-D mask ``[B, 1, S, T]``
     (bool: True = visible; float: 0 = visible). The visible keys of a row must be one contiguous run."""
     if mask is None:  # plain causal over the whole cache
-        ke = torch.arange(s_kv - s_q + 1, s_kv + 1, dtype=torch.int32, device=device).expand(batch, s_q)
-        return torch.zeros_like(ke), ke.contiguous()
+        ke = torch.arange(s_kv - s_q + 1, s_kv + 1, dtype=torch.int32, device=device).expand(batch, s_q).contiguous()
+        return torch.zeros_like(ke), ke
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != s_q or mask.shape[3] < s_kv:
         raise ValueError(f"indexcache: expected a [batch, 1, {s_q}, {s_kv}] attention mask, got {tuple(mask.shape)}")
     visible = mask[:, 0, :, :s_kv]
