@@ -28,6 +28,13 @@ transformers = pytest.importorskip("transformers")
 from indexcache.integrations import transformers as ict  # noqa: E402
 from indexcache.integrations.transformers import enable  # noqa: E402
 
+try:
+    ict.check_transformers_version()
+    UNSUPPORTED = None
+except ValueError as e:  # another transformers release installed: only the refusal itself is tested
+    UNSUPPORTED = str(e)
+needs_supported = pytest.mark.skipif(UNSUPPORTED is not None, reason=UNSUPPORTED or "")
+
 # The kernels' widths (512 latent, 64 RoPE, 128 indexer) with everything else tiny.
 WIDTHS = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
               num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1,
@@ -105,6 +112,7 @@ def logits(model, ids, **kw):
 
 # ============================================================================ GLM-5 against transformers
 
+@needs_supported
 def test_glm_shipped_indexer_types(tmp_path, monkeypatch):
     path = write_checkpoint(tmp_path, "glm_moe_dsa", seed=1, indexer_types=["full", "shared", "full", "shared"])
     ids = prompts(2, 60, seed=2)
@@ -130,6 +138,7 @@ def test_glm_shipped_indexer_types(tmp_path, monkeypatch):
     ({"use_index_cache": True, "index_topk_freq": 2}, "FFSF"),
     ('{"use_index_cache": true, "index_topk_pattern": "FSSF"}', "FSSF"),
 ])
+@needs_supported
 def test_glm_overrides_replace_shipped_indexer_types(tmp_path, overrides, pattern, lower_position_ties):
     # transformers writes indexer_types (all "full") into every GLM config it saves; the user's
     # freq / pattern replaces it (DESIGN §2)
@@ -148,6 +157,7 @@ def test_glm_overrides_replace_shipped_indexer_types(tmp_path, overrides, patter
 # ============================================================================ DeepSeek-V3.2 against this project's model
 
 @pytest.mark.parametrize("fp8", [False, None])
+@needs_supported
 def test_deepseek_v32_pattern_equals_project_model(tmp_path, fp8):
     from indexcache.models import from_pretrained
 
@@ -166,6 +176,7 @@ def test_deepseek_v32_pattern_equals_project_model(tmp_path, fp8):
     assert rel(logits(model, ids), want) < (1e-4 if fp8 is False else FP8_BAR)
 
 
+@needs_supported
 def test_deepseek_v32_all_full_equals_transformers(tmp_path, lower_position_ties):
     # no overrides: V3.2 has no IndexCache in transformers, every layer F
     path = write_checkpoint(tmp_path, "deepseek_v32", seed=7)
@@ -185,6 +196,7 @@ def glm_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("num_beams", [1, 2])
+@needs_supported
 def test_generate_equals_unpatched(glm_path, num_beams, lower_position_ties):
     ids = prompts(2, 40, seed=10)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, num_beams=num_beams)
@@ -194,6 +206,7 @@ def test_generate_equals_unpatched(glm_path, num_beams, lower_position_ties):
 
 
 @pytest.mark.parametrize("fp8", [None, False])
+@needs_supported
 def test_cached_decode_equals_whole_sequence(glm_path, fp8):
     # the latent and index-K caches (132-byte fp8 rows by default) give the same logits step by
     # step as one forward over the whole sequence
@@ -206,6 +219,7 @@ def test_cached_decode_equals_whole_sequence(glm_path, fp8):
     assert rel(step_logits, whole) < 1e-5
 
 
+@needs_supported
 def test_crop_then_continue(glm_path):
     # assisted decoding crops the cache; the latent and index-K caches crop with it
     model = enable(load(glm_path, "glm_moe_dsa"))
@@ -221,6 +235,7 @@ def test_crop_then_continue(glm_path):
 
 # ============================================================================ batches
 
+@needs_supported
 def test_left_padded_batch_equals_single_prompts(glm_path):
     model = enable(load(glm_path, "glm_moe_dsa"))
     a, b = prompts(1, 40, seed=13), prompts(1, 28, seed=14)
@@ -232,6 +247,7 @@ def test_left_padded_batch_equals_single_prompts(glm_path):
         assert torch.equal(batch[i, 40:], alone[0, p.shape[1]:])
 
 
+@needs_supported
 def test_two_sequences_packed_in_one_row(glm_path):
     # padding-free packing: position_ids restart at 0 and transformers' mask is block-diagonal
     model = enable(load(glm_path, "glm_moe_dsa"))
@@ -245,6 +261,7 @@ def test_two_sequences_packed_in_one_row(glm_path):
 
 # ============================================================================ errors
 
+@needs_supported
 def test_errors(glm_path, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="is not supported; supported transformers classes"):
         enable(torch.nn.Linear(2, 2))
@@ -300,6 +317,7 @@ def test_errors(glm_path, tmp_path, monkeypatch):
         enable(load(small, "glm_moe_dsa"))
 
 
+@needs_supported
 def test_bf16_model(glm_path, lower_position_ties):
     # a bf16 model: bf16 latent cache and sparse MLA; with transformers' fp32 scores of the same bf16
     # q / k it selects what transformers selects, and attends in bf16 (absorbed vs its expanded form)
@@ -311,3 +329,9 @@ def test_bf16_model(glm_path, lower_position_ties):
     out = enable(load(glm_path, "glm_moe_dsa").to(torch.bfloat16)).generate(  # fp8 indexer from bf16 q / k
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 44)
+
+
+def test_installed_version_outside_the_range_is_refused(monkeypatch):
+    monkeypatch.setattr(ict, "_installed_version", lambda: "5.40.0")
+    with pytest.raises(ValueError, match=r"transformers 5\.40\.0 is not supported.*>=5\.24\.0,<5\.25"):
+        enable(torch.nn.Linear(2, 2))
