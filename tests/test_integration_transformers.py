@@ -326,9 +326,12 @@ def test_bf16_model(glm_path, lower_position_ties):
     model = enable(load(glm_path, "glm_moe_dsa").to(torch.bfloat16), indexer_fp8=False)
     got = logits(model, ids)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and rel(got, want) < 3e-2
-    out = enable(load(glm_path, "glm_moe_dsa").to(torch.bfloat16)).generate(  # fp8 indexer from bf16 q / k
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-    assert out.shape == (2, 44)
+    # fp8 indexer from bf16 q / k, the model converted after enable (the absorbed weights follow)
+    model = enable(load(glm_path, "glm_moe_dsa")).to(torch.bfloat16)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert out.sequences.shape == (2, 44) and all(torch.isfinite(x).all() for x in out.logits)
+    assert model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
 
 
 def test_installed_version_outside_the_range_is_refused(monkeypatch):

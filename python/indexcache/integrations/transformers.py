@@ -6,8 +6,8 @@ attention under a top-k mask, so prefill and decode stay quadratic in context. `
 replaces, in place, the ``forward`` of each layer's attention module with absorbed sparse MLA
 over this package's ops, keeping the model's own weights and its ``forward`` / ``generate()``:
 
-- **Absorbed MLA.** ``kv_b_proj.weight`` is viewed once as W_UK ``[h, nope, latent]`` and W_UV
-  ``[h, v, latent]`` (views: no copy, the state dict is unchanged). A query becomes
+- **Absorbed MLA.** ``kv_b_proj.weight`` is split into W_UK ``[h, nope, latent]`` and W_UV
+  ``[h, v, latent]`` as views (no copy, the state dict is unchanged). A query becomes
   ``[q_nope · W_UK | q_rope]`` (576 wide); ``ops.sparse_mla`` attends the latent cache at the
   selected slots only; the 512-wide result goes through W_UV and ``o_proj``.
 - **Caches inside transformers' cache object.** Each layer's latent KV (normed ``kv_c`` and the
@@ -213,7 +213,15 @@ def _indexer_topk(attn, state: _State, hidden_states, q_resid, cos, sin, cache, 
     return torch.where(pos >= 0, pos + base, torch.full_like(pos, -1))
 
 
-def _make_forward(state: _State, layer_pos: int, w_uk: torch.Tensor, w_uv: torch.Tensor):
+def _absorbed_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_UK ``[h, nope, latent]`` and W_UV ``[h, v, latent]``: views of the live ``kv_b_proj.weight``
+    (no copy; taken per call so that ``model.to(...)`` after ``enable`` is followed)."""
+    nope = attn.qk_nope_head_dim
+    w = attn.kv_b_proj.weight.view(attn.num_heads, nope + attn.v_head_dim, attn.kv_lora_rank)
+    return w[:, :nope], w[:, nope:]
+
+
+def _make_forward(state: _State, layer_pos: int):
     full = not state.plan.skip_topk[layer_pos]
 
     def forward(attn, hidden_states, position_embeddings=None, attention_mask=None, cache=None, position_ids=None,
@@ -252,6 +260,7 @@ def _make_forward(state: _State, layer_pos: int, w_uk: torch.Tensor, w_uv: torch
         elif state.slots is None or state.slots.shape[0] != b * s:
             raise RuntimeError(f"indexcache: layer {attn.layer_idx} reuses top-k indices but no F layer wrote them in "
                                "this forward pass")
+        w_uk, w_uv = _absorbed_weights(attn)
         q_abs = torch.cat((torch.einsum("bhsn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype)), q_rot.transpose(1, 2)),
                           dim=-1).reshape(b * s, h, latent + rope).contiguous()
         kv_flat = kv.reshape(b * s_kv, 1, latent + rope)
@@ -345,9 +354,8 @@ def enable(model, *, hf_overrides: Union[None, str, Mapping[str, Any]] = None, i
             attn.indexer = None  # S layers own no indexer (DESIGN §4)
             if hasattr(attn, "skip_topk"):
                 attn.skip_topk = True
-        w = attn.kv_b_proj.weight.view(attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim, attn.kv_lora_rank)
-        w_uk, w_uv = w[:, : attn.qk_nope_head_dim], w[:, attn.qk_nope_head_dim:]  # views of the checkpoint weight
-        attn.forward = types.MethodType(_make_forward(state, i, w_uk, w_uv), attn)
+        _absorbed_weights(attn)  # the split must fit the loaded weight
+        attn.forward = types.MethodType(_make_forward(state, i), attn)
         state.layers.append(attn)
     state.hook = model.model.register_forward_pre_hook(lambda module, args: state.reset())
     # The replaced attention ignores the implementation; only the mask transformers builds for it is
