@@ -16,7 +16,6 @@
 Prompts are longer than ``index_topk`` (16), so dense attention could not pass.
 """
 
-import copy
 import json
 import warnings
 
