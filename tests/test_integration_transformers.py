@@ -226,6 +226,14 @@ def test_crop_then_continue(glm_path):
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
+        # F layers (0, 2) hold 132-byte fp8 index-K rows, S layers (1, 3) none; every layer one
+        # 576-wide latent row per token
+        for i, layer in enumerate(cache.layers):
+            assert layer.keys.shape == (1, 1, 36, 576) and layer.values.shape[-1] == 0
+            if i % 2 == 0:
+                assert layer.indexer_keys.dtype == torch.uint8 and layer.indexer_keys.shape == (1, 36, 132)
+            else:
+                assert layer.indexer_keys is None
         cache.crop(-6)
         assert cache.get_seq_length() == 30
         tail = model(input_ids=ids[:, 30:], cache=cache, use_cache=True).logits
