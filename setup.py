@@ -158,5 +158,7 @@ setup(
     cmdclass=cmdclass,
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "numpy", "safetensors", "tqdm"],
+    # indexcache.integrations.transformers.enable: the releases it was tested against (SUPPORTED_TRANSFORMERS)
+    extras_require={"transformers": ["transformers>=5.24.0,<5.25"]},
     entry_points={"console_scripts": ["indexcache=indexcache.cli:main"]},
 )

@@ -1,0 +1,368 @@
+"""Make a transformers DSA model truly sparse: ``enable(model)`` (DESIGN.md §10, §12).
+
+transformers' ``DeepseekV32ForCausalLM`` and ``GlmMoeDsaForCausalLM`` score every key with an
+fp32 matmul, expand K and V of every cached token through ``kv_b_proj`` and then run dense
+attention under a top-k mask, so prefill and decode stay quadratic in context. ``enable``
+replaces, in place, the ``forward`` of each layer's attention module with absorbed sparse MLA
+over this package's ops, keeping the model's own weights and its ``forward`` / ``generate()``:
+
+- **Absorbed MLA.** ``kv_b_proj.weight`` is split into W_UK ``[h, nope, latent]`` and W_UV
+  ``[h, v, latent]`` as views (no copy, the state dict is unchanged). A query becomes
+  ``[q_nope · W_UK | q_rope]`` (576 wide); ``ops.sparse_mla`` attends the latent cache at the
+  selected slots only; the 512-wide result goes through W_UV and ``o_proj``.
+- **Caches inside transformers' cache object.** Each layer's latent KV (normed ``kv_c`` and the
+  RoPE'd key, 576 values per token) is stored as the *keys* of its ``DynamicIndexedLayer`` (the
+  values are zero-wide), and the index-K cache of F layers through ``update_indexer``: 132-byte
+  rows (128 e4m3 bytes after the Hadamard rotation, then the fp32 power-of-two scale), or the
+  unquantized keys with ``indexer_fp8=False``. transformers' own ``crop``, ``reorder_cache``
+  (beam search), ``batch_repeat_interleave`` and ``batch_select_indices`` therefore act on them
+  unchanged. Static and quantized caches are refused (their layers preallocate transformers'
+  expanded shapes).
+- **Fused scoring + top-k** (``ops.indexer_topk``) over each query row's window, read from the
+  4-D attention mask transformers builds (causal, left/right padding, packed sequences): every
+  row's visible keys must form one contiguous run, anything else is a clear error.
+- **IndexCache** from the model's config and ``hf_overrides`` with DESIGN §2's precedence
+  (``IndexCacheConfig``): F layers write the top-k slots of this forward pass, S layers reuse
+  those of the nearest earlier F layer; S layers' indexer modules are released.
+
+Results: with ``indexer_fp8=False`` the scores are transformers' (unquantized fp32) and the logits
+equal its own model's; the default (``None`` / ``True``) scores in fp8 after the Hadamard rotation
+as the checkpoints were trained (DESIGN §4). Ties in the top-k go to the lower position.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from indexcache import ops
+from indexcache.config import IndexCacheConfig, parse_overrides
+from indexcache.plan import LayerPlan
+
+# The transformers releases this integration was built and tested against. It replaces the attention
+# module's forward and reads transformers' cache layers, whose signatures move between releases, so
+# a version outside the range is refused rather than run on trust (the range is also the
+# ``indexcache[transformers]`` extra in setup.py).
+SUPPORTED_TRANSFORMERS = (">=5.24.0", "<5.25")
+# The kernels' widths (DESIGN §4, §5): every production DSA checkpoint has them.
+KERNEL_WIDTHS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+# --hf-overrides keys beyond IndexCache's that enable() can still honour on a loaded model.
+EXTRA_OVERRIDE_KEYS = ("index_topk", "indexer_hadamard")
+
+
+@dataclass(frozen=True)
+class _Family:
+    name: str
+    module: str  # transformers.models.<module>.modeling_<module>
+    causal_lm: str
+    attention: str
+    indexer_rope: str  # name of the RoPE function the indexer uses in that module
+    returns_topk: bool  # GLM's attention returns (out, weights, topk) and reads prev_topk_indices
+    # transformers' interleaved RoPE returns the rotated pairs de-interleaved ([evens | odds]); a dot
+    # product does not care, but the Hadamard rotation before fp8 does: the checkpoints (and vLLM, and
+    # this project's model) rotate in place, so the fp8 path restores the interleaved layout
+    indexer_rope_deinterleaved: bool
+
+
+FAMILIES = {
+    "DeepseekV32ForCausalLM": _Family("deepseek_v32", "deepseek_v32", "DeepseekV32ForCausalLM", "DeepseekV32Attention",
+                                      "apply_rotary_pos_emb", False, False),
+    "GlmMoeDsaForCausalLM": _Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaForCausalLM", "GlmMoeDsaAttention",
+                                    "apply_rotary_pos_emb_interleave", True, True),
+}
+
+
+def _installed_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("indexcache.integrations.transformers needs transformers "
+                         f"{','.join(SUPPORTED_TRANSFORMERS)}: pip install 'indexcache[transformers]'") from None
+    return transformers.__version__
+
+
+def check_transformers_version(version: Optional[str] = None) -> str:
+    """The installed transformers version, or a ``ValueError`` when it is outside the supported range."""
+    if version is None:
+        version = _installed_version()
+    from packaging.version import Version  # a dependency of transformers
+    lo, hi = Version(SUPPORTED_TRANSFORMERS[0][2:]), Version(SUPPORTED_TRANSFORMERS[1][1:])
+    v = Version(version)
+    if not (lo <= v < hi):
+        raise ValueError(f"transformers {version} is not supported by indexcache.integrations.transformers "
+                         f"(supported: {','.join(SUPPORTED_TRANSFORMERS)}); it replaces the attention forward and "
+                         "reads transformers' cache layers, which change between releases")
+    return version
+
+
+# ----------------------------------------------------------------------------- per-model state
+
+@dataclass
+class _State:
+    family: _Family
+    plan: LayerPlan
+    ic_config: IndexCacheConfig
+    fp8: bool
+    hadamard: bool
+    index_topk: int
+    rope_mla: Callable
+    rope_indexer: Callable
+    # per forward pass (reset by a pre-hook on the decoder stack)
+    windows: Optional[tuple] = None  # (ks, ke) int32 [B, S] of the current forward
+    slots: Optional[torch.Tensor] = None  # int32 [B * S, index_topk]: the last F layer's selection
+    topk_buffer: Optional[torch.Tensor] = None  # grown as needed, reused across passes (DESIGN §3)
+    hook: Any = None
+    layers: list = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.windows, self.slots = None, None
+
+    def buffer(self, rows: int, device) -> torch.Tensor:
+        buf = self.topk_buffer
+        if buf is None or buf.shape[0] < rows or buf.device != device:
+            self.topk_buffer = buf = torch.empty((max(rows, 1), self.index_topk), dtype=torch.int32, device=device)
+        return buf
+
+
+def _windows(mask: Optional[torch.Tensor], batch: int, s_q: int, s_kv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's visible keys ``[ks, ke)`` from transformers' 4-D mask ``[B, 1, S, T]``
+    (bool: True = visible; float: 0 = visible). The visible keys of a row must be one contiguous run."""
+    if mask is None:  # plain causal over the whole cache
+        ke = torch.arange(s_kv - s_q + 1, s_kv + 1, dtype=torch.int32, device=device).expand(batch, s_q).contiguous()
+        return torch.zeros_like(ke), ke
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != s_q or mask.shape[3] < s_kv:
+        raise ValueError(f"indexcache: expected a [batch, 1, {s_q}, {s_kv}] attention mask, got {tuple(mask.shape)}")
+    visible = mask[:, 0, :, :s_kv]
+    visible = visible if visible.dtype == torch.bool else visible == 0
+    if visible.shape[0] != batch:
+        visible = visible.expand(batch, -1, -1)
+    count = visible.sum(-1, dtype=torch.int32)
+    first = visible.to(torch.uint8).argmax(-1).to(torch.int32)
+    last = s_kv - visible.flip(-1).to(torch.uint8).argmax(-1).to(torch.int32)
+    empty = count == 0
+    ks = torch.where(empty, torch.zeros_like(first), first)
+    ke = torch.where(empty, torch.zeros_like(last), last)
+    if not torch.equal(ke - ks, count):
+        raise ValueError("indexcache: this attention mask gives a query row visible keys that are not one contiguous "
+                         "run; supported masks are causal with left/right padding or packed sequences")
+    return ks.contiguous(), ke.contiguous()
+
+
+def _check_cache(cache, layer_idx: int) -> None:
+    from transformers.cache_utils import DynamicIndexedLayer
+
+    if len(cache.layers) <= layer_idx:
+        return  # created lazily by update()
+    layer = cache.layers[layer_idx]
+    if type(layer) is not DynamicIndexedLayer:
+        raise ValueError(f"indexcache: layer {layer_idx}'s cache is a {type(layer).__name__}; an enabled model stores "
+                         "its latent and index-K caches in transformers' DynamicCache (DynamicIndexedLayer) only. "
+                         "Use the default cache (no cache_implementation='static' / quantized caches)")
+    if layer.is_initialized and layer.keys.numel() and (layer.values.shape[-1] != 0 or layer.keys.shape[1] != 1):
+        raise ValueError(f"indexcache: layer {layer_idx}'s cache was filled by the model before enable() "
+                         "(expanded keys/values); start a new cache")
+
+
+# ----------------------------------------------------------------------------- the attention forward
+
+def _indexer_topk(attn, state: _State, hidden_states, q_resid, cos, sin, cache, ks, ke, s_kv) -> torch.Tensor:
+    """Run the layer's own indexer weights through the fused kernels; returns int32 [B*S, topk] slots."""
+    idx = attn.indexer
+    b, s, _ = hidden_states.shape
+    h, d, r = idx.n_heads, idx.head_dim, idx.qk_rope_head_dim
+    q = idx.wq_b(q_resid).view(b, s, h, d)
+    q_rot, q_pass = torch.split(q, [r, d - r], dim=-1)
+    k = idx.k_norm(idx.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [r, d - r], dim=-1)
+    q_rot, k_rot = state.rope_indexer(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    if state.fp8 and state.family.indexer_rope_deinterleaved:
+        q_rot = torch.stack(q_rot.chunk(2, dim=-1), dim=-1).flatten(-2)
+        k_rot = torch.stack(k_rot.chunk(2, dim=-1), dim=-1).flatten(-2)
+    q = torch.cat([q_rot, q_pass], dim=-1).reshape(b * s, h, d)
+    k = torch.cat([k_rot, k_pass], dim=-1).reshape(b * s, d)
+    w = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float().reshape(b * s, h)
+    if state.fp8:
+        eps = ops.INDEX_K_EPS if state.hadamard else ops.INDEX_Q_EPS  # DeepSeek floors q's amax at 1e-4 too
+        q_in, q_scale = ops.quantize_fp8(q.contiguous(), eps, state.hadamard)
+        weights = ops.indexer_weights(w, q_scale.squeeze(-1))
+        k_val, k_scale = ops.quantize_fp8(k.contiguous(), ops.INDEX_K_EPS, state.hadamard)
+        rows = torch.cat((k_val.view(torch.uint8), k_scale.view(torch.uint8)), dim=-1)  # [B*S, 132]
+        new_keys = rows.view(b, s, d + 4)
+    else:
+        q_in, weights = q.float().contiguous(), ops.indexer_weights(w)
+        new_keys = k.view(b, s, d)
+    keys = cache.update_indexer(new_keys, attn.layer_idx) if cache is not None else new_keys
+    if keys.shape[1] != s_kv:
+        raise ValueError(f"indexcache: layer {attn.layer_idx}'s index-K cache holds {keys.shape[1]} tokens but its "
+                         f"KV cache {s_kv}; was the cache filled with another IndexCache plan?")
+    buf = state.buffer(b * s, q.device)
+    for i in range(b):
+        rows = slice(i * s, (i + 1) * s)
+        if state.fp8:
+            k_in = keys[i, :, :d].contiguous().view(torch.float8_e4m3fn)
+            k_sc = keys[i, :, d:].contiguous().view(torch.float32).reshape(-1)
+        else:
+            k_in, k_sc = keys[i].float().contiguous(), None
+        ops.indexer_topk(q_in[rows], k_in, k_sc, weights[rows], ks[i], ke[i], state.index_topk, out=buf[rows])
+    pos = buf[: b * s]
+    # request-relative positions (from ks) -> slots of the flattened [B * T] latent cache
+    base = (torch.arange(b, dtype=torch.int32, device=ks.device).unsqueeze(1) * s_kv + ks).reshape(-1, 1)
+    return torch.where(pos >= 0, pos + base, torch.full_like(pos, -1))
+
+
+def _absorbed_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_UK ``[h, nope, latent]`` and W_UV ``[h, v, latent]``: views of the live ``kv_b_proj.weight``
+    (no copy; taken per call so that ``model.to(...)`` after ``enable`` is followed)."""
+    nope = attn.qk_nope_head_dim
+    w = attn.kv_b_proj.weight.view(attn.num_heads, nope + attn.v_head_dim, attn.kv_lora_rank)
+    return w[:, :nope], w[:, nope:]
+
+
+def _make_forward(state: _State, layer_pos: int):
+    full = not state.plan.skip_topk[layer_pos]
+
+    def forward(attn, hidden_states, position_embeddings=None, attention_mask=None, cache=None, position_ids=None,
+                prev_topk_indices=None, **kwargs):
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        if attn.training:
+            raise RuntimeError("indexcache: an enabled model runs inference only (the sparse ops have no backward); "
+                               "call model.eval()")
+        with torch.no_grad():
+            out = _attend(attn, hidden_states, position_embeddings, attention_mask, cache)
+        return (out, None, None) if state.family.returns_topk else (out, None)
+
+    def _attend(attn, hidden_states, position_embeddings, attention_mask, cache):
+        b, s, _ = hidden_states.shape
+        h, nope, rope, latent = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
+        q = attn.q_b_proj(q_resid).view(b, s, h, nope + rope).transpose(1, 2)
+        q_nope, q_rot = torch.split(q, [nope, rope], dim=-1)
+        kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [latent, rope], dim=-1)
+        k_pass = attn.kv_a_layernorm(kv_pass).view(b, 1, s, latent)
+        cos, sin = position_embeddings
+        q_rot, k_rot = state.rope_mla(q_rot, k_rot.view(b, 1, s, rope), cos, sin)
+        new_kv = torch.cat((k_pass, k_rot), dim=-1)  # [B, 1, S, 576]: the latent cache row
+        if cache is not None:
+            _check_cache(cache, attn.layer_idx)
+            kv, _ = cache.update(new_kv, new_kv[..., :0], attn.layer_idx)
+        else:
+            kv = new_kv
+        s_kv = kv.shape[2]
+        if state.windows is None:
+            state.windows = _windows(attention_mask, b, s, s_kv, hidden_states.device)
+        ks, ke = state.windows
+        if full:
+            state.slots = _indexer_topk(attn, state, hidden_states, q_resid, cos, sin, cache, ks, ke, s_kv)
+        elif state.slots is None or state.slots.shape[0] != b * s:
+            raise RuntimeError(f"indexcache: layer {attn.layer_idx} reuses top-k indices but no F layer wrote them in "
+                               "this forward pass")
+        w_uk, w_uv = _absorbed_weights(attn)
+        q_abs = torch.cat((torch.einsum("bhsn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype)), q_rot.transpose(1, 2)),
+                          dim=-1).reshape(b * s, h, latent + rope).contiguous()
+        kv_flat = kv.reshape(b * s_kv, 1, latent + rope)
+        if not kv_flat.is_contiguous():  # after transformers' crop() of a batch
+            kv_flat = kv_flat.contiguous()
+        out, _ = ops.sparse_mla(q_abs.to(kv_flat.dtype), kv_flat, state.slots, attn.scaling, d_v=latent)
+        o = torch.einsum("nhc,hvc->nhv", out.to(hidden_states.dtype), w_uv.to(hidden_states.dtype))
+        return attn.o_proj(o.reshape(b, s, h * o.shape[-1]))
+
+    return forward
+
+
+# ----------------------------------------------------------------------------- enable
+
+def _family_of(model) -> _Family:
+    fam = FAMILIES.get(type(model).__name__)
+    if fam is not None:
+        import importlib
+
+        mod = importlib.import_module(f"transformers.models.{fam.module}.modeling_{fam.module}")
+        if isinstance(model, getattr(mod, fam.causal_lm)):
+            return fam
+    raise ValueError(f"indexcache.integrations.transformers.enable: {type(model).__module__}.{type(model).__name__} "
+                     f"is not supported; supported transformers classes: {', '.join(sorted(FAMILIES))} "
+                     "(HY-V4, MiniMax-M3 and DeepSeek-V4 join when their blocks are served)")
+
+
+def enable(model, *, hf_overrides: Union[None, str, Mapping[str, Any]] = None, indexer_fp8: Optional[bool] = None):
+    """Make a loaded transformers DSA model truly sparse, in place; returns it.
+
+    model: a transformers ``DeepseekV32ForCausalLM`` or ``GlmMoeDsaForCausalLM`` (CPU or CUDA,
+    fp32 or bf16) with the kernels' widths (kv_lora_rank 512, qk_rope_head_dim 64,
+    index_head_dim 128). hf_overrides: vLLM's ``--hf-overrides`` JSON (object or string):
+    IndexCache keys with DESIGN §2's precedence over the config, plus ``index_topk`` and
+    ``indexer_hadamard``. indexer_fp8: None/True score in fp8 after the Hadamard rotation (the
+    checkpoints' trained numerics, DESIGN §4); False keeps transformers' unquantized fp32 scores.
+
+    After it, ``model.indexcache_plan`` is the LayerPlan in force and ``model.indexcache_summary``
+    describes it. Raises ``ValueError`` for an unsupported class, transformers version, widths,
+    override key, or a plan needing an indexer the loaded model does not have.
+    """
+    check_transformers_version()
+    fam = _family_of(model)
+    if getattr(model, "_indexcache_state", None) is not None:
+        raise ValueError("indexcache: enable() was already called on this model")
+    if indexer_fp8 not in (None, True, False):
+        raise ValueError(f"indexer_fp8 must be None, True or False, got {indexer_fp8!r}")
+    config = model.config
+    bad = {k: getattr(config, k) for k, v in KERNEL_WIDTHS.items() if getattr(config, k) != v}
+    if bad:
+        raise ValueError(f"indexcache: the sparse kernels need {KERNEL_WIDTHS}; this model has "
+                         f"{', '.join(f'{k}={v}' for k, v in bad.items())}")
+    overrides = parse_overrides(hf_overrides)
+    cfg_dict = config.to_dict()
+    unknown = sorted(k for k in overrides
+                     if k not in EXTRA_OVERRIDE_KEYS and k not in ("use_index_cache", "index_topk_freq",
+                                                                   "index_topk_pattern", "index_skip_topk_offset",
+                                                                   "indexer_types"))
+    if unknown:
+        raise ValueError(f"indexcache: enable() cannot apply --hf-overrides {', '.join(unknown)} to a loaded model "
+                         f"(it takes IndexCache keys and {', '.join(EXTRA_OVERRIDE_KEYS)}); set them on the config "
+                         "before from_pretrained")
+    ic_overrides = {k: v for k, v in overrides.items() if k not in EXTRA_OVERRIDE_KEYS}
+    ic = IndexCacheConfig.from_config(cfg_dict, ic_overrides)
+    num_layers = config.num_hidden_layers
+    plan = ic.plan(num_layers, 0)  # transformers does not load MTP layers
+    index_topk = overrides.get("index_topk", config.index_topk)
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk must be an integer >= 1, got {index_topk!r}")
+    hadamard = overrides.get("indexer_hadamard", getattr(config, "indexer_hadamard", True))
+    if not isinstance(hadamard, bool):
+        raise ValueError(f"indexer_hadamard must be true or false, got {hadamard!r}")
+
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{fam.module}.modeling_{fam.module}")
+    layers = model.model.layers[:num_layers]
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        if type(attn).__name__ != fam.attention:
+            raise ValueError(f"indexcache: layer {i}'s attention is a {type(attn).__name__}, expected {fam.attention}")
+        if not plan.skip_topk[i] and getattr(attn, "indexer", None) is None:
+            raise ValueError(f"indexcache: the plan makes layer {i} F (it computes top-k) but the loaded model has no "
+                             f"indexer there (config.indexer_types says 'shared'); reload the model with the indexer "
+                             "weights, e.g. from_pretrained(..., indexer_types=[...]) with that layer 'full'")
+    state = _State(fam, plan, ic, fp8=indexer_fp8 is not False, hadamard=hadamard, index_topk=index_topk,
+                   rope_mla=mod.apply_rotary_pos_emb_interleave, rope_indexer=getattr(mod, fam.indexer_rope))
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        if plan.skip_topk[i]:
+            attn.indexer = None  # S layers own no indexer (DESIGN §4)
+            if hasattr(attn, "skip_topk"):
+                attn.skip_topk = True
+        _absorbed_weights(attn)  # the split must fit the loaded weight
+        attn.forward = types.MethodType(_make_forward(state, i), attn)
+        state.layers.append(attn)
+    state.hook = model.model.register_forward_pre_hook(lambda module, args: state.reset())
+    # The replaced attention ignores the implementation; only the mask transformers builds for it is
+    # read. sdpa's is bool (1 byte per query-key pair) where eager's is fp32 (4 GiB at 32K tokens).
+    model.config._attn_implementation = "sdpa"
+    model._indexcache_state = state
+    model.indexcache_plan = plan
+    model.indexcache_summary = ic.describe(plan) + f"; indexer {'fp8' if state.fp8 else 'fp32'}" + (
+        " + Hadamard" if state.fp8 and hadamard else "")
+    return model
