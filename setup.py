@@ -158,5 +158,10 @@ setup(
     cmdclass=cmdclass,
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "numpy", "safetensors", "tqdm"],
-    entry_points={"console_scripts": ["indexcache=indexcache.cli:main"]},
+    entry_points={
+        "console_scripts": ["indexcache=indexcache.cli:main"],
+        # vLLM loads this in every process it starts (workers included); the function does
+        # nothing unless vLLM runs on its CPU platform within the supported version range.
+        "vllm.general_plugins": ["indexcache = indexcache.integrations.vllm:register"],
+    },
 )
