@@ -160,5 +160,10 @@ setup(
     install_requires=["torch>=2.6", "numpy", "safetensors", "tqdm"],
     # indexcache.integrations.transformers.enable: the releases it was tested against (SUPPORTED_TRANSFORMERS)
     extras_require={"transformers": ["transformers>=5.24.0,<5.25"]},
-    entry_points={"console_scripts": ["indexcache=indexcache.cli:main"]},
+    entry_points={
+        "console_scripts": ["indexcache=indexcache.cli:main"],
+        # vLLM loads this in every process it starts (workers included); the function does
+        # nothing unless vLLM runs on its CPU platform within the supported version range.
+        "vllm.general_plugins": ["indexcache = indexcache.integrations.vllm:register"],
+    },
 )

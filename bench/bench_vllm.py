@@ -1,0 +1,129 @@
+"""vLLM CPU throughput of a DSA model through the indexcache plugin: IndexCache freq 1 vs freq 4.
+
+Runs in .venv-vllm (``bash scripts/setup_vllm.sh``)::
+
+    .venv-vllm/bin/python bench/bench_vllm.py --requests 1 4 --prompt-len 512 --decode 32 --repeats 3
+
+A random GLM-5-shaped checkpoint (production latent widths 512 + 64, indexer 128; small hidden size
+and layer count so that the indexer and attention are a visible share of the work) is written once
+by transformers. For each setting and request count the engine serves ``requests`` prompts of
+``prompt-len`` tokens: prefill tokens/s from a 1-token generation, decode tokens/s from the extra time
+of a ``decode``-token generation. Medians over ``repeats``. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+
+def write_checkpoint(path: Path, layers: int, hidden: int, topk: int, seed: int = 0) -> Path:
+    import transformers
+
+    cfg = transformers.GlmMoeDsaConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=hidden, qk_rope_head_dim=64,
+        qk_nope_head_dim=64, v_head_dim=64, index_topk=topk, index_head_dim=128, index_n_heads=8,
+        first_k_dense_replace=1, max_position_embeddings=8192, routed_scaling_factor=2.5, n_group=1,
+        topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid")
+    model = transformers.GlmMoeDsaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def measure(path, freq: int, requests: list[int], prompt_len: int, decode: int, repeats: int, kv_mib: int):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    overrides = {"use_index_cache": True, "index_topk_freq": freq, "index_skip_topk_offset": 1}
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=prompt_len + decode + 8,
+              kv_cache_memory_bytes=kv_mib << 20, enforce_eager=True, seed=0, hf_overrides=overrides,
+              max_num_seqs=max(requests), max_num_batched_tokens=max(requests) * prompt_len)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    try:
+        def run(n, max_tokens):
+            ps = [TokensPrompt(prompt_token_ids=torch.randint(0, 512, (prompt_len,), generator=g).tolist())
+                  for _ in range(n)]
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+            t0 = time.perf_counter()
+            llm.generate(ps, sp, use_tqdm=False)
+            return time.perf_counter() - t0
+
+        run(1, 2)  # warm-up
+        for n in requests:
+            pre, dec = [], []
+            for _ in range(repeats):
+                t_pre = run(n, 1)
+                t_all = run(n, 1 + decode)
+                pre.append(n * prompt_len / t_pre)
+                dec.append(n * decode / max(t_all - t_pre, 1e-9))
+            rows.append({"freq": freq, "requests": n, "prefill_tok_s": statistics.median(pre),
+                         "decode_tok_s": statistics.median(dec)})
+    finally:
+        del llm
+        gc.collect()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--freqs", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--kv-mib", type=int, default=256)
+    ap.add_argument("--json", default="bench_vllm.json")
+    args = ap.parse_args(argv)
+    import vllm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp), args.layers, args.hidden, args.topk)
+        rows = []
+        for freq in args.freqs:
+            rows += measure(path, freq, args.requests, args.prompt_len, args.decode, args.repeats, args.kv_mib)
+    info = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "vllm": vllm.__version__,
+            "torch": torch.__version__, "args": vars(args), "rows": rows}
+    print(f"vLLM {vllm.__version__} CPU, {info['cpu']}; GLM-5-shaped random model, {args.layers} layers, "
+          f"hidden {args.hidden}, index_topk {args.topk}, prompts of {args.prompt_len}, {args.decode} decode steps, "
+          f"bf16, median of {args.repeats}")
+    print(f"{'freq':>4} {'requests':>8} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for r in rows:
+        print(f"{r['freq']:>4} {r['requests']:>8} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f}")
+    Path(args.json).write_text(json.dumps(info, indent=2))
+
+
+if __name__ == "__main__":
+    main()

