@@ -105,7 +105,7 @@ def _error_cases(tmp):
 
 def _spawn(tmp, world, layouts, errors_too=False):
     mp.start_processes(_worker, args=(world, tmp, layouts, errors_too), nprocs=world, join=True, start_method="spawn")
-    outs = [torch.load(tmp / f"rank{r}_{world}.pt", weights_only=False) for r in range(world)]
+    outs = [torch.load(tmp / f"rank{r}_{world}.pt", weights_only=True) for r in range(world)]
     for r, o in enumerate(outs):
         assert "failure" not in o, f"rank {r}:\n{o['failure']}"
     return outs

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from indexcache.config import IndexCacheConfig
+from indexcache.formats import FP32_PARAMS
 from indexcache.parallel import (WEIGHTS_CHOICES, ParallelContext, ShardedLinear, head_logits, make_embedding,
                                  make_lm_head, stage_bounds, stage_start_full_pattern)
 from indexcache.plan import LayerPlan, build_layer_plan
@@ -47,10 +48,6 @@ class DeepseekV32Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if par.last_stage else None
 
 
-
-# Kept in fp32 whatever the model dtype: the indexer's head weights and the router bias (as the
-# checkpoints store them), and the LM heads, whose logits DeepSeek's reference computes in fp32.
-_FP32_PARAMS = ("weights_proj.weight", "e_score_correction_bias", "lm_head.weight", "shared_head.head.weight")
 
 
 class DeepseekV32ForCausalLM(nn.Module):
@@ -158,7 +155,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             if p.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv"):
                 continue  # FP8 weights and their fp32 block scales stay as they are
-            p.data = p.data.to(torch.float32 if name.endswith(_FP32_PARAMS) else dtype)
+            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> "DeepseekV32ForCausalLM":
