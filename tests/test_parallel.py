@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from indexcache.generation import generate
+from indexcache.runtime import generate
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
 from indexcache.parallel import ParallelContext, ShardedLinear, stage_bounds, stage_start_full_pattern

@@ -22,13 +22,11 @@ from typing import Optional, Union
 import torch
 
 from indexcache.formats import FP32_HEADS, FP32_PARAMS
-from indexcache.parallel import FP8_LINEAR_NAMES
+from indexcache.formats import FP8_WEIGHT_BLOCK as FP8_BLOCK
+from indexcache.fp8_blocks import FP8_WEIGHTS, dequantize_fp8_blocks, is_fp8_checkpoint, quantize_fp8_blocks  # noqa: F401
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
-FP8_BLOCK = (128, 128)
-# Linear weights that the official checkpoint stores in fp8 (and the writer quantizes).
-FP8_WEIGHTS = re.compile(r"\.(" + "|".join(FP8_LINEAR_NAMES) + r")\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _PROGRESS_BYTES = 256 << 20  # show a progress bar above this checkpoint size
 
@@ -71,39 +69,6 @@ def _weight_files(path: Path) -> dict:
             for name in h.keys():
                 out[name] = f
     return out
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, name: str,
-                          block: tuple = FP8_BLOCK, offset: tuple = (0, 0)) -> torch.Tensor:
-    """``weight`` e4m3 ``[out, in]`` times its per-block ``scale_inv`` ``[ceil(out/b0), ceil(in/b1)]``.
-    ``offset``: where a slice's first row/column sits inside its first block (slices read per rank)."""
-    rows, cols = weight.shape
-    ro, co = offset
-    want = (-(-(rows + ro) // block[0]), -(-(cols + co) // block[1]))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"{name}_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for a "
-                         f"{rows}x{cols} weight in {block[0]}x{block[1]} blocks")
-    s = scale_inv.float().repeat_interleave(block[0], 0)[ro:ro + rows].repeat_interleave(block[1], 1)[:, co:co + cols]
-    return weight.float() * s
-
-
-def is_fp8_checkpoint(config: dict) -> bool:
-    """config.json declares block-FP8 weights (the official DeepSeek-V3.2 / GLM-5 FP8 releases)."""
-    qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "fp8"
-
-
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, fp32 scale_inv) with one scale (amax / 448) per block; inverse of the above."""
-    w = weight.float()
-    rows, cols = w.shape
-    pr, pc = -(-rows // block[0]) * block[0], -(-cols // block[1]) * block[1]
-    padded = torch.zeros(pr, pc)
-    padded[:rows, :cols] = w
-    tiles = padded.view(pr // block[0], block[0], pc // block[1], block[1])
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(pr, pc)[:rows, :cols].contiguous()
-    return q, scale
 
 
 def _should_drop(name: str, model) -> bool:

@@ -263,7 +263,7 @@ class DeepseekV32ForCausalLM(nn.Module):
     def forward_tokens(self, input_ids: torch.Tensor, meta: BatchMeta, cache: Optional[PagedKVCache] = None,
                        timer: Optional[StageTimer] = None, sync_free: bool = False) -> torch.Tensor:
         """Main layers over a flattened batch; returns the final-normed hidden states ``[N, hidden]``.
-        ``sync_free``: read nothing back to the host (a CUDA graph's decode step, models/cuda_graph.py)."""
+        ``sync_free``: read nothing back to the host (a CUDA graph's decode step, runtime/cuda_graph.py)."""
         ctx = self._context(meta, cache, timer, sync_free)
         par, n, L = self.par, meta.num_tokens, self.args.num_hidden_layers
         if par.first_stage:
@@ -339,11 +339,6 @@ class DeepseekV32ForCausalLM(nn.Module):
             for t in (h, logits, ctx.topk_rows):
                 par.broadcast_from_last(t)
         return h, logits
-
-    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
-        """Batched generation with paged caches; see :func:`indexcache.generation.generate`."""
-        from indexcache.generation import generate
-        return generate(self, prompts, max_new_tokens, **kwargs)
 
 
 def validate_parallel(args: ModelArgs, par: ParallelContext) -> None:
