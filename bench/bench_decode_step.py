@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from indexcache.generation import ByteTokenizer, load_tokenizer
+from indexcache.runtime import ByteTokenizer, generate, load_tokenizer
 from indexcache.models import from_pretrained
 from indexcache.models.tiny import embedded_model_path
 
@@ -42,12 +42,12 @@ def main() -> int:
     text = tok.encode("The quick brown fox jumps over the lazy dog. " * 12)
     prompts = [text[: 120 + 90 * i] for i in range(args.batch)]
     modes = ["eager", "static"] + (["graph"] if args.device == "cuda" else [])
-    model.generate([text[:8]], 2, decode_step=modes[-1])  # one-off set-up out of the timings
+    generate(model, [text[:8]], 2, decode_step=modes[-1])  # one-off set-up out of the timings
     speed = {m: [] for m in modes}
     tokens = {}
     for _ in range(args.repeat):
         for m in modes:
-            res = model.generate(prompts, args.new_tokens, stop_tokens=[], decode_step=m)
+            res = generate(model, prompts, args.new_tokens, stop_tokens=[], decode_step=m)
             speed[m].append(res.decode_tokens_per_s)
             tokens[m] = res.tokens
     base = statistics.median(speed["eager"])

@@ -34,7 +34,7 @@ def _config(a) -> dict:
 def _rank(rank, world, tmp, a):
     import torch.distributed as dist
 
-    from indexcache.generation import generate
+    from indexcache.runtime import generate
     from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
     torch.set_num_threads(1)
     if world > 1:

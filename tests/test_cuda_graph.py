@@ -1,4 +1,4 @@
-"""The sync-free decode step (models/cuda_graph.py) and its CUDA graph.
+"""The sync-free decode step (runtime/cuda_graph.py) and its CUDA graph.
 
 On the CPU: the static-buffer step, run eagerly, against the ordinary paged decode forward (the
 same layers with the MoE's routed form) and against a model's own full-prefill logits; the
@@ -12,10 +12,11 @@ import types
 import pytest
 import torch
 
-from indexcache.models.cuda_graph import DecodeStep, unsupported_reason
+from indexcache.runtime.cuda_graph import DecodeStep, unsupported_reason
 from indexcache.models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM
 from indexcache.models.layers import MoE
 from indexcache.models.tiny import tiny_config
+from indexcache.runtime import generate
 
 CFG = tiny_config(
     vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -102,23 +103,23 @@ def test_generate_static_equals_eager_as_the_batch_shrinks():
     torch.manual_seed(2)
     model = make()
     prompts = [torch.randint(0, CFG["vocab_size"], (n,)).tolist() for n in (9, 30, 17)]
-    eager = model.generate(prompts, 10, stop_tokens=[], decode_step="eager")
+    eager = generate(model, prompts, 10, stop_tokens=[], decode_step="eager")
     stop = eager.tokens[1][2]  # request 1 stops early: the decode batch goes from 3 rows to 2
-    eager = model.generate(prompts, 10, stop_tokens=[stop], decode_step="eager")
-    static = model.generate(prompts, 10, stop_tokens=[stop], decode_step="static")
+    eager = generate(model, prompts, 10, stop_tokens=[stop], decode_step="eager")
+    static = generate(model, prompts, 10, stop_tokens=[stop], decode_step="static")
     assert static.tokens == eager.tokens and static.finish_reasons == eager.finish_reasons
     assert static.decode_step == "static" and static.graph_captures == 0
     assert eager.decode_step == "eager"
-    assert model.generate(prompts, 3, stop_tokens=[]).decode_step == "eager"  # auto on the CPU
+    assert generate(model, prompts, 3, stop_tokens=[]).decode_step == "eager"  # auto on the CPU
 
 
 def test_refusals(monkeypatch):
     model = make()
     cache, toks = prefill(model, [[1, 2, 3], [4, 5]])
     with pytest.raises(ValueError, match="decode_step 'bogus'"):
-        model.generate([[1, 2]], 2, decode_step="bogus")
+        generate(model, [[1, 2]], 2, decode_step="bogus")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        model.generate([[1, 2]], 2, decode_step="graph")
+        generate(model, [[1, 2]], 2, decode_step="graph")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         DecodeStep(model, cache, 2, 4, graph=True)
     on_cuda = types.SimpleNamespace(device=torch.device("cuda"))  # only the device is asked
@@ -143,7 +144,7 @@ def test_refusals(monkeypatch):
     fp32 = make(indexer_fp8=False)
     assert "fp32 indexer" in unsupported_reason(fp32, fp32.allocate_cache(2))
     with pytest.raises(ValueError, match="fp32 indexer"):
-        fp32.generate([[1, 2]], 2, decode_step="static")
+        generate(fp32, [[1, 2]], 2, decode_step="static")
     small = DeepseekV32ForCausalLM.from_config({**CFG, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, FREQ2,
                                                dtype=torch.float32)
     with pytest.raises(ValueError, match="reference.sparse_mla"):
@@ -210,7 +211,7 @@ def test_cuda_generate_uses_the_graph():
     torch.manual_seed(4)
     model = make("cuda", torch.bfloat16)
     prompts = [torch.randint(0, CFG["vocab_size"], (n,)).tolist() for n in (9, 30, 17)]
-    auto = model.generate(prompts, 12, stop_tokens=[], kv_cache_dtype="fp8_ds_mla")
-    static = model.generate(prompts, 12, stop_tokens=[], kv_cache_dtype="fp8_ds_mla", decode_step="static")
+    auto = generate(model, prompts, 12, stop_tokens=[], kv_cache_dtype="fp8_ds_mla")
+    static = generate(model, prompts, 12, stop_tokens=[], kv_cache_dtype="fp8_ds_mla", decode_step="static")
     assert auto.decode_step == "graph" and auto.graph_captures == 1
     assert auto.tokens == static.tokens

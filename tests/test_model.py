@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from indexcache.runtime import generate
 from indexcache.loader import FP8_WEIGHTS, dequantize_fp8_blocks, quantize_fp8_blocks
 from indexcache.models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM, MTPLayer
 from indexcache.models.tiny import tiny_config
@@ -368,14 +369,14 @@ def test_f_fp8_mla_cache_and_bf16():
     one_full = one(torch.tensor([s]))[0]
     assert rel(run_paged(one, [s], [20], chunk=16, kv_cache_dtype="fp8_ds_mla")[0], one_full) < 0.03
     bf = DeepseekV32ForCausalLM.from_config(CFG, FREQ4, dtype=torch.bfloat16)
-    res = bf.generate([s[:20], s[:33]], 5, stop_tokens=[])
+    res = generate(bf, [s[:20], s[:33]], 5, stop_tokens=[])
     assert [len(t) for t in res.tokens] == [5, 5]
 
 
 def test_generate_batched_matches_per_request_greedy():
     model = make(FREQ4, indexer_fp8=True)
     prompts = [torch.randint(0, CFG["vocab_size"], (n,)).tolist() for n in (5, 40, 19)]
-    res = model.generate(prompts, 8, stop_tokens=[], prefill_chunk_size=16)
+    res = generate(model, prompts, 8, stop_tokens=[], prefill_chunk_size=16)
     for p, toks in zip(prompts, res.tokens):
         seq = list(p)
         for t in toks:
@@ -383,13 +384,28 @@ def test_generate_batched_matches_per_request_greedy():
             seq.append(t)
     assert res.finish_reasons == ["length"] * 3 and res.decode_tokens == 21 and res.prompt_tokens == 64
     stop = res.tokens[1][3]
-    again = model.generate(prompts, 8, stop_tokens=[stop], prefill_chunk_size=16)
+    again = generate(model, prompts, 8, stop_tokens=[stop], prefill_chunk_size=16)
     assert again.tokens[1] == res.tokens[1][:4] and again.finish_reasons[1] == "stop"
-    sampled = model.generate(prompts, 6, stop_tokens=[], temperature=1.0, top_p=0.9, seed=3)
-    assert sampled.tokens == model.generate(prompts, 6, stop_tokens=[], temperature=1.0, top_p=0.9, seed=3).tokens
+    sampled = generate(model, prompts, 6, stop_tokens=[], temperature=1.0, top_p=0.9, seed=3)
+    assert sampled.tokens == generate(model, prompts, 6, stop_tokens=[], temperature=1.0, top_p=0.9, seed=3).tokens
 
 
 # ============================================================================ (g) MTP
+
+def test_generate_settings_object_equals_its_keywords():
+    from indexcache.runtime import GenerationSettings
+
+    model = make(FREQ4)
+    prompts = [torch.randint(0, CFG["vocab_size"], (n,)).tolist() for n in (7, 12)]
+    kw = dict(stop_tokens=[], temperature=1.0, top_p=0.9, seed=5, num_speculative_tokens=2)
+    by_kw = generate(model, prompts, 6, **kw)
+    by_obj = generate(model, prompts, 6, settings=GenerationSettings(**kw))
+    assert by_kw.tokens == by_obj.tokens and by_kw.rounds == by_obj.rounds > 0
+    # a keyword overrides the settings object's field
+    assert generate(model, prompts, 6, settings=GenerationSettings(**kw), num_speculative_tokens=0).rounds == 0
+    with pytest.raises(TypeError, match="bogus"):
+        generate(model, prompts, 6, bogus=1)
+
 
 def test_g_mtp_draft_reuses_indices_and_is_lossless():
     model = make(FREQ4, indexer_fp8=True)
@@ -399,10 +415,10 @@ def test_g_mtp_draft_reuses_indices_and_is_lossless():
     h1 = mtp.self_attn.indexer.register_forward_hook(lambda *a: calls.__setitem__("indexer", calls["indexer"] + 1))
     h2 = mtp.self_attn.sparse_attn.register_forward_pre_hook(lambda *a: calls.__setitem__("attn", calls["attn"] + 1))
     prompts = [torch.randint(0, CFG["vocab_size"], (n,)).tolist() for n in (30, 12)]
-    spec = model.generate(prompts, 10, stop_tokens=[], num_speculative_tokens=3)
+    spec = generate(model, prompts, 10, stop_tokens=[], num_speculative_tokens=3)
     h1.remove()
     h2.remove()
-    plain = model.generate(prompts, 10, stop_tokens=[])
+    plain = generate(model, prompts, 10, stop_tokens=[])
     assert spec.tokens == plain.tokens  # greedy verification never changes the output
     assert spec.acceptance_rate is not None and 0.0 <= spec.acceptance_rate <= 1.0
     assert spec.draft_tokens % 3 == 0 and 3 * spec.rounds <= spec.draft_tokens <= 6 * spec.rounds
@@ -416,9 +432,9 @@ def test_g_mtp_acceptance_when_draft_agrees():
     with torch.no_grad():  # both heads output all-zero logits: every draft (token 0) is right
         model.lm_head.weight.zero_()
         model.mtp_layers[0].shared_head.head.weight.zero_()
-    res = model.generate([[1, 2, 3, 4, 5]], 9, stop_tokens=[], num_speculative_tokens=2)
+    res = generate(model, [[1, 2, 3, 4, 5]], 9, stop_tokens=[], num_speculative_tokens=2)
     assert res.tokens == [[0] * 9] and res.acceptance_rate == 1.0
-    res = model.generate([[1, 2, 3]], 9, stop_tokens=[], num_speculative_tokens=2, temperature=1.0)
+    res = generate(model, [[1, 2, 3]], 9, stop_tokens=[], num_speculative_tokens=2, temperature=1.0)
     assert res.acceptance_rate == 1.0 and len(res.tokens[0]) == 9
 
 
@@ -461,11 +477,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="integer tensor"):
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match=r"empty prompt \(request 1\)"):
-        model.generate([[1, 2], []], 4)
+        generate(model, [[1, 2], []], 4)
     with pytest.raises(ValueError, match="more than max_position_embeddings"):
-        model.generate([[1] * 600], 4)
+        generate(model, [[1] * 600], 4)
     with pytest.raises(ValueError, match="needs an MTP layer"):
-        make({"num_nextn_predict_layers": 0}).generate([[1, 2]], 4, num_speculative_tokens=2)
+        generate(make({"num_nextn_predict_layers": 0}), [[1, 2]], 4, num_speculative_tokens=2)
 
 
 # ============================================================================ command line

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from indexcache.generation import generate
+from indexcache.runtime import generate
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
 from indexcache.parallel import ParallelContext, ShardedLinear, stage_bounds, stage_start_full_pattern
@@ -105,7 +105,7 @@ def _error_cases(tmp):
 
 def _spawn(tmp, world, layouts, errors_too=False):
     mp.start_processes(_worker, args=(world, tmp, layouts, errors_too), nprocs=world, join=True, start_method="spawn")
-    outs = [torch.load(tmp / f"rank{r}_{world}.pt", weights_only=False) for r in range(world)]
+    outs = [torch.load(tmp / f"rank{r}_{world}.pt", weights_only=True) for r in range(world)]
     for r, o in enumerate(outs):
         assert "failure" not in o, f"rank {r}:\n{o['failure']}"
     return outs

@@ -213,3 +213,76 @@ def test_plain_train_command_keeps_its_schedule(tmp_path, monkeypatch):
     assert seen["sched"] == tr.TrainSchedule() and seen["init"] is None
     assert main(["train", "--out", str(tmp_path), "--warmup-steps", "120", "--sparse-context-len", "512"]) == 0
     assert seen["sched"] == tr.TrainSchedule(warmup_steps=120, sparse_context=512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexers_mode_leaves_every_other_tensor_bit_identical(tmp_path, dtype):
+    """``train --mode indexers`` on an fp32 and on a bf16 checkpoint: every tensor but the kept
+    indexers' comes out bit for bit as it went in, in its stored dtype (lm_head included)."""
+    from safetensors.torch import load_file
+
+    from indexcache.cli import main
+
+    init = tmp_path / "init"
+    DeepseekV32ForCausalLM.from_config(tiny_config(**SMALL), dtype=dtype, seed=11).save_pretrained(init)
+    text = tmp_path / "text.txt"
+    text.write_bytes(_text())
+    assert main(["train", "--out", str(tmp_path / "run"), "--init", str(init), "--hf-overrides", json.dumps(FREQ2),
+                 "--mode", "indexers", "--warmup-steps", "1", "--sparse-steps", "1", "--batch", "1",
+                 "--context-len", "32", "--eval-every", "2", "--text", str(text), "--heldout-text", str(text)]) == 0
+    before = load_file(str(init / "model.safetensors"))
+    after = load_file(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    assert before["lm_head.weight"].dtype == dtype
+    kept = [n for n in after if ".indexer." in n]
+    s_layers = ("model.layers.1.self_attn.indexer.", "model.layers.2.self_attn.indexer.")  # FSSF
+    assert kept and set(after) == {n for n in before if not n.startswith(s_layers)}
+    for name, t in after.items():
+        assert t.dtype == before[name].dtype, name
+        if ".indexer." not in name:
+            assert torch.equal(t, before[name]), name
+    assert not torch.equal(after["model.layers.0.self_attn.indexer.wq_b.weight"],
+                           before["model.layers.0.self_attn.indexer.wq_b.weight"])
+
+
+class _Payload:
+    """Unpickling this would touch a file: a resume state must never get that far."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_resume_state_is_plain_data_of_this_run(ckpt, tmp_path):
+    from indexcache.resume import load_resume_state, save_resume_state
+    from indexcache.train import TrainSchedule, train
+
+    sched = AwareSchedule(warmup_steps=1, sparse_steps=1, batch=1, context=32, eval_every=2, eval_windows=1)
+    kw = dict(train_text=_text(), heldout_text=_text()[:500], log=lambda s: None, progress=False)
+    marker = tmp_path / "ran"
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"meta": _Payload(marker), "step": 0}, run / "aware_state.pt")
+    with pytest.raises(ValueError, match="not a resume state of this run"):
+        train_aware(run, ckpt, FREQ2, sched, **kw)
+    assert not marker.exists()
+    # a genuine state of another schedule, and one of another model, are refused
+    train_aware(tmp_path / "ok", ckpt, FREQ2, sched, **kw)
+    with pytest.raises(ValueError, match="written for another meta"):
+        train_aware(tmp_path / "ok", ckpt, FREQ2, AwareSchedule(warmup_steps=2, sparse_steps=1, batch=1, context=32,
+                                                                eval_every=2, eval_windows=1), **kw)
+    state = torch.load(tmp_path / "ok" / "aware_state.pt", weights_only=True)
+    model = load_for_pattern(ckpt, FREQ2)
+    assert load_resume_state(tmp_path / "ok" / "aware_state.pt", {"meta": state["meta"]}, model)["step"] == 2
+    state["model"] = {k: v for k, v in state["model"].items() if "indexer" not in k}
+    save_resume_state(tmp_path / "ok" / "aware_state.pt", state)
+    with pytest.raises(ValueError, match="another model's tensors"):
+        train_aware(tmp_path / "ok", ckpt, FREQ2, sched, **kw)
+    # the plain training loop reads its state the same way
+    (tmp_path / "plain").mkdir()
+    torch.save({"schedule": _Payload(marker)}, tmp_path / "plain" / "train_state.pt")
+    with pytest.raises(ValueError, match="not a resume state of this run"):
+        train(tmp_path / "plain", TrainSchedule(dense_steps=1, warmup_steps=0, sparse_steps=0),
+              config=tiny_config(**SMALL), stdlib_root=Path(indexcache.__file__).parent, max_train_bytes=20000)
+    assert not marker.exists()

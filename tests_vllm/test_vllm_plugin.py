@@ -224,7 +224,7 @@ def test_glm5_chunked_prefill(glm_path, glm_prompts):
 def test_glm5_fp8_kv_cache(glm_path, glm_prompts):
     """The 656-byte fp8_ds_mla latent cache: greedy tokens equal our model's generation over the same
     fp8 cache format; prompt log-probs within the fp8 bars of the fp32 cache's."""
-    from indexcache.generation import generate
+    from indexcache.runtime import generate
 
     ref = run_vllm(glm_path, glm_prompts)
     fp8 = run_vllm(glm_path, glm_prompts, kv_cache_dtype="fp8_ds_mla")

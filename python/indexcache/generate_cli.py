@@ -49,6 +49,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run(path, overrides, args, tokenizer):
+    from .runtime import generate
     from .models import from_pretrained
 
     with warnings.catch_warnings(record=True) as caught:
@@ -65,8 +66,8 @@ def _run(path, overrides, args, tokenizer):
               kv_cache_dtype=args.kv_cache_dtype, prefill_chunk_size=args.prefill_chunk_size, seed=args.seed,
               decode_step=args.decode_step)
     if not args.no_warmup:  # first calls pay one-off kernel setup; keep it out of the timings
-        model.generate([ids[:8]], 2, **kw)
-    res = model.generate([ids], args.max_new_tokens, **kw)
+        generate(model, [ids[:8]], 2, **kw)
+    res = generate(model, [ids], args.max_new_tokens, **kw)
     return model, res, tokenizer.decode(res.tokens[0]), notes
 
 
@@ -83,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .config import parse_overrides
-    from .generation import load_tokenizer
+    from .runtime import load_tokenizer
     from .loader import load_config
     from .models.tiny import embedded_model_path
 

@@ -21,16 +21,12 @@ from typing import Optional, Union
 
 import torch
 
-from indexcache.parallel import FP8_LINEAR_NAMES
+from indexcache.formats import FP32_HEADS, FP32_PARAMS
+from indexcache.formats import FP8_WEIGHT_BLOCK as FP8_BLOCK
+from indexcache.fp8_blocks import FP8_WEIGHTS, dequantize_fp8_blocks, is_fp8_checkpoint, quantize_fp8_blocks  # noqa: F401
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
-FP8_BLOCK = (128, 128)
-# Linear weights that the official checkpoint stores in fp8 (and the writer quantizes).
-FP8_WEIGHTS = re.compile(r"\.(" + "|".join(FP8_LINEAR_NAMES) + r")\.weight$")
-# The LM heads: fp32 parameters in the model (its logits are fp32, as DeepSeek's reference computes
-# them), written in the model's dtype like every other weight of the official checkpoints.
-FP32_HEADS = ("lm_head.weight", "shared_head.head.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _PROGRESS_BYTES = 256 << 20  # show a progress bar above this checkpoint size
 
@@ -73,39 +69,6 @@ def _weight_files(path: Path) -> dict:
             for name in h.keys():
                 out[name] = f
     return out
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, name: str,
-                          block: tuple = FP8_BLOCK, offset: tuple = (0, 0)) -> torch.Tensor:
-    """``weight`` e4m3 ``[out, in]`` times its per-block ``scale_inv`` ``[ceil(out/b0), ceil(in/b1)]``.
-    ``offset``: where a slice's first row/column sits inside its first block (slices read per rank)."""
-    rows, cols = weight.shape
-    ro, co = offset
-    want = (-(-(rows + ro) // block[0]), -(-(cols + co) // block[1]))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"{name}_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for a "
-                         f"{rows}x{cols} weight in {block[0]}x{block[1]} blocks")
-    s = scale_inv.float().repeat_interleave(block[0], 0)[ro:ro + rows].repeat_interleave(block[1], 1)[:, co:co + cols]
-    return weight.float() * s
-
-
-def is_fp8_checkpoint(config: dict) -> bool:
-    """config.json declares block-FP8 weights (the official DeepSeek-V3.2 / GLM-5 FP8 releases)."""
-    qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "fp8"
-
-
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, fp32 scale_inv) with one scale (amax / 448) per block; inverse of the above."""
-    w = weight.float()
-    rows, cols = w.shape
-    pr, pc = -(-rows // block[0]) * block[0], -(-cols // block[1]) * block[1]
-    padded = torch.zeros(pr, pc)
-    padded[:rows, :cols] = w
-    tiles = padded.view(pr // block[0], block[0], pc // block[1], block[1])
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(pr, pc)[:rows, :cols].contiguous()
-    return q, scale
 
 
 def _should_drop(name: str, model) -> bool:
@@ -240,10 +203,46 @@ def load_weights(model, path: Union[str, Path], *, progress: Optional[bool] = No
                       + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""), UserWarning, stacklevel=2)
 
 
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def stored_dtypes(path: Union[str, Path]) -> dict:
+    """Tensor name -> dtype, for the bf16/fp16/fp32 tensors of a checkpoint directory (headers only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            for name in h.keys():
+                dt = _ST_DTYPES.get(h.get_slice(name).get_dtype())
+                if dt is not None:
+                    out[name] = dt
+    return out
+
+
+def storage_dtypes(model, like: Optional[Union[str, Path]] = None, default: torch.dtype = torch.bfloat16) -> dict:
+    """Parameter name -> the float dtype to store it in (``save_pretrained``'s ``dtypes``): the
+    dtype the checkpoint ``like`` stores it in, else ``default`` (the fp32 indexer head weights and
+    routing biases stay fp32). A stored tensor converted straight from an exact fp32 copy of it
+    comes out bit for bit as it went in."""
+    stored = stored_dtypes(like) if like is not None else {}
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dtype not in _ST_DTYPES.values() or name.endswith("weight_scale_inv"):
+            continue
+        keep32 = name.endswith(FP32_PARAMS) and not name.endswith(FP32_HEADS)
+        out[name] = stored.get(name, torch.float32 if keep32 else default)
+    return out
+
+
 def save_pretrained(model, path: Union[str, Path], *, fp8: bool = False, max_shard_bytes: Optional[int] = None,
-                    extra_config: Optional[dict] = None) -> None:
+                    extra_config: Optional[dict] = None, dtypes: Optional[dict] = None,
+                    config: Optional[dict] = None) -> None:
     """Write ``config.json`` and safetensors in HF layout; ``fp8`` block-quantizes the linear
-    weights as the official checkpoint does; ``max_shard_bytes`` shards with an index file."""
+    weights as the official checkpoint does; ``max_shard_bytes`` shards with an index file.
+    ``dtypes``: parameter name -> the float dtype to store it in (converted straight from the
+    parameter, never through another dtype), over the rules below; ``config``: the config.json
+    to write instead of ``model.config`` (``extra_config`` is still added)."""
     from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -268,13 +267,15 @@ def save_pretrained(model, path: Union[str, Path], *, fp8: bool = False, max_sha
         if fp8 and FP8_WEIGHTS.search(name):
             q, s = quantize_fp8_blocks(t)
             tensors[name], tensors[name + "_scale_inv"] = q, s
+        elif dtypes and name in dtypes:
+            tensors[name] = t.to(dtypes[name])
         elif name.endswith(FP32_HEADS):  # held fp32 for fp32 logits; stored in the model dtype as the official ones
             tensors[name] = t.to(model.compute_dtype)
         else:
             tensors[name] = t
     # model.config holds config.json plus model-level overrides; IndexCache overrides never enter
     # it, so settings a checkpoint shipped survive and run-time ones are not baked in.
-    config = dict(model.config)
+    config = dict(model.config if config is None else config)
     config.update(extra_config or {})
     config.pop("max_num_batched_tokens", None)
     if fp8:

@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FP8_BLOCK = 128
-# Linear layers that the official checkpoint stores in fp8 (loader.FP8_WEIGHTS is built from this).
-FP8_LINEAR_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                    "down_proj", "wq_b", "wk")
+from indexcache.formats import (FP8_DS_MLA_BYTES, FP8_LINEAR_NAMES, FP8_MAX, FP8_WEIGHT_AMAX_FLOOR,  # noqa: F401
+                                FP8_WEIGHT_BLOCK, INDEX_K_BYTES, MLA_KV_WIDTH, MLA_LATENT)
+from indexcache.fp8_blocks import quantize_fp8_blocks
+
+FP8_BLOCK = FP8_WEIGHT_BLOCK[0]  # rows (and columns) per weight scale
 WEIGHTS_CHOICES = ("auto", "fp8", "bf16")
 
 
@@ -338,7 +339,6 @@ class ShardedLinear(nn.Module):
         if not self.fp8:
             self.weight.copy_(w)
             return
-        from indexcache.loader import quantize_fp8_blocks
         padded = torch.zeros(self.row_off + w.shape[0], self.col_off + w.shape[1], dtype=torch.float32)
         padded[self.row_off:, self.col_off:] = w.float()
         q, s = quantize_fp8_blocks(padded)
@@ -371,7 +371,7 @@ class ShardedLinear(nn.Module):
             x2 = x.reshape(-1, self.in_features)
             m = x2.shape[0]
             g = x2.float().view(m, -1, FP8_BLOCK)
-            sa = g.abs().amax(-1).clamp(min=1e-12) / 448.0                       # [M, K/128]
+            sa = g.abs().amax(-1).clamp(min=FP8_WEIGHT_AMAX_FLOOR) / FP8_MAX                      # [M, K/128]
             xq = (g / sa.unsqueeze(-1)).to(torch.float8_e4m3fn).view(m, -1)
             sa = sa.t().contiguous().t()                                          # outer-dim-major scales
             y = F.scaled_mm(xq, self.weight.t(), sa, ST.BlockWise1x128, self.weight_scale_inv, ST.BlockWise128x128,
@@ -475,8 +475,7 @@ def weight_bytes_per_gpu(config: dict, tp: int, pp: int, plan_skip: list, fp8: b
     return out
 
 
-MLA_KV_BYTES = {"fp8_ds_mla": 656, "bf16": 2 * (512 + 64)}  # per token per layer (DESIGN §5), 512 + 64 latent
-INDEX_K_BYTES = 132                                          # per token per F layer (DESIGN §4)
+MLA_KV_BYTES = {"fp8_ds_mla": FP8_DS_MLA_BYTES, "bf16": 2 * MLA_KV_WIDTH}  # per token per layer (DESIGN §5)
 
 
 def scaleout_budget(config: dict, skip_topk: list, tp: int, pp: int, gpu_bytes: float,
@@ -487,7 +486,7 @@ def scaleout_budget(config: dict, skip_topk: list, tp: int, pp: int, gpu_bytes: 
     their stage (DESIGN §11). Activations and workspace are not counted."""
     L = config["num_hidden_layers"]
     mtp = config.get("num_nextn_predict_layers", 0)
-    kv_layer = MLA_KV_BYTES[kv_cache_dtype] if config.get("kv_lora_rank", 512) == 512 else \
+    kv_layer = MLA_KV_BYTES[kv_cache_dtype] if config.get("kv_lora_rank", MLA_LATENT) == MLA_LATENT else \
         (2 if kv_cache_dtype == "bf16" else 1) * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
     bounds = stage_bounds(L, pp)
     weights = weight_bytes_per_gpu(config, tp, pp, skip_topk, fp8_weights)

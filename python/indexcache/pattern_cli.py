@@ -22,7 +22,7 @@ def _setup(args, all_full: bool = True):
     """(checkpoint path, all-F model (None unless ``all_full``), token windows, text bytes per token)."""
     import torch
 
-    from .generation import load_tokenizer
+    from .runtime import load_tokenizer
     from .loader import load_config
     from .models import ModelArgs
     from .models.tiny import embedded_model_path

@@ -50,7 +50,7 @@ def token_windows(text: bytes, tokenizer, context: int, max_windows: int) -> tup
     ``HFTokenizer`` encodes the UTF-8 text (undecodable bytes replaced) and counts, per window, the
     bytes of the span its predicted tokens cover, from the tokenizer's character offsets.
     """
-    from .generation import ByteTokenizer
+    from .runtime import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return text_windows(text, context, max_windows), 1.0

@@ -19,14 +19,9 @@ from typing import Optional
 
 import torch
 
-FP8_MAX = 448.0
-QUANT_GROUP = 128
-INDEX_K_EPS = 1e-4  # DESIGN.md §4
-INDEX_Q_EPS = 1e-10
-MLA_FP8_EPS = 1e-4  # floor on the per-128 amax of the fp8_ds_mla cache
-MLA_LATENT = 512
-MLA_ROPE = 64
-MLA_FP8_BYTES = MLA_LATENT + 4 * 4 + MLA_ROPE * 2  # 656
+from indexcache.formats import FP8_DS_MLA_BYTES as MLA_FP8_BYTES  # noqa: F401  (656; the names this module always had)
+from indexcache.formats import (FP8_MAX, INDEX_K_EPS, INDEX_Q_EPS, MLA_FP8_EPS, MLA_FP8_SCALE_END,  # noqa: F401
+                                MLA_FP8_SCALES, MLA_LATENT, MLA_ROPE, QUANT_GROUP)
 
 
 # ----------------------------------------------------------------------------- fp8 helpers
@@ -234,15 +229,15 @@ def mla_kv_cache_insert(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: to
         if slot < 0:
             continue
         if cache.dtype == torch.uint8:
-            groups = kv_c[i].float().reshape(4, QUANT_GROUP)
+            groups = kv_c[i].float().reshape(MLA_FP8_SCALES, QUANT_GROUP)
             amax = groups.abs().amax(dim=-1)
             bad = ~torch.isfinite(amax)  # NaN scale and values, as quantize_fp8
             scale = torch.where(bad, torch.full_like(amax, math.nan), torch.clamp(amax, min=MLA_FP8_EPS) / FP8_MAX)
             vals = torch.where(bad.unsqueeze(-1), torch.full_like(groups, math.nan), groups / scale.unsqueeze(-1))
             vals = vals.to(torch.float8_e4m3fn).reshape(-1)
             flat[slot, :MLA_LATENT] = vals.view(torch.uint8)
-            flat[slot, MLA_LATENT:MLA_LATENT + 16] = scale.view(torch.uint8)
-            flat[slot, MLA_LATENT + 16:] = k_pe[i].to(torch.bfloat16).view(torch.uint8)
+            flat[slot, MLA_LATENT:MLA_FP8_SCALE_END] = scale.view(torch.uint8)
+            flat[slot, MLA_FP8_SCALE_END:] = k_pe[i].to(torch.bfloat16).view(torch.uint8)
         else:
             flat[slot, :MLA_LATENT] = kv_c[i].to(cache.dtype)
             flat[slot, MLA_LATENT:] = k_pe[i].to(cache.dtype)
@@ -253,9 +248,9 @@ def mla_kv_cache_dequant(cache: torch.Tensor) -> torch.Tensor:
     flat = cache.reshape(-1, cache.shape[-1])
     if cache.dtype != torch.uint8:
         return flat.float()
-    vals = flat[:, :MLA_LATENT].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, 4, QUANT_GROUP)
-    scales = flat[:, MLA_LATENT:MLA_LATENT + 16].contiguous().view(torch.float32).reshape(-1, 4, 1)
-    rope = flat[:, MLA_LATENT + 16:].contiguous().view(torch.bfloat16).float()
+    vals = flat[:, :MLA_LATENT].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, MLA_FP8_SCALES, QUANT_GROUP)
+    scales = flat[:, MLA_LATENT:MLA_FP8_SCALE_END].contiguous().view(torch.float32).reshape(-1, MLA_FP8_SCALES, 1)
+    rope = flat[:, MLA_FP8_SCALE_END:].contiguous().view(torch.bfloat16).float()
     return torch.cat(((vals * scales).reshape(-1, MLA_LATENT), rope), dim=1)
 
 

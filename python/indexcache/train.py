@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from .models.deepseek_v32 import DeepseekV32ForCausalLM, apply_rope
+from .loader import save_pretrained, storage_dtypes
 from .models.tiny import tiny_config
+from .resume import load_resume_state, save_resume_state
 
 # The shipped model: 8 layers, hidden 192, 4 routed experts (2 per token) + 1 shared, byte
 # vocabulary, trained at context 1024 with a top-64 indexer of 4 heads. kv_lora 512, rope 64
@@ -269,9 +271,8 @@ def train(out_dir: Path, schedule: TrainSchedule = TrainSchedule(), *, log=print
     state_path, log_path = out_dir / "train_state.pt", out_dir / "train_log.jsonl"
     step, history = 0, []
     if state_path.is_file():  # resume
-        state = torch.load(state_path, weights_only=False)
-        if state["schedule"] != asdict(schedule) or state["config"] != config:
-            raise ValueError(f"{state_path} was written with a different schedule or config; use a new --out directory")
+        state = load_resume_state(state_path, {"schedule": asdict(schedule), "config": config}, model,
+                                  keys=("model", "opt_main", "opt_idx", "step", "history"))
         model.load_state_dict(state["model"])
         opt_main.load_state_dict(state["opt_main"])
         opt_idx.load_state_dict(state["opt_idx"])
@@ -329,13 +330,13 @@ def train(out_dir: Path, schedule: TrainSchedule = TrainSchedule(), *, log=print
             log(json.dumps(rec))
         history.append(rec)
         if "heldout_bits" in rec:  # a resumable point: state and the log up to it
-            torch.save({"schedule": asdict(schedule), "config": config, "model": model.state_dict(), "opt_main": opt_main.state_dict(),
-                        "opt_idx": opt_idx.state_dict(), "step": step, "history": history}, state_path)
+            save_resume_state(state_path, {"schedule": asdict(schedule), "config": config, "model": model.state_dict(),
+                                           "opt_main": opt_main.state_dict(), "opt_idx": opt_idx.state_dict(),
+                                           "step": step, "history": history})
             log_path.write_text("".join(json.dumps(r) + "\n" for r in history))
     final = out_dir / "checkpoint"
     model.eval()
-    model._cast_params(torch.bfloat16)  # ship bf16 (the indexer head weights stay fp32)
-    model.save_pretrained(final)
+    save_pretrained(model, final, dtypes=storage_dtypes(model))  # ship bf16 (the indexer head weights stay fp32)
     return final
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import IndexCacheConfig, parse_overrides
+from .resume import load_resume_state, save_resume_state
 
 # Scores per attention/indexer chunk ([B, H, rows, keys] fp32): 64 MB.
 CHUNK_ELEMS = 1 << 24
@@ -340,42 +341,18 @@ def indexer_types_of(plan) -> list:
     return ["shared" if s else "full" for s in list(plan.skip_topk)[:n]]
 
 
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-def _stored_dtypes(path) -> dict:
-    """Tensor name -> dtype, for the bf16/fp16/fp32 tensors of a checkpoint directory."""
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as h:
-            for name in h.keys():
-                dt = _ST_DTYPES.get(h.get_slice(name).get_dtype())
-                if dt is not None:
-                    out[name] = dt
-    return out
-
-
 def save_for_pattern(model, path, like=None) -> Path:
-    """bf16 checkpoint whose config.json carries the pattern (``use_index_cache`` and
-    ``indexer_types``, as GLM-5.2 ships them); S layers have no indexer tensors to save. ``like``:
-    the checkpoint trained from; a tensor it stores in another float dtype is stored as it was
-    (a frozen weight then comes out bit for bit as it went in)."""
-    from .loader import save_pretrained
+    """Checkpoint whose config.json carries the pattern (``use_index_cache`` and
+    ``indexer_types``, as GLM-5.2 ships them); S layers have no indexer tensors to save. Each
+    tensor is stored in the float dtype ``like`` (the checkpoint trained from) stores it in,
+    converted straight from the parameter (a frozen weight comes out bit for bit as it went in,
+    fp32 or bf16); a tensor ``like`` lacks is stored bf16. The model is left as it was."""
+    from .loader import save_pretrained, storage_dtypes
 
     path = Path(path)
-    saved_config = model.config
-    model.config = {k: v for k, v in saved_config.items() if k not in PATTERN_KEYS}
-    try:
-        model._cast_params(torch.bfloat16)
-        stored = _stored_dtypes(like) if like is not None else {}
-        for name, p in model.named_parameters():
-            if name in stored and p.dtype in _ST_DTYPES.values() and p.dtype != stored[name]:
-                p.data = p.data.to(stored[name])
-        save_pretrained(model, path, extra_config={"use_index_cache": True, "indexer_types": indexer_types_of(model.plan)})
-    finally:
-        model.config = saved_config
+    config = {k: v for k, v in model.config.items() if k not in PATTERN_KEYS}
+    save_pretrained(model, path, dtypes=storage_dtypes(model, like), config=config,
+                    extra_config={"use_index_cache": True, "indexer_types": indexer_types_of(model.plan)})
     # a reload with no overrides must give exactly this plan
     from .loader import load_config
     reloaded = IndexCacheConfig.from_config(load_config(path)).plan()
@@ -455,9 +432,7 @@ def train_aware(out_dir, init, hf_overrides, schedule: AwareSchedule = AwareSche
     state_path, log_path = out_dir / "aware_state.pt", out_dir / "aware_log.jsonl"
     step, history = 0, []
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
-        if state["meta"] != meta:
-            raise ValueError(f"{state_path} was written for another pattern, init or schedule; use a new --out directory")
+        state = load_resume_state(state_path, {"meta": meta}, model, keys=("model", "opt_idx", "opt_main", "step", "history"))
         model.load_state_dict(state["model"])
         opt_idx.load_state_dict(state["opt_idx"])
         if opt_main is not None:
@@ -508,9 +483,9 @@ def train_aware(out_dir, init, hf_overrides, schedule: AwareSchedule = AwareSche
             bar.update(1)
             bar.set_postfix(kl=f"{rec['kl']:.3f}", lm=f"{rec['lm_bits']:.3f}")
         if "heldout_bits" in rec:  # a resumable point
-            torch.save({"meta": meta, "model": model.state_dict(), "opt_idx": opt_idx.state_dict(),
-                        "opt_main": opt_main.state_dict() if opt_main is not None else None,
-                        "step": step, "history": history}, state_path)
+            save_resume_state(state_path, {"meta": meta, "model": model.state_dict(), "opt_idx": opt_idx.state_dict(),
+                                           "opt_main": opt_main.state_dict() if opt_main is not None else None,
+                                           "step": step, "history": history})
             log_path.write_text("".join(json.dumps(r) + "\n" for r in history))
     if bar is not None:
         bar.close()

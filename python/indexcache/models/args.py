@@ -11,12 +11,11 @@ import torch
 
 from indexcache.config import INDEX_CACHE_KEYS, parse_overrides
 
-MLA_LATENT, MLA_ROPE = 512, 64  # the sparse MLA kernels are specialised to a 576-wide latent KV
-INDEX_HEAD_DIM = 128            # one fp8 scale group per indexer key (132 B/token cache)
-INDEX_Q_EPS, INDEX_K_EPS = 1e-10, 1e-4  # DESIGN.md §4
-LATENT_NORM_EPS = 1e-6          # q_a / kv_a RMSNorm: DeepSeek's reference and transformers, whatever rms_norm_eps says
-BLOCK_SIZE = 64                 # paged caches: tokens per block (MLA and index-K share tables)
-FP8_DS_MLA_BYTES = MLA_LATENT + 4 * 4 + MLA_ROPE * 2  # 656
+# The kernels' fixed widths, the cache layouts and the quantization floors (indexcache.formats),
+# under the names this module has always exported.
+from indexcache.formats import (BLOCK_SIZE, FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS,  # noqa: F401
+                                LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE)
+
 # Per-call working-set caps (elements: rows x keys x heads for scoring, rows x topk x (576 + heads)
 # for attention) so that long prefills run in row chunks of bounded memory.
 INDEXER_CHUNK_ELEMS = 1 << 26

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from indexcache.config import IndexCacheConfig
+from indexcache.formats import FP32_PARAMS
 from indexcache.parallel import (WEIGHTS_CHOICES, ParallelContext, ShardedLinear, head_logits, make_embedding,
                                  make_lm_head, stage_bounds, stage_start_full_pattern)
 from indexcache.plan import LayerPlan, build_layer_plan
@@ -47,10 +48,6 @@ class DeepseekV32Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if par.last_stage else None
 
 
-
-# Kept in fp32 whatever the model dtype: the indexer's head weights and the router bias (as the
-# checkpoints store them), and the LM heads, whose logits DeepSeek's reference computes in fp32.
-_FP32_PARAMS = ("weights_proj.weight", "e_score_correction_bias", "lm_head.weight", "shared_head.head.weight")
 
 
 class DeepseekV32ForCausalLM(nn.Module):
@@ -158,7 +155,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             if p.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv"):
                 continue  # FP8 weights and their fp32 block scales stay as they are
-            p.data = p.data.to(torch.float32 if name.endswith(_FP32_PARAMS) else dtype)
+            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> "DeepseekV32ForCausalLM":
@@ -266,7 +263,7 @@ class DeepseekV32ForCausalLM(nn.Module):
     def forward_tokens(self, input_ids: torch.Tensor, meta: BatchMeta, cache: Optional[PagedKVCache] = None,
                        timer: Optional[StageTimer] = None, sync_free: bool = False) -> torch.Tensor:
         """Main layers over a flattened batch; returns the final-normed hidden states ``[N, hidden]``.
-        ``sync_free``: read nothing back to the host (a CUDA graph's decode step, models/cuda_graph.py)."""
+        ``sync_free``: read nothing back to the host (a CUDA graph's decode step, runtime/cuda_graph.py)."""
         ctx = self._context(meta, cache, timer, sync_free)
         par, n, L = self.par, meta.num_tokens, self.args.num_hidden_layers
         if par.first_stage:
@@ -342,11 +339,6 @@ class DeepseekV32ForCausalLM(nn.Module):
             for t in (h, logits, ctx.topk_rows):
                 par.broadcast_from_last(t)
         return h, logits
-
-    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
-        """Batched generation with paged caches; see :func:`indexcache.generation.generate`."""
-        from indexcache.generation import generate
-        return generate(self, prompts, max_new_tokens, **kwargs)
 
 
 def validate_parallel(args: ModelArgs, par: ParallelContext) -> None:

@@ -13,6 +13,8 @@ from torch import nn
 from indexcache import ops, reference
 from indexcache.parallel import ParallelContext, dense_weight, make_lm_head
 
+from indexcache.formats import INDEX_K_NORM_EPS
+
 from .args import (ATTN_CHUNK_ELEMS, INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, LATENT_NORM_EPS,
                    MLA_LATENT, MLA_ROPE, ModelArgs)
 from .runtime import ForwardContext, _row_chunks
@@ -103,7 +105,7 @@ class Indexer(nn.Module):
         # replicated on every tensor-parallel rank (DESIGN §11): identical inputs, identical top-k rows
         self.wq_b = par.linear(args.q_lora_rank, self.n_heads * self.head_dim, "wq_b")
         self.wk = par.linear(args.hidden_size, self.head_dim, "wk")
-        self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
+        self.k_norm = LayerNorm(self.head_dim, eps=INDEX_K_NORM_EPS)
         self.weights_proj = _linear(args.hidden_size, self.n_heads)  # kept in fp32
 
     def _rope(self, t, ctx):

@@ -6,16 +6,14 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from indexcache import ops
 
-from .args import BLOCK_SIZE, FP8_DS_MLA_BYTES, INDEX_HEAD_DIM
+from indexcache.formats import BLOCK_SIZE, FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_BYTES  # noqa: F401
 
-if TYPE_CHECKING:
-    from .deepseek_v32 import DeepseekV32ForCausalLM
 
 
 @dataclass
@@ -133,7 +131,7 @@ class PagedKVCache:
     the others); under tensor parallelism every rank holds the whole latent and index-K caches.
     """
 
-    def __init__(self, model: "DeepseekV32ForCausalLM", num_blocks: int, kv_cache_dtype: str = "auto",
+    def __init__(self, model: torch.nn.Module, num_blocks: int, kv_cache_dtype: str = "auto",
                  block_size: int = BLOCK_SIZE):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -161,7 +159,7 @@ class PagedKVCache:
             if indexer is None:
                 self.index_k.append(None)
             elif indexer.fp8:
-                self.index_k.append(torch.zeros(num_blocks, block_size * (INDEX_HEAD_DIM + 4), dtype=torch.uint8, device=self.device))
+                self.index_k.append(torch.zeros(num_blocks, block_size * INDEX_K_BYTES, dtype=torch.uint8, device=self.device))
             else:
                 self.index_k.append(torch.zeros(num_blocks, block_size, indexer.head_dim, dtype=torch.float32, device=self.device))
 
@@ -205,7 +203,7 @@ class ForwardContext:
     cache: Optional[PagedKVCache] = None
     timer: Optional[StageTimer] = None
     topk_valid: bool = False             # an F layer has written rows [:N] in this forward
-    # No host reads of device data (CUDA-graph capture, models/cuda_graph.py): the MoE runs its
+    # No host reads of device data (CUDA-graph capture, runtime/cuda_graph.py): the MoE runs its
     # masked form and the paths that need host-side lengths refuse.
     sync_free: bool = False
 
