@@ -27,6 +27,7 @@ import torch
 
 from indexcache import ops
 from indexcache.config import IndexCacheConfig
+from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE
 from indexcache.reference import INDEX_K_EPS, INDEX_Q_EPS
 
 from vllm.forward_context import get_forward_context
@@ -46,9 +47,7 @@ logger = logging.getLogger("indexcache.vllm")
 
 BACKEND_NAME = "INDEXCACHE_SPARSE_MLA"
 BACKEND_PATH = f"{__name__}.IndexCacheSparseMLABackend"
-MLA_LATENT, MLA_ROPE = 512, 64
-FP8_DS_MLA_BYTES = 656
-INDEX_ROW_BYTES = 132  # 128 e4m3 values + one fp32 scale per key
+INDEX_ROW_BYTES = INDEX_K_BYTES  # 128 e4m3 values + one fp32 scale per key
 
 
 def _env_hadamard() -> Optional[bool]:
@@ -391,9 +390,6 @@ def use_native_rope(model: torch.nn.Module) -> int:
             mod._forward_method = mod.forward_native
             n += 1
     return n
-
-
-LATENT_NORM_EPS = 1e-6
 
 
 def use_reference_latent_norm_eps(model: torch.nn.Module) -> int:
