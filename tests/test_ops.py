@@ -235,7 +235,7 @@ def test_topk_windows_and_ties(device):
 
 
 @pytest.mark.parametrize("n", [65536, 262144])
-def test_topk_long_rows(device, n):
+def test_topk_long_rows(device, cpu_isa, n):
     rows, topk = 2, 2048
     logits = torch.randn(rows, n, device=device)
     ks = torch.zeros(rows, dtype=torch.int32, device=device)
@@ -335,6 +335,31 @@ def test_sparse_mla(device, cpu_isa, cache_kind, q_dtype, bar, s_q, h, topk):
     assert torch.equal(fin, torch.isfinite(gl))
     # bf16 paths round fp8-dequantized keys to bf16, so lse carries ~1e-2 absolute error there.
     assert (gl[fin] - rl[fin]).abs().max() < (1e-4 if bar < 1e-2 else 2e-2)
+
+
+def test_sparse_mla_every_fp8_code(device, cpu_isa):
+    """fp8_ds_mla rows holding every finite e4m3 byte (subnormals, both zeros, +-448) under
+    power-of-two scales from 2^-12 to 2^4: the kernels' dequantization must be exact, so fp32
+    queries meet the fp32 bar (1e-5)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 finite codes
+    n = 16
+    cache = torch.zeros(1, n, 656, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for r in range(n):
+        cache[0, r, :512] = codes[torch.randint(0, codes.numel(), (512,), generator=g)]
+        scales = torch.tensor([2.0 ** int(e) for e in torch.randint(-12, 5, (4,), generator=g)])
+        cache[0, r, 512:528] = scales.view(torch.uint8)
+        cache[0, r, 528:] = torch.randn(64, generator=g).bfloat16().view(torch.uint8)
+    flat = cache.view(-1, 656)
+    assert torch.isin(codes, flat[:, :512]).sum() > 200  # most codes present
+    q = torch.randn(2, 8, 576) * 1e-4
+    idx = torch.randperm(n, dtype=torch.int32).reshape(2, 8)
+    out = torch.full((2, 8, 512), POISON_F, device=device)
+    lse = torch.full((2, 8), POISON_F, device=device)
+    ops.sparse_mla(q.to(device), cache.to(device), idx.to(device), 0.5, out=out, lse=lse)
+    ro, rl = ref.sparse_mla(q, cache, idx, 0.5)
+    assert rel_err(out.cpu(), ro) < 1e-5
+    assert (lse.cpu() - rl).abs().max() < 1e-4
 
 
 def test_sparse_mla_deterministic(device, cpu_isa):
@@ -589,9 +614,10 @@ def test_ops_visible_in_profiler():
 
 
 @pytest.mark.parametrize("kind", ["ties", "adversarial_sample"])
-def test_topk_long_rows_sampled_path(device, kind):
-    """Long rows take a sampled-floor fast path on CPU; ties and a sample that misleads the
-    floor (so fewer than k survive and the full select runs) must still be exact."""
+def test_topk_long_rows_sampled_path(device, cpu_isa, kind):
+    """Long rows take a sampled-floor fast path on CPU (an AVX-512 or AVX2 filter pass); ties and
+    a sample that misleads the floor (so fewer than k survive and the full select runs) must
+    still be exact."""
     n, topk = 50000, 1024
     if kind == "ties":
         logits = torch.randint(-3, 4, (2, n)).float()
