@@ -613,7 +613,7 @@ def test_ops_visible_in_profiler():
     assert any("indexcache::quantize_fp8" in e.name for e in prof.events())
 
 
-@pytest.mark.parametrize("kind", ["ties", "adversarial_sample"])
+@pytest.mark.parametrize("kind", ["ties", "adversarial_sample", "specials", "mostly_nan"])
 def test_topk_long_rows_sampled_path(device, cpu_isa, kind):
     """Long rows take a sampled-floor fast path on CPU (an AVX-512 or AVX2 filter pass); ties and
     a sample that misleads the floor (so fewer than k survive and the full select runs) must
@@ -624,6 +624,20 @@ def test_topk_long_rows_sampled_path(device, cpu_isa, kind):
     else:
         logits = torch.rand(2, n)
         logits += 10.0 * (torch.arange(n) % ((n - 16) // 31) < 16).float()  # exactly the sampled runs are large
+    if kind in ("specials", "mostly_nan"):
+        # NaN (any sign) ranks above +inf, -0 equals +0 (ties to the lower position), -inf last:
+        # the filters' key transform and floor compare must agree with order_key.
+        logits = torch.randn(2, n)
+        pick = torch.rand(2, n)
+        nan_share = 0.01 if kind == "specials" else 0.4
+        logits[pick < nan_share] = float("nan")
+        logits[(pick >= nan_share) & (pick < nan_share + 0.01)] = -float("nan")
+        logits[(pick > 0.5) & (pick < 0.52)] = 0.0
+        logits[(pick > 0.52) & (pick < 0.54)] = -0.0
+        logits[(pick > 0.54) & (pick < 0.55)] = float("inf")
+        logits[(pick > 0.55) & (pick < 0.56)] = -float("inf")
+        if kind == "specials":
+            logits[1] = logits[1].abs().neg() * 1e-3  # negatives, -0, -inf and sign-bit NaNs only
     logits = logits.to(device)
     ks = torch.zeros(2, dtype=torch.int32, device=device)
     ke = torch.full((2,), n, dtype=torch.int32, device=device)

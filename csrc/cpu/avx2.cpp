@@ -385,31 +385,45 @@ struct CompressTable {
   }
 };
 
+// Order keys of the lanes of xf (select.h's order_key, 8 at a time).
+inline __m256i order_keys8(__m256 xf) {
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i u = _mm256_castps_si256(xf);
+  // negative -> ~u, else u | sign; -0 is +0; every NaN is the largest key.
+  __m256i key = _mm256_xor_si256(_mm256_or_si256(u, sign), _mm256_srai_epi32(u, 31));
+  key = _mm256_blendv_epi8(key, sign, _mm256_cmpeq_epi32(u, sign));
+  return _mm256_or_si256(key, _mm256_castps_si256(_mm256_cmp_ps(xf, xf, _CMP_UNORD_Q)));
+}
+
+// Appends the lanes of x[i:i+8) selected by `mask` (keys and positions) at keys/pos + w.
+inline int64_t compress8(__m256 xf, int mask, int64_t i, uint32_t* keys, int32_t* pos, int64_t w) {
+  static const CompressTable table;
+  const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(table.idx[mask])));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + w), _mm256_permutevar8x32_epi32(order_keys8(xf), perm));
+  const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(i)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pos + w), _mm256_permutevar8x32_epi32(at, perm));
+  return w + __builtin_popcount(static_cast<unsigned>(mask));
+}
+
 }  // namespace
 
 int64_t filter_at_least_avx2(const float* x, int64_t n, uint32_t floor, uint32_t* keys, int32_t* pos) {
-  static const CompressTable table;
-  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  const __m256i fl = _mm256_set1_epi32(static_cast<int>(floor));
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // order_key is monotone, so key(x) >= floor is a float compare against the floor's value
+  // (ordered: false for NaN), or x is NaN (the largest key). A floor that is itself the NaN key
+  // keeps only NaNs (the compare against a NaN value is always false).
+  const uint32_t fb = (floor & 0x80000000u) ? (floor & 0x7FFFFFFFu) : ~floor;
+  float fv;
+  std::memcpy(&fv, &fb, 4);
+  const __m256 lim = _mm256_set1_ps(fv);
   int64_t w = 0, i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 xf = _mm256_loadu_ps(x + i);
-    const __m256i u = _mm256_castps_si256(xf);
-    // order_key: negative -> ~u, else u | sign; -0 is +0; every NaN is the largest key.
-    __m256i key = _mm256_xor_si256(_mm256_or_si256(u, sign), _mm256_srai_epi32(u, 31));
-    key = _mm256_blendv_epi8(key, sign, _mm256_cmpeq_epi32(u, sign));
-    key = _mm256_or_si256(key, _mm256_castps_si256(_mm256_cmp_ps(xf, xf, _CMP_UNORD_Q)));
-    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(key, fl), key);
-    const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(keep));
-    if (mask) {
-      // Survivors moved to the front of the vector, stored whole (the buffers have 8 spare slots).
-      const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(table.idx[mask])));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + w), _mm256_permutevar8x32_epi32(key, perm));
-      const __m256i at = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(i)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pos + w), _mm256_permutevar8x32_epi32(at, perm));
-      w += __builtin_popcount(static_cast<unsigned>(mask));
-    }
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    const int ma = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, lim, _CMP_GE_OQ), _mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+    const int mb = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(b, lim, _CMP_GE_OQ), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+    if ((ma | mb) == 0) continue;
+    // Survivors moved to the front of a vector, stored whole (the buffers have 8 spare slots).
+    if (ma) w = compress8(a, ma, i, keys, pos, w);
+    if (mb) w = compress8(b, mb, i + 8, keys, pos, w);
   }
   for (; i < n; ++i) {
     const uint32_t kk = cpu::order_key(x[i]);
