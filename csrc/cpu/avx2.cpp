@@ -435,6 +435,68 @@ int64_t filter_at_least_avx2(const float* x, int64_t n, uint32_t floor, uint32_t
   return w;
 }
 
+int64_t select_survivors_avx2(const uint32_t* keys, const int32_t* pos, int64_t c, int64_t k, int32_t* out,
+                              uint32_t* scratch) {
+  // The threshold: select.h's three radix levels (11, 11, 10 bits), with the narrowing passes
+  // branch-free (a survivor set's keys are close together, so "in the chosen bin" is a coin toss).
+  static constexpr int kShift[3] = {21, 10, 0};
+  static constexpr uint32_t kBins[3] = {2048, 2048, 1024};
+  uint32_t hist[2048];
+  uint32_t prefix = 0, mask = 0;
+  int64_t need = k, cnt = c;
+  const uint32_t* src = keys;
+  for (int level = 0; level < 3; ++level) {
+    const uint32_t bins = kBins[level];
+    const int shift = kShift[level];
+    std::memset(hist, 0, sizeof(uint32_t) * bins);
+    for (int64_t i = 0; i < cnt; ++i) ++hist[(src[i] >> shift) & (bins - 1)];
+    int64_t above = 0;
+    uint32_t b = bins - 1;
+    for (;; --b) {
+      if (above + hist[b] >= static_cast<uint64_t>(need)) break;
+      above += hist[b];
+    }
+    need -= above;
+    prefix |= b << shift;
+    mask |= (bins - 1) << shift;
+    if (level == 2) break;
+    int64_t w = 0;
+    for (int64_t i = 0; i < cnt; ++i) {
+      const uint32_t kk = src[i];
+      scratch[w] = kk;
+      w += (kk & mask) == prefix;
+    }
+    src = scratch;
+    cnt = w;
+  }
+  // Emit: keys above the threshold, and the first `need` equal to it (lowest positions), in
+  // position order. Whole-vector stores only while 8 more slots remain below k.
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i tk = _mm256_set1_epi32(static_cast<int>(prefix));
+  const __m256i tks = _mm256_xor_si256(tk, sign);
+  int64_t j = 0, i = 0, eq_left = need;
+  for (; i + 8 <= c && j + 8 <= k; i += 8) {
+    const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
+    const int gt = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(kv, sign), tks)));
+    const int eq = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(kv, tk)));
+    if (eq) {
+      for (int lane = 0; lane < 8; ++lane)
+        if (((gt >> lane) & 1) || (((eq >> lane) & 1) && eq_left-- > 0)) out[j++] = pos[i + lane];
+    } else if (gt) {
+      static const CompressTable table;
+      const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(table.idx[gt])));
+      const __m256i pv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(pv, perm));
+      j += __builtin_popcount(static_cast<unsigned>(gt));
+    }
+  }
+  for (; i < c; ++i) {
+    const uint32_t kk = keys[i];
+    if (kk > prefix || (kk == prefix && eq_left-- > 0)) out[j++] = pos[i];
+  }
+  return j;
+}
+
 }  // namespace indexcache
 
 #if defined(__clang__)
@@ -448,6 +510,9 @@ int64_t filter_at_least_avx2(const float* x, int64_t n, uint32_t floor, uint32_t
 namespace indexcache {
 void sparse_mla_avx2(const SparseMlaParams&) { TORCH_CHECK(false, "the avx2 CPU path needs an x86-64 CPU"); }
 int64_t filter_at_least_avx2(const float*, int64_t, uint32_t, uint32_t*, int32_t*) {
+  TORCH_CHECK(false, "the avx2 CPU path needs an x86-64 CPU");
+}
+int64_t select_survivors_avx2(const uint32_t*, const int32_t*, int64_t, int64_t, int32_t*, uint32_t*) {
   TORCH_CHECK(false, "the avx2 CPU path needs an x86-64 CPU");
 }
 }  // namespace indexcache

@@ -17,4 +17,10 @@ void sparse_mla_avx2(const SparseMlaParams& p);
 // returns how many it wrote to keys/pos (each must hold n + 8).
 int64_t filter_at_least_avx2(const float* x, int64_t n, uint32_t floor, uint32_t* keys, int32_t* pos);
 
+// The k largest of c >= k filtered keys (with their positions, in position order): writes their
+// positions, ascending, to out[0:k) and returns k. Order: value desc, position asc (select.h).
+// scratch must hold c.
+int64_t select_survivors_avx2(const uint32_t* keys, const int32_t* pos, int64_t c, int64_t k, int32_t* out,
+                              uint32_t* scratch);
+
 }  // namespace indexcache

@@ -353,6 +353,10 @@ int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector
     int32_t* pos = pos_buf.get(n + 16);
     const int64_t c = avx512 ? filter_at_least_avx512(x, n, sample[rank], keys, pos)
                              : filter_at_least_avx2(x, n, sample[rank], keys, pos);
+    if (c >= k && !avx512) {
+      scratch.resize(std::max<size_t>(scratch.size(), c));
+      return select_survivors_avx2(keys, pos, c, k, out, scratch.data());
+    }
     if (c >= k) {
       const cpu::Threshold t = cpu::select_threshold(c, k, [&](int64_t i) { return keys[i]; }, scratch);
       cpu::emit_selected(c, t, [&](int64_t i) { return keys[i]; }, [&](int64_t i) { out[j++] = pos[i]; });
