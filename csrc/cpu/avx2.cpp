@@ -10,16 +10,19 @@
 // with an online softmax between them (running max and sum per head, α the rescale). Each
 // gathered row is read from the cache once per tile for the whole head block. With few query
 // rows the selected keys are split across threads and the partial (max, sum, O) merged in
-// split order, so results are bit-identical run to run for a given thread count.
+// split order (by whichever task finishes a row's last split, in the same parallel region), so
+// results are bit-identical run to run for a given thread count.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "avx2.h"
@@ -254,22 +257,52 @@ void store_out(const SparseMlaParams& p, int64_t i, float v) {
   }
 }
 
+// Merges the splits of (row t, head h) in split order into out and lse.
+void merge_splits(const SparseMlaParams& p, int64_t th, int64_t splits, const float* pm, const float* pl,
+                  const float* pz, const float* po, float* acc) {
+  const int64_t part0 = th * splits;
+  bool bad = false;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    bad |= pz[part0 + sp] != pz[part0 + sp];
+    if (pl[part0 + sp] > 0.f) mx = std::max(mx, pm[part0 + sp]);
+  }
+  if (bad) {
+    p.lse[th] = quiet_nan();
+    for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, quiet_nan());
+    return;
+  }
+  float sum = 0.f;
+  std::fill(acc, acc + p.d_v, 0.f);
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    const int64_t part = part0 + sp;
+    if (!(pl[part] > 0.f)) continue;  // an empty split
+    const float w = std::exp(pm[part] - mx);
+    sum += pl[part] * w;
+    const float* o = po + part * p.d_v;
+    for (int64_t c = 0; c < p.d_v; ++c) acc[c] += o[c] * w;
+  }
+  p.lse[th] = mx + std::log(sum);
+  const float inv = 1.0f / sum;
+  for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, acc[c] * inv);
+}
+
 }  // namespace
 
 void sparse_mla_avx2(const SparseMlaParams& p) {
-  // Each row's selected slots, -1s dropped.
+  // Each row's selected slots, -1s dropped (serial: a parallel region of its own costs more than
+  // this scan, a whole scheduler quantum on a loaded machine).
   std::vector<int32_t> slots(p.s_q * p.topk);
   std::vector<int64_t> count(p.s_q);
-  at::parallel_for(0, p.s_q, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      int64_t c = 0;
-      for (int64_t j = 0; j < p.topk; ++j) {
-        const int32_t v = p.indices[t * p.topk + j];
-        if (v >= 0) slots[t * p.topk + c++] = v;
-      }
-      count[t] = c;
+  for (int64_t t = 0; t < p.s_q; ++t) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < p.topk; ++j) {
+      const int32_t v = p.indices[t * p.topk + j];
+      slots[t * p.topk + c] = v;
+      c += v >= 0;
     }
-  });
+    count[t] = c;
+  }
   const int64_t hblock = std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t hblocks = (p.h_q + hblock - 1) / hblock;
   // Few (row, head block) tasks: split the keys so every thread has work (decode).
@@ -278,20 +311,25 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
   if (p.s_q * hblocks < 2 * threads)
     splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + p.s_q * hblocks - 1) / (p.s_q * hblocks),
                                                     p.topk / kMinSplitKeys));
-  // Partial results of split tasks: max, sum, NaN flag per (row, head, split), O [d_v].
+  // Partial results of split tasks: max, sum, NaN flag per (row, head, split), O [d_v]. The
+  // task that finishes the last split of a (row, head block) merges it, in split order, inside
+  // the same parallel region.
   std::vector<float> pm, pl, pz, po;
+  std::unique_ptr<std::atomic<int>[]> left;
   if (splits > 1) {
     const int64_t parts = p.s_q * p.h_q * splits;
     pm.resize(parts);
     pl.resize(parts);
     pz.resize(parts);
     po.resize(parts * p.d_v);
+    left.reset(new std::atomic<int>[p.s_q * hblocks]);
+    for (int64_t i = 0; i < p.s_q * hblocks; ++i) left[i].store(static_cast<int>(splits));
   }
   at::parallel_for(0, p.s_q * hblocks * splits, 1, [&](int64_t begin, int64_t end) {
     static thread_local MlaState s;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t sp = task % splits, t = task / splits / hblocks;
-      const int64_t h0 = (task / splits % hblocks) * hblock, nh = std::min(hblock, p.h_q - h0);
+      const int64_t sp = task % splits, t = task / splits / hblocks, hb = task / splits % hblocks;
+      const int64_t h0 = hb * hblock, nh = std::min(hblock, p.h_q - h0);
       const int64_t n = count[t];
       if (n == 0) {  // a row with no valid slot: zeros and lse -inf (once, from split 0)
         if (sp == 0)
@@ -331,40 +369,11 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
         const float inv = 1.0f / s.l[hh];
         for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, s.ot[c * hp + hh] * inv);
       }
-    }
-  });
-  if (splits == 1) return;
-  // Merge the splits of each (row, head) in split order.
-  at::parallel_for(0, p.s_q * p.h_q, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(p.d_v);
-    for (int64_t th = begin; th < end; ++th) {
-      if (count[th / p.h_q] == 0) continue;
-      const int64_t part0 = th * splits;
-      bool bad = false;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t part = part0 + sp;
-        bad |= pz[part] != pz[part];
-        if (pl[part] > 0.f) mx = std::max(mx, pm[part]);
+      if (splits > 1 && left[t * hblocks + hb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        s.alpha.resize(std::max<size_t>(s.alpha.size(), p.d_v));  // scratch for the merge
+        for (int64_t h = h0; h < h0 + nh; ++h)
+          merge_splits(p, t * p.h_q + h, splits, pm.data(), pl.data(), pz.data(), po.data(), s.alpha.data());
       }
-      if (bad) {
-        p.lse[th] = quiet_nan();
-        for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, quiet_nan());
-        continue;
-      }
-      float sum = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t part = part0 + sp;
-        if (!(pl[part] > 0.f)) continue;
-        const float w = std::exp(pm[part] - mx);
-        sum += pl[part] * w;
-        const float* o = po.data() + part * p.d_v;
-        for (int64_t c = 0; c < p.d_v; ++c) acc[c] += o[c] * w;
-      }
-      p.lse[th] = mx + std::log(sum);
-      const float inv = 1.0f / sum;
-      for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, acc[c] * inv);
     }
   });
 }
