@@ -52,7 +52,7 @@ def timeit(fn, device, min_time=0.3, max_iters=50):
 
 
 ISAS = ["auto"]   # CPU paths to run ours on (--isa)
-BF16_FAST = True  # torch's bf16 matmul is at least a tenth of its fp32 rate here (else bf16 baselines are skipped)
+BF16_FAST = True  # torch's bf16 matmul is at least a quarter of its fp32 rate here (else bf16 baselines are skipped)
 REPEAT = 1        # interleaved repeats per path (--repeat)
 
 
@@ -217,7 +217,7 @@ def reference_bf16_mla(q, cache, idx, scale):
     g = kv[idx.clamp(min=0).long()]  # [s_q, k, 576] bf16
     s = torch.matmul(q, g.transpose(1, 2)).float() * scale
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    p = torch.softmax(s, dim=-1).bfloat16()
+    p = torch.softmax(s, dim=-1).to(q.dtype)
     return torch.matmul(p, g[..., :512])
 
 
@@ -297,7 +297,7 @@ def main():
     records: list = []
     ceiling = Ceiling(args.device)
     ceiling.measure()
-    BF16_FAST = ceiling.rates["bf16"] >= 0.1 * ceiling.rates["fp32"]
+    BF16_FAST = ceiling.rates["bf16"] >= 0.25 * ceiling.rates["fp32"]
     model, flags = cpu_model(), cpu_flags()
     isa_flags = sorted(f for f in flags if f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16"))
     print(f"device {args.device}, {torch.get_num_threads()} threads; CPU {model} ({' '.join(isa_flags)}); "

@@ -362,6 +362,21 @@ def test_sparse_mla_every_fp8_code(device, cpu_isa):
     assert (lse.cpu() - rl).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("s_q,h,topk", [(0, 16, 8), (2, 0, 8), (2, 3, 0)])
+def test_sparse_mla_empty(device, cpu_isa, s_q, h, topk):
+    # No rows, no heads or no selections: nothing to compute (an empty batch once divided by zero
+    # on the avx2 path's split count, and zero heads on the others); no selections give zeros and
+    # lse -inf. CPU paths only: the CUDA launch of an empty grid has not been tried on a GPU.
+    if device != "cpu":
+        pytest.skip("CPU paths only")
+    cache = torch.randn(1, 64, 576).bfloat16().to(device)
+    q = torch.randn(s_q, h, 576).bfloat16().to(device)
+    out = torch.full((s_q, h, 512), POISON_F, dtype=torch.bfloat16, device=device)
+    lse = torch.full((s_q, h), POISON_F, device=device)
+    ops.sparse_mla(q, cache, torch.zeros(s_q, topk, dtype=torch.int32, device=device), 0.1, out=out, lse=lse)
+    assert (out.cpu() == 0).all() and torch.isneginf(lse.cpu()).all()
+
+
 def test_sparse_mla_deterministic(device, cpu_isa):
     cache, idx = make_mla(device, "bf16", 3, 32, 128)
     q = torch.randn(3, 32, 576, device=device).bfloat16()

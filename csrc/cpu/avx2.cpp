@@ -290,6 +290,7 @@ void merge_splits(const SparseMlaParams& p, int64_t th, int64_t splits, const fl
 }  // namespace
 
 void sparse_mla_avx2(const SparseMlaParams& p) {
+  if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (and no split count to divide by)
   // Each row's selected slots, -1s dropped (serial: a parallel region of its own costs more than
   // this scan, a whole scheduler quantum on a loaded machine).
   std::vector<int32_t> slots(p.s_q * p.topk);

@@ -319,6 +319,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 }  // namespace
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
+  if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (zero heads once divided by zero below)
   if (sparse_mla_path() == CpuPath::kAvx2) {
     sparse_mla_avx2(p);  // every dtype
     return;
