@@ -1,11 +1,17 @@
 """Op benchmarks: ours vs the reference.py path vs torch built-ins, side by side in one run.
 
     python bench/bench_ops.py [--quick] [--device cpu|cuda] [--json PATH] [--threads N]
-                              [--isa auto|portable|avx512bf16|blas[,...]] [--repeat N]
+                              [--isa auto|portable|avx2|avx512bf16|blas[,...]] [--repeat N]
 
 Prints one table and, with --json, a list of records
 {"op", "shape", "s_kv", "impl", "ms", "ms_min", "ms_max", "baseline", "baseline_ms", "speedup",
- "isa_path", "cpu_model", "amx", "bf16_matmul_gflop_per_s", ...}.
+ "isa_path", "cpu_model", "cpu_flags", "fp32_matmul_gflop_per_s", "bf16_matmul_gflop_per_s",
+ "matmul_gflop_per_s", "matmul_dtype", "matmul_fraction", ...}.
+The machine's ceiling is torch.mm's rate in fp32 and in bf16 (same threads, measured at the start
+and at the end of the run, the better of the two kept); "matmul_fraction" is an op's GFLOP/s as a
+share of the better of the two dtypes ("matmul_dtype"): bf16 on AVX-512 BF16 and AMX CPUs, fp32 on
+AVX2-only CPUs, where torch has no fast bf16 matmul (there the bf16 baselines, which would take
+minutes, are skipped and sparse MLA's reference runs in fp32).
 With several --isa values each op runs on every CPU path in turn, interleaved and repeated
 (--repeat), so the paths compare under the same machine load; "ms" is the median of the
 repeats, "ms_min"/"ms_max" their spread.
@@ -46,6 +52,7 @@ def timeit(fn, device, min_time=0.3, max_iters=50):
 
 
 ISAS = ["auto"]   # CPU paths to run ours on (--isa)
+BF16_FAST = True  # torch's bf16 matmul is at least a quarter of its fp32 rate here (else bf16 baselines are skipped)
 REPEAT = 1        # interleaved repeats per path (--repeat)
 
 
@@ -100,11 +107,39 @@ def cpu_flags():
     return set()
 
 
-def bf16_matmul_gflops(device, n=2048):
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = timeit(lambda: a @ b, device)
-    return 2 * n**3 / (ms * 1e-3) / 1e9
+def matmul_gflops(device, dtype, n=2048):
+    """torch.mm's rate for an n x n x n product (GFLOP/s). A dtype the CPU has no fast kernel for
+    (bf16 on AVX2-only CPUs runs at ~1 GFLOP/s) is measured at n=512 only, to keep the run short."""
+    def rate(m, **kw):
+        a = torch.randn(m, m, device=device, dtype=dtype)
+        b = torch.randn(m, m, device=device, dtype=dtype)
+        return 2 * m**3 / (timeit(lambda: torch.mm(a, b), device, **kw) * 1e-3) / 1e9
+
+    small = rate(512, min_time=0.1, max_iters=5)
+    return rate(n) if small > 20 else small
+
+
+class Ceiling:
+    """The machine's matmul rates in fp32 and bf16, kept as the best of every measurement."""
+
+    def __init__(self, device):
+        self.device = device
+        self.rates = {"fp32": 0.0, "bf16": 0.0}
+
+    def measure(self):
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            self.rates[name] = max(self.rates[name], matmul_gflops(self.device, dt))
+
+    @property
+    def dtype(self):
+        return max(self.rates, key=self.rates.get)
+
+    @property
+    def best(self):
+        return self.rates[self.dtype]
+
+    def share(self, gflops):
+        return {"matmul_fraction": gflops / self.best}
 
 
 def indexer_inputs(s_q, s_kv, h, device):
@@ -126,7 +161,7 @@ def reference_bf16_logits(q, k, w):
 
 def bench_topk(records, device, quick):
     rows, topk = 64, 2048
-    for s_kv in ([4096, 32768] if quick else [4096, 32768, 131072]):
+    for s_kv in (4096, 32768, 131072):
         logits = torch.randn(rows, s_kv, device=device)
         ks = torch.zeros(rows, dtype=torch.int32, device=device)
         ke = torch.full((rows,), s_kv, dtype=torch.int32, device=device)
@@ -138,7 +173,7 @@ def bench_topk(records, device, quick):
             record(records, "topk", f"{rows}x{s_kv} k{topk}", s_kv, "indexcache", t, "torch.topk", base, gb_per_s=gbs)
 
 
-def bench_indexer(records, device, quick, matmul_gflops):
+def bench_indexer(records, device, quick):
     s_q, h, topk = 64, 64, 2048
     for s_kv in ([4096, 32768] if quick else [4096, 32768, 65536]):
         q, k, w, qv, kv, ksc, wq, ks, ke = indexer_inputs(s_q, s_kv, h, device)
@@ -149,35 +184,44 @@ def bench_indexer(records, device, quick, matmul_gflops):
                          max_iters=10)
         wf = ref.indexer_weights(w)
         ref32 = timeit(lambda: ref.indexer_logits(q, k, None, wf, ks, ke), device, min_time=0.1, max_iters=3)
-        ref16 = timeit(lambda: reference_bf16_logits(q, k, wf), device, min_time=0.1, max_iters=3)
+        bases = [("reference_fp32", ref32)]
+        if BF16_FAST:
+            bases.append(("reference_bf16", timeit(lambda: reference_bf16_logits(q, k, wf), device, min_time=0.1,
+                                                   max_iters=3)))
         for t in ours.values():
             gf = flops / (t[0] * 1e-3) / 1e9
-            for name, b in (("reference_fp32", ref32), ("reference_bf16", ref16)):
-                record(records, "indexer_logits", shape, s_kv, "indexcache_fp8", t, name, b, gflop_per_s=gf,
-                       matmul_fraction=gf / matmul_gflops)
+            for name, b in bases:
+                record(records, "indexer_logits", shape, s_kv, "indexcache_fp8", t, name, b, gflop_per_s=gf)
         buf = torch.empty(s_q, topk, dtype=torch.int32, device=device)
         fused = time_ours(lambda: ops.indexer_topk(qv, kv, ksc, wq, ks, ke, topk, out=buf), device, min_time=0.5,
                           max_iters=10)
         b32 = timeit(lambda: torch.topk(ref.indexer_logits(q, k, None, wf, ks, ke), topk, dim=1), device, min_time=0.1, max_iters=3)
-        b16 = timeit(lambda: torch.topk(reference_bf16_logits(q, k, wf), topk, dim=1), device, min_time=0.1, max_iters=3)
+        bases = [("reference_fp32", b32)]
+        if BF16_FAST:
+            bases.append(("reference_bf16", timeit(lambda: torch.topk(reference_bf16_logits(q, k, wf), topk, dim=1),
+                                                   device, min_time=0.1, max_iters=3)))
         for t in fused.values():
             gf = flops / (t[0] * 1e-3) / 1e9
-            for name, b in (("reference_fp32", b32), ("reference_bf16", b16)):
+            for name, b in bases:
                 record(records, "fused_logits_topk", shape, s_kv, "indexcache_fp8", t, name, b, gflop_per_s=gf,
-                       matmul_fraction=gf / matmul_gflops, logits_bytes_avoided=s_q * s_kv * 4)
+                       logits_bytes_avoided=s_q * s_kv * 4)
 
 
 def reference_bf16_mla(q, cache, idx, scale):
+    """The gather + softmax reference through torch's matmuls, in bf16 (fp32 where BF16_FAST is
+    off: on AVX2-only CPUs torch's bf16 matmul runs at ~1 GFLOP/s, so fp32 is torch's best)."""
+    if not BF16_FAST:
+        q, cache = q.float(), cache.float()
     kv = cache.reshape(-1, 576)
     valid = idx >= 0
     g = kv[idx.clamp(min=0).long()]  # [s_q, k, 576] bf16
     s = torch.matmul(q, g.transpose(1, 2)).float() * scale
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    p = torch.softmax(s, dim=-1).bfloat16()
+    p = torch.softmax(s, dim=-1).to(q.dtype)
     return torch.matmul(p, g[..., :512])
 
 
-def bench_mla(records, device, quick, matmul_gflops):
+def bench_mla(records, device, quick):
     h, topk, bs = 128, 2048, 64
     cases = [("sparse_mla_decode", 16 if quick else 64), ("sparse_mla_prefill", 32 if quick else 128)]
     for op, s_q in cases:
@@ -199,12 +243,13 @@ def bench_mla(records, device, quick, matmul_gflops):
         ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse), device, op="sparse_mla",
                          min_time=0.5, max_iters=10)
         base = timeit(lambda: reference_bf16_mla(q, cache, idx, scale), device, min_time=0.3, max_iters=5)
+        base_name = "reference_bf16" if BF16_FAST else "reference_fp32"
         n_valid = int((idx >= 0).sum())
         flops = 2 * h * n_valid * (576 + 512)
         for t in ours.values():
             gf = flops / (t[0] * 1e-3) / 1e9
-            record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, "indexcache", t, "reference_bf16", base,
-                   gflop_per_s=gf, matmul_fraction=gf / matmul_gflops)
+            record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, "indexcache", t, base_name, base,
+                   gflop_per_s=gf)
 
 
 def bench_k_cache(records, device, quick):
@@ -233,7 +278,7 @@ def main():
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     ap.add_argument("--isa", default="auto",
-                    help="CPU path(s) for our ops, comma-separated: auto, portable, avx512bf16, blas")
+                    help="CPU path(s) for our ops, comma-separated: auto, portable, avx2, avx512bf16, blas")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats per path (median, min, max)")
     ap.add_argument("--ops", default="topk,k_cache,indexer,mla", help="which groups to run")
     ap.add_argument("--cpu-time", action="store_true",
@@ -241,7 +286,7 @@ def main():
                          "shared with other work this compares paths' cost more steadily; it counts idle "
                          "OpenMP spinning, so it overstates ops that leave threads waiting")
     args = ap.parse_args()
-    global ISAS, REPEAT, CLOCK
+    global ISAS, REPEAT, CLOCK, BF16_FAST
     if args.cpu_time:
         CLOCK = time.process_time
     ISAS = [s.strip() for s in args.isa.split(",") if s.strip()] if args.device == "cpu" else ["auto"]
@@ -250,19 +295,29 @@ def main():
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     records: list = []
-    matmul = bf16_matmul_gflops(args.device)
+    ceiling = Ceiling(args.device)
+    ceiling.measure()
+    BF16_FAST = ceiling.rates["bf16"] >= 0.25 * ceiling.rates["fp32"]
     model, flags = cpu_model(), cpu_flags()
-    print(f"device {args.device}, {torch.get_num_threads()} threads, bf16 matmul {matmul:.0f} GFLOP/s; "
-          f"CPU {model}, amx_bf16 {'amx_bf16' in flags}, avx512_bf16 {'avx512_bf16' in flags}")
+    isa_flags = sorted(f for f in flags if f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16"))
+    print(f"device {args.device}, {torch.get_num_threads()} threads; CPU {model} ({' '.join(isa_flags)}); "
+          f"torch.mm fp32 {ceiling.rates['fp32']:.0f}, bf16 {ceiling.rates['bf16']:.1f} GFLOP/s")
     groups = set(args.ops.split(","))
     if "topk" in groups:
         bench_topk(records, args.device, args.quick)
     if "k_cache" in groups:
         bench_k_cache(records, args.device, args.quick)
     if "indexer" in groups:
-        bench_indexer(records, args.device, args.quick, matmul)
+        bench_indexer(records, args.device, args.quick)
     if "mla" in groups:
-        bench_mla(records, args.device, args.quick, matmul)
+        bench_mla(records, args.device, args.quick)
+    if any("gflop_per_s" in r for r in records):
+        ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
+    for r in records:
+        if "gflop_per_s" in r:
+            r["matmul_fraction"] = r["gflop_per_s"] / ceiling.best
+    print(f"matmul ceiling: fp32 {ceiling.rates['fp32']:.0f}, bf16 {ceiling.rates['bf16']:.1f} GFLOP/s "
+          f"(torch.mm, best of start and end); shares below are of the {ceiling.dtype} rate")
     head = (f"{'op':<20} {'shape':<26} {'path':<11} {'ms':>9} {'min-max':>17} {'baseline':<15} {'base ms':>9} "
             f"{'speedup':>8}  rate")
     print(head)
@@ -270,17 +325,19 @@ def main():
     for r in records:
         rate = ""
         if "gflop_per_s" in r:
-            rate = f"{r['gflop_per_s']:.0f} GFLOP/s ({100 * r['matmul_fraction']:.0f}% of bf16 matmul)"
+            rate = f"{r['gflop_per_s']:.0f} GFLOP/s ({100 * r['matmul_fraction']:.0f}% of {ceiling.dtype} matmul)"
         elif "gb_per_s" in r:
             rate = f"{r['gb_per_s']:.1f} GB/s"
         spread = f"{r.get('ms_min', r['ms']):.2f}-{r.get('ms_max', r['ms']):.2f}"
         print(f"{r['op']:<20} {r['shape']:<26} {r.get('isa_path', ''):<11} {r['ms']:>9.3f} {spread:>17} "
               f"{r['baseline']:<15} {r['baseline_ms']:>9.3f} {r['speedup']:>7.2f}x  {rate}")
     if args.json:
-        meta = {"device": args.device, "threads": torch.get_num_threads(), "bf16_matmul_gflop_per_s": matmul,
+        meta = {"device": args.device, "threads": torch.get_num_threads(),
+                "fp32_matmul_gflop_per_s": ceiling.rates["fp32"], "bf16_matmul_gflop_per_s": ceiling.rates["bf16"],
+                "matmul_gflop_per_s": ceiling.best, "matmul_dtype": ceiling.dtype,
                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "cpu_model": model,
-                "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags, "repeat": REPEAT,
-                "clock": "cpu" if args.cpu_time else "wall"}
+                "cpu_flags": isa_flags, "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
+                "repeat": REPEAT, "clock": "cpu" if args.cpu_time else "wall"}
         for r in records:
             r.update(meta)
         with open(args.json, "w") as f:

@@ -113,8 +113,9 @@ PYBIND11_MODULE(_C, mod) {
         }
       },
       "Choose the CPU kernels' code path: 'auto' (blas where AMX tiles are present, else AVX-512 BF16 "
-      "where present, else portable), 'portable', 'avx512bf16' or 'blas' (oneDNN brgemm: the AMX tiles "
-      "where present). A path this CPU cannot run is a ValueError that says why (_cpu_paths()).");
+      "where present, else avx2 where AVX2 + FMA are, else portable), 'portable', 'avx2', 'avx512bf16' or "
+      "'blas' (oneDNN brgemm: the AMX tiles where present). A path this CPU cannot run is a ValueError "
+      "that says why (_cpu_paths()).");
   mod.def(
       "_cpu_isa",
       [](const std::string& op) {

@@ -235,7 +235,7 @@ def test_topk_windows_and_ties(device):
 
 
 @pytest.mark.parametrize("n", [65536, 262144])
-def test_topk_long_rows(device, n):
+def test_topk_long_rows(device, cpu_isa, n):
     rows, topk = 2, 2048
     logits = torch.randn(rows, n, device=device)
     ks = torch.zeros(rows, dtype=torch.int32, device=device)
@@ -335,6 +335,46 @@ def test_sparse_mla(device, cpu_isa, cache_kind, q_dtype, bar, s_q, h, topk):
     assert torch.equal(fin, torch.isfinite(gl))
     # bf16 paths round fp8-dequantized keys to bf16, so lse carries ~1e-2 absolute error there.
     assert (gl[fin] - rl[fin]).abs().max() < (1e-4 if bar < 1e-2 else 2e-2)
+
+
+def test_sparse_mla_every_fp8_code(device, cpu_isa):
+    """fp8_ds_mla rows holding every finite e4m3 byte (subnormals, both zeros, +-448) under
+    power-of-two scales from 2^-12 to 2^4: the kernels' dequantization must be exact, so fp32
+    queries meet the fp32 bar (1e-5)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 finite codes
+    n = 16
+    cache = torch.zeros(1, n, 656, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for r in range(n):
+        cache[0, r, :512] = codes[torch.randint(0, codes.numel(), (512,), generator=g)]
+        scales = torch.tensor([2.0 ** int(e) for e in torch.randint(-12, 5, (4,), generator=g)])
+        cache[0, r, 512:528] = scales.view(torch.uint8)
+        cache[0, r, 528:] = torch.randn(64, generator=g).bfloat16().view(torch.uint8)
+    flat = cache.view(-1, 656)
+    assert torch.isin(codes, flat[:, :512]).sum() > 200  # most codes present
+    q = torch.randn(2, 8, 576) * 1e-4
+    idx = torch.randperm(n, dtype=torch.int32).reshape(2, 8)
+    out = torch.full((2, 8, 512), POISON_F, device=device)
+    lse = torch.full((2, 8), POISON_F, device=device)
+    ops.sparse_mla(q.to(device), cache.to(device), idx.to(device), 0.5, out=out, lse=lse)
+    ro, rl = ref.sparse_mla(q, cache, idx, 0.5)
+    assert rel_err(out.cpu(), ro) < 1e-5
+    assert (lse.cpu() - rl).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("s_q,h,topk", [(0, 16, 8), (2, 0, 8), (2, 3, 0)])
+def test_sparse_mla_empty(device, cpu_isa, s_q, h, topk):
+    # No rows, no heads or no selections: nothing to compute (an empty batch once divided by zero
+    # on the avx2 path's split count, and zero heads on the others); no selections give zeros and
+    # lse -inf. CPU paths only: the CUDA launch of an empty grid has not been tried on a GPU.
+    if device != "cpu":
+        pytest.skip("CPU paths only")
+    cache = torch.randn(1, 64, 576).bfloat16().to(device)
+    q = torch.randn(s_q, h, 576).bfloat16().to(device)
+    out = torch.full((s_q, h, 512), POISON_F, dtype=torch.bfloat16, device=device)
+    lse = torch.full((s_q, h), POISON_F, device=device)
+    ops.sparse_mla(q, cache, torch.zeros(s_q, topk, dtype=torch.int32, device=device), 0.1, out=out, lse=lse)
+    assert (out.cpu() == 0).all() and torch.isneginf(lse.cpu()).all()
 
 
 def test_sparse_mla_deterministic(device, cpu_isa):
@@ -588,16 +628,31 @@ def test_ops_visible_in_profiler():
     assert any("indexcache::quantize_fp8" in e.name for e in prof.events())
 
 
-@pytest.mark.parametrize("kind", ["ties", "adversarial_sample"])
-def test_topk_long_rows_sampled_path(device, kind):
-    """Long rows take a sampled-floor fast path on CPU; ties and a sample that misleads the
-    floor (so fewer than k survive and the full select runs) must still be exact."""
+@pytest.mark.parametrize("kind", ["ties", "adversarial_sample", "specials", "mostly_nan"])
+def test_topk_long_rows_sampled_path(device, cpu_isa, kind):
+    """Long rows take a sampled-floor fast path on CPU (an AVX-512 or AVX2 filter pass); ties and
+    a sample that misleads the floor (so fewer than k survive and the full select runs) must
+    still be exact."""
     n, topk = 50000, 1024
     if kind == "ties":
         logits = torch.randint(-3, 4, (2, n)).float()
     else:
         logits = torch.rand(2, n)
         logits += 10.0 * (torch.arange(n) % ((n - 16) // 31) < 16).float()  # exactly the sampled runs are large
+    if kind in ("specials", "mostly_nan"):
+        # NaN (any sign) ranks above +inf, -0 equals +0 (ties to the lower position), -inf last:
+        # the filters' key transform and floor compare must agree with order_key.
+        logits = torch.randn(2, n)
+        pick = torch.rand(2, n)
+        nan_share = 0.01 if kind == "specials" else 0.4
+        logits[pick < nan_share] = float("nan")
+        logits[(pick >= nan_share) & (pick < nan_share + 0.01)] = -float("nan")
+        logits[(pick > 0.5) & (pick < 0.52)] = 0.0
+        logits[(pick > 0.52) & (pick < 0.54)] = -0.0
+        logits[(pick > 0.54) & (pick < 0.55)] = float("inf")
+        logits[(pick > 0.55) & (pick < 0.56)] = -float("inf")
+        if kind == "specials":
+            logits[1] = logits[1].abs().neg() * 1e-3  # negatives, -0, -inf and sign-bit NaNs only
     logits = logits.to(device)
     ks = torch.zeros(2, dtype=torch.int32, device=device)
     ke = torch.full((2,), n, dtype=torch.int32, device=device)

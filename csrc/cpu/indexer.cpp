@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "avx2.h"
 #include "blas.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
@@ -336,7 +337,8 @@ __attribute__((target("avx512f"))) int64_t filter_at_least_avx512(const float* x
 int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector<uint32_t>& scratch,
                  Scratch<uint32_t>& key_buf, Scratch<int32_t>& pos_buf) {
   int64_t j = 0;
-  if (n >= 8 * k && n >= 4096 && use_avx512()) {
+  const bool avx512 = use_avx512();
+  if (n >= 8 * k && n >= 4096 && (avx512 || use_avx2())) {
     // 32 contiguous runs of 16 (one cache line each) spread over the row: as good a sample
     // for the floor as 512 strided values, at 32 cache misses instead of 512.
     constexpr int64_t m = 512, run = 16, runs = m / run;
@@ -349,7 +351,12 @@ int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector
     std::nth_element(sample, sample + rank, sample + m, std::greater<uint32_t>());
     uint32_t* keys = key_buf.get(n + 16);
     int32_t* pos = pos_buf.get(n + 16);
-    const int64_t c = filter_at_least_avx512(x, n, sample[rank], keys, pos);
+    const int64_t c = avx512 ? filter_at_least_avx512(x, n, sample[rank], keys, pos)
+                             : filter_at_least_avx2(x, n, sample[rank], keys, pos);
+    if (c >= k && !avx512) {
+      scratch.resize(std::max<size_t>(scratch.size(), c));
+      return select_survivors_avx2(keys, pos, c, k, out, scratch.data());
+    }
     if (c >= k) {
       const cpu::Threshold t = cpu::select_threshold(c, k, [&](int64_t i) { return keys[i]; }, scratch);
       cpu::emit_selected(c, t, [&](int64_t i) { return keys[i]; }, [&](int64_t i) { out[j++] = pos[i]; });

@@ -71,6 +71,7 @@ CpuPath auto_path() {
   const CpuFeatures& f = cpu_features();
   if (f.brgemm_tiles && f.brgemm_bf16) return CpuPath::kBlas;
   if (f.avx512bf16) return CpuPath::kAvx512Bf16;
+  if (f.avx2_fma) return CpuPath::kAvx2;
   return CpuPath::kPortable;
 }
 
@@ -85,6 +86,7 @@ const char* cpu_path_name(CpuPath p) {
   switch (p) {
     case CpuPath::kAuto: return "auto";
     case CpuPath::kPortable: return "portable";
+    case CpuPath::kAvx2: return "avx2";
     case CpuPath::kAvx512Bf16: return "avx512bf16";
     case CpuPath::kBlas: return "blas";
   }
@@ -104,6 +106,8 @@ CpuPath cpu_path_from_name(const std::string& name) {
 std::string cpu_path_unavailable(CpuPath p) {
   const CpuFeatures& f = cpu_features();
   switch (p) {
+    case CpuPath::kAvx2:
+      return f.avx2_fma ? "" : "no AVX2 + FMA + F16C on this CPU";
     case CpuPath::kAvx512Bf16:
       return f.avx512bf16 ? "" : "no AVX-512 BF16 on this CPU";
     case CpuPath::kBlas:

@@ -8,8 +8,9 @@
 namespace indexcache {
 
 // The code paths, in the order `auto` prefers them from last to first. kAuto is a request only.
-enum class CpuPath : int { kAuto = -1, kPortable = 0, kAvx512Bf16 = 1, kBlas = 2 };
-inline constexpr CpuPath kCpuPaths[] = {CpuPath::kPortable, CpuPath::kAvx512Bf16, CpuPath::kBlas};
+// The numbers are names only (kAvx2 came last); kCpuPaths gives the order.
+enum class CpuPath : int { kAuto = -1, kPortable = 0, kAvx512Bf16 = 1, kBlas = 2, kAvx2 = 3 };
+inline constexpr CpuPath kCpuPaths[] = {CpuPath::kPortable, CpuPath::kAvx2, CpuPath::kAvx512Bf16, CpuPath::kBlas};
 
 // What this CPU (and this torch) can run, read once.
 struct CpuFeatures {
@@ -36,9 +37,14 @@ CpuPath cpu_path();
 // The path sparse MLA takes (the same today; kept apart because its choice is measured apart).
 CpuPath sparse_mla_path();
 
-// The AVX-512 kernels (quantization, top-k filter, bf16 tiles) run on every path but the
-// portable one, where the CPU has them.
-inline bool use_avx512() { return cpu_path() != CpuPath::kPortable && cpu_features().avx512; }
-inline bool use_avx512bf16() { return cpu_path() != CpuPath::kPortable && cpu_features().avx512bf16; }
+// The AVX-512 kernels (quantization, top-k filter, bf16 tiles) run on the AVX-512 BF16 and blas
+// paths, where the CPU has them; the portable and avx2 paths never run them (so forcing 'avx2'
+// on an AVX-512 CPU tests the AVX2 kernels).
+inline bool avx512_family(CpuPath p) { return p == CpuPath::kAvx512Bf16 || p == CpuPath::kBlas; }
+inline bool use_avx512() { return avx512_family(cpu_path()) && cpu_features().avx512; }
+inline bool use_avx512bf16() { return avx512_family(cpu_path()) && cpu_features().avx512bf16; }
+// The AVX2 + FMA kernels (csrc/cpu/avx2.cpp: sparse MLA, the top-k filter) run on the avx2 path,
+// which only a CPU with AVX2, FMA and F16C can take.
+inline bool use_avx2() { return cpu_path() == CpuPath::kAvx2; }
 
 }  // namespace indexcache

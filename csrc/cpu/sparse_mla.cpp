@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "avx2.h"
 #include "blas.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
@@ -318,6 +319,11 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 }  // namespace
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
+  if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (zero heads once divided by zero below)
+  if (sparse_mla_path() == CpuPath::kAvx2) {
+    sparse_mla_avx2(p);  // every dtype
+    return;
+  }
   if (sparse_mla_path() == CpuPath::kBlas && sparse_mla_blas(p)) return;
   const bool bf16 = mla_use_bf16(p);
   const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);

@@ -1,0 +1,530 @@
+// The AVX2 + FMA kernels (avx2.h): sparse MLA and the top-k filter of the avx2 path.
+//
+// Sparse MLA (absorbed form, DESIGN.md §5). A task is one query row, one block of up to 64
+// heads and one range of its selected keys. It walks its keys in tiles of 48: the tile's cache
+// rows are gathered and converted to fp32 once (bf16 by a shift, fp8_ds_mla by exponent
+// arithmetic and the group scale), then two register-blocked FMA kernels run on it with heads
+// across the lanes (16 heads = two vectors):
+//   S^T[key][h] = Σ_c K[key][c] · qT[c][h]          6 keys x 16 heads per block
+//   O^T[v][h]  = α[h]·O^T[v][h] + Σ_key K[key][v] · P[key][h]   6 value columns x 16 heads
+// with an online softmax between them (running max and sum per head, α the rescale). Each
+// gathered row is read from the cache once per tile for the whole head block. With few query
+// rows the selected keys are split across threads and the partial (max, sum, O) merged in
+// split order (by whichever task finishes a row's last split, in the same parallel region), so
+// results are bit-identical run to run for a given thread count.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "avx2.h"
+#include "indexcache/fp8.h"
+#include "indexcache/ops.h"
+#include "select.h"
+
+#if defined(__x86_64__)
+
+// Everything defined below (and nothing from the headers above) is compiled for AVX2 + FMA + F16C.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace indexcache {
+namespace {
+
+constexpr int kPanel = 16;         // heads per register panel: two 8-lane vectors
+constexpr int kGroup = 6;          // keys (kernel 1) or value columns (kernel 2) per register block
+constexpr int64_t kKeyTile = 48;   // gathered keys per tile, a multiple of kGroup
+constexpr int64_t kHeadBlock = 64; // heads per task: its qT (147 KB) and O^T (128 KB) stay in L2
+constexpr int64_t kMinSplitKeys = 256;
+
+// exp(x) for x <= 0: 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial; inputs below -87
+// give exp(-87) ~ 1.6e-38 (NaN lanes come out as garbage; callers flag them separately).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 q = _mm256_set1_ps(1.0f / 720);
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 120));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 24));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 6));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(0.5f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  // n >= -126 here, so 2^n is a normal float.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+}
+
+// n bf16 values (n a multiple of 8) -> fp32.
+inline void bf16_to_f32(const uint16_t* src, float* dst, int n) {
+  for (int c = 0; c < n; c += 8) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c)));
+    _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+}
+
+// 8 e4m3 bytes -> fp32, exact (e4m3_to_float), without denormal arithmetic: normal values
+// rebias the exponent (7 -> 127) as integers, subnormals (exponent 0) are mantissa · 2^-9.
+inline __m256 e4m3x8(const uint8_t* src) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0.001953125f));
+  __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub,
+                              _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+  v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+}
+
+// Cache row `slot` as fp32 [576].
+void load_row(const SparseMlaParams& p, int64_t slot, float* dst) {
+  if (p.kv_dtype == DType::kBFloat16) {
+    bf16_to_f32(static_cast<const uint16_t*>(p.kv) + slot * kMlaDim, dst, kMlaDim);
+  } else if (p.kv_dtype == DType::kFp8E4M3) {
+    const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
+    float scales[kMlaLatent / kQuantGroup];
+    std::memcpy(scales, row + kMlaLatent, sizeof(scales));
+    for (int g = 0; g < kMlaLatent / kQuantGroup; ++g) {
+      const __m256 sc = _mm256_set1_ps(scales[g]);
+      for (int c = g * kQuantGroup; c < (g + 1) * kQuantGroup; c += 8)
+        _mm256_storeu_ps(dst + c, _mm256_mul_ps(e4m3x8(row + c), sc));
+    }
+    uint16_t rope[kMlaRope];
+    std::memcpy(rope, row + kMlaLatent + sizeof(scales), sizeof(rope));
+    bf16_to_f32(rope, dst + kMlaLatent, kMlaRope);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(p.kv) + slot * kMlaDim, kMlaDim * sizeof(float));
+  }
+}
+
+// Kernel 1: st[r][0:16] = scale · Σ_c k[r][c] · qp[c][0:16] for kGroup rows of k.
+inline void qk_block(const float* k, const float* qp, float scale, float* st, int64_t ld) {
+  __m256 a0[kGroup], a1[kGroup];
+  for (int r = 0; r < kGroup; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int c = 0; c < kMlaDim; ++c) {
+    const __m256 b0 = _mm256_loadu_ps(qp + c * kPanel), b1 = _mm256_loadu_ps(qp + c * kPanel + 8);
+    for (int r = 0; r < kGroup; ++r) {
+      const __m256 kv = _mm256_broadcast_ss(k + r * kMlaDim + c);
+      a0[r] = _mm256_fmadd_ps(kv, b0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(kv, b1, a1[r]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int r = 0; r < kGroup; ++r) {
+    _mm256_storeu_ps(st + r * ld, _mm256_mul_ps(a0[r], sc));
+    _mm256_storeu_ps(st + r * ld + 8, _mm256_mul_ps(a1[r], sc));
+  }
+}
+
+// Kernel 2: ot[v][0:16] = α · ot[v][0:16] + Σ_j k[j][v] · pt[j][0:16] for R value columns v.
+template <int R>
+inline void pv_block(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot,
+                     int64_t ldo) {
+  __m256 a0[R], a1[R];
+  const __m256 al0 = _mm256_loadu_ps(alpha), al1 = _mm256_loadu_ps(alpha + 8);
+  for (int r = 0; r < R; ++r) {
+    a0[r] = _mm256_mul_ps(_mm256_loadu_ps(ot + r * ldo), al0);
+    a1[r] = _mm256_mul_ps(_mm256_loadu_ps(ot + r * ldo + 8), al1);
+  }
+  for (int64_t j = 0; j < nkeys; ++j) {
+    const __m256 b0 = _mm256_loadu_ps(pt + j * ld), b1 = _mm256_loadu_ps(pt + j * ld + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = _mm256_broadcast_ss(k + j * kMlaDim + r);
+      a0[r] = _mm256_fmadd_ps(v, b0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(v, b1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(ot + r * ldo, a0[r]);
+    _mm256_storeu_ps(ot + r * ldo + 8, a1[r]);
+  }
+}
+
+void pv_cols(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot, int64_t ldo,
+             int rem) {
+  switch (rem) {
+    case 1: pv_block<1>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 2: pv_block<2>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 3: pv_block<3>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 4: pv_block<4>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 5: pv_block<5>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    default: pv_block<6>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+  }
+}
+
+// One task's running state for heads [h0, h0 + nh), padded to hp (a multiple of kPanel).
+struct MlaState {
+  std::vector<float> kbuf;  // [kKeyTile][576] gathered fp32 rows
+  std::vector<float> qT;    // [hp / 16][576][16] query, heads across lanes
+  std::vector<float> st;    // [kKeyTile][hp] scores, then probabilities
+  std::vector<float> ot;    // [d_v][hp] unnormalised output
+  std::vector<float> m, l, z, alpha;  // [hp] running max, sum, NaN flag (0 or NaN), rescale
+};
+
+float q_value(const SparseMlaParams& p, int64_t i) {
+  return p.q_dtype == DType::kFloat32 ? static_cast<const float*>(p.q)[i]
+                                      : bf16_to_float(static_cast<const uint16_t*>(p.q)[i]);
+}
+
+// Runs keys slots[0:n) for row t, heads [h0, h0 + nh); leaves m, l, z and ot in `s`.
+void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const int32_t* slots, int64_t n,
+              MlaState& s) {
+  const int64_t hp = (nh + kPanel - 1) / kPanel * kPanel, panels = hp / kPanel;
+  s.kbuf.resize(kKeyTile * kMlaDim);
+  s.qT.resize(hp * kMlaDim);
+  s.st.resize(kKeyTile * hp);
+  s.ot.assign(p.d_v * hp, 0.f);
+  s.m.assign(hp, -std::numeric_limits<float>::infinity());
+  s.l.assign(hp, 0.f);
+  s.z.assign(hp, 0.f);
+  s.alpha.resize(hp);
+  for (int64_t pn = 0; pn < panels; ++pn)
+    for (int64_t hh = 0; hh < kPanel; ++hh) {
+      const int64_t h = pn * kPanel + hh;
+      float* dst = s.qT.data() + pn * kMlaDim * kPanel + hh;
+      if (h >= nh) {
+        for (int c = 0; c < kMlaDim; ++c) dst[c * kPanel] = 0.f;
+        continue;
+      }
+      const int64_t base = (t * p.h_q + h0 + h) * kMlaDim;
+      for (int c = 0; c < kMlaDim; ++c) dst[c * kPanel] = q_value(p, base + c);
+    }
+  float* kb = s.kbuf.data();
+  float* st = s.st.data();
+  for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
+    const int64_t nk = std::min<int64_t>(kKeyTile, n - j0);
+    const int64_t groups = (nk + kGroup - 1) / kGroup;
+    for (int64_t j = 0; j < nk; ++j) load_row(p, slots[j0 + j], kb + j * kMlaDim);
+    std::fill(kb + nk * kMlaDim, kb + groups * kGroup * kMlaDim, 0.f);
+    // Scores: each 6-row group of the tile against every head panel.
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t pn = 0; pn < panels; ++pn)
+        qk_block(kb + g * kGroup * kMlaDim, s.qT.data() + pn * kMlaDim * kPanel, p.sm_scale,
+                 st + g * kGroup * hp + pn * kPanel, hp);
+    // Online softmax, 8 heads at a time: new max, rescale of the old sum, probabilities in place.
+    // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
+    // out and lse (docs/ops.md).
+    for (int64_t v = 0; v < hp; v += 8) {
+      const __m256 m_old = _mm256_loadu_ps(s.m.data() + v);
+      __m256 mt = m_old, zt = _mm256_loadu_ps(s.z.data() + v);
+      for (int64_t j = 0; j < nk; ++j) {
+        const __m256 x = _mm256_loadu_ps(st + j * hp + v);
+        mt = _mm256_max_ps(x, mt);
+        zt = _mm256_add_ps(zt, _mm256_sub_ps(x, x));
+      }
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nk; ++j) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(st + j * hp + v), mt));
+        _mm256_storeu_ps(st + j * hp + v, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      const __m256 alpha = exp256(_mm256_sub_ps(m_old, mt));
+      _mm256_storeu_ps(s.alpha.data() + v, alpha);
+      _mm256_storeu_ps(s.l.data() + v, _mm256_fmadd_ps(_mm256_loadu_ps(s.l.data() + v), alpha, sum));
+      _mm256_storeu_ps(s.m.data() + v, mt);
+      _mm256_storeu_ps(s.z.data() + v, zt);
+    }
+    // P·V: 6 value columns x 16 heads per block, over the tile's keys.
+    for (int64_t c0 = 0; c0 < p.d_v; c0 += kGroup) {
+      const int rem = static_cast<int>(std::min<int64_t>(kGroup, p.d_v - c0));
+      for (int64_t pn = 0; pn < panels; ++pn)
+        pv_cols(kb + c0, st + pn * kPanel, hp, s.alpha.data() + pn * kPanel, nk, s.ot.data() + c0 * hp + pn * kPanel,
+                hp, rem);
+    }
+  }
+}
+
+void store_out(const SparseMlaParams& p, int64_t i, float v) {
+  if (p.q_dtype == DType::kFloat32) {
+    static_cast<float*>(p.out)[i] = v;
+  } else {
+    static_cast<uint16_t*>(p.out)[i] = float_to_bf16(v);
+  }
+}
+
+// Merges the splits of (row t, head h) in split order into out and lse.
+void merge_splits(const SparseMlaParams& p, int64_t th, int64_t splits, const float* pm, const float* pl,
+                  const float* pz, const float* po, float* acc) {
+  const int64_t part0 = th * splits;
+  bool bad = false;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    bad |= pz[part0 + sp] != pz[part0 + sp];
+    if (pl[part0 + sp] > 0.f) mx = std::max(mx, pm[part0 + sp]);
+  }
+  if (bad) {
+    p.lse[th] = quiet_nan();
+    for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, quiet_nan());
+    return;
+  }
+  float sum = 0.f;
+  std::fill(acc, acc + p.d_v, 0.f);
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    const int64_t part = part0 + sp;
+    if (!(pl[part] > 0.f)) continue;  // an empty split
+    const float w = std::exp(pm[part] - mx);
+    sum += pl[part] * w;
+    const float* o = po + part * p.d_v;
+    for (int64_t c = 0; c < p.d_v; ++c) acc[c] += o[c] * w;
+  }
+  p.lse[th] = mx + std::log(sum);
+  const float inv = 1.0f / sum;
+  for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, acc[c] * inv);
+}
+
+}  // namespace
+
+void sparse_mla_avx2(const SparseMlaParams& p) {
+  if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (and no split count to divide by)
+  // Each row's selected slots, -1s dropped (serial: a parallel region of its own costs more than
+  // this scan, a whole scheduler quantum on a loaded machine).
+  std::vector<int32_t> slots(p.s_q * p.topk);
+  std::vector<int64_t> count(p.s_q);
+  for (int64_t t = 0; t < p.s_q; ++t) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < p.topk; ++j) {
+      const int32_t v = p.indices[t * p.topk + j];
+      slots[t * p.topk + c] = v;
+      c += v >= 0;
+    }
+    count[t] = c;
+  }
+  const int64_t hblock = std::min<int64_t>(p.h_q, kHeadBlock);
+  const int64_t hblocks = (p.h_q + hblock - 1) / hblock;
+  // Few (row, head block) tasks: split the keys so every thread has work (decode).
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = 1;
+  if (p.s_q * hblocks < 2 * threads)
+    splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + p.s_q * hblocks - 1) / (p.s_q * hblocks),
+                                                    p.topk / kMinSplitKeys));
+  // Partial results of split tasks: max, sum, NaN flag per (row, head, split), O [d_v]. The
+  // task that finishes the last split of a (row, head block) merges it, in split order, inside
+  // the same parallel region.
+  std::vector<float> pm, pl, pz, po;
+  std::unique_ptr<std::atomic<int>[]> left;
+  if (splits > 1) {
+    const int64_t parts = p.s_q * p.h_q * splits;
+    pm.resize(parts);
+    pl.resize(parts);
+    pz.resize(parts);
+    po.resize(parts * p.d_v);
+    left.reset(new std::atomic<int>[p.s_q * hblocks]);
+    for (int64_t i = 0; i < p.s_q * hblocks; ++i) left[i].store(static_cast<int>(splits));
+  }
+  at::parallel_for(0, p.s_q * hblocks * splits, 1, [&](int64_t begin, int64_t end) {
+    static thread_local MlaState s;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t sp = task % splits, t = task / splits / hblocks, hb = task / splits % hblocks;
+      const int64_t h0 = hb * hblock, nh = std::min(hblock, p.h_q - h0);
+      const int64_t n = count[t];
+      if (n == 0) {  // a row with no valid slot: zeros and lse -inf (once, from split 0)
+        if (sp == 0)
+          for (int64_t h = h0; h < h0 + nh; ++h) {
+            p.lse[t * p.h_q + h] = -std::numeric_limits<float>::infinity();
+            for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, 0.f);
+          }
+        continue;
+      }
+      const int64_t per = (n + splits - 1) / splits;
+      const int64_t a = std::min(n, sp * per), e = std::min(n, a + per);
+      const int64_t hp = (nh + kPanel - 1) / kPanel * kPanel;
+      if (e > a) {
+        mla_task(p, t, h0, nh, slots.data() + t * p.topk + a, e - a, s);
+      } else {  // an empty split (fewer keys than splits x per)
+        s.m.assign(hp, -std::numeric_limits<float>::infinity());
+        s.l.assign(hp, 0.f);
+        s.z.assign(hp, 0.f);
+        s.ot.assign(p.d_v * hp, 0.f);
+      }
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const int64_t h = h0 + hh;
+        if (splits > 1) {
+          const int64_t part = (t * p.h_q + h) * splits + sp;
+          pm[part] = s.m[hh];
+          pl[part] = s.l[hh];
+          pz[part] = s.z[hh];
+          for (int64_t c = 0; c < p.d_v; ++c) po[part * p.d_v + c] = s.ot[c * hp + hh];
+          continue;
+        }
+        if (s.z[hh] != s.z[hh]) {
+          p.lse[t * p.h_q + h] = quiet_nan();
+          for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, quiet_nan());
+          continue;
+        }
+        p.lse[t * p.h_q + h] = s.m[hh] + std::log(s.l[hh]);
+        const float inv = 1.0f / s.l[hh];
+        for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, s.ot[c * hp + hh] * inv);
+      }
+      if (splits > 1 && left[t * hblocks + hb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        s.alpha.resize(std::max<size_t>(s.alpha.size(), p.d_v));  // scratch for the merge
+        for (int64_t h = h0; h < h0 + nh; ++h)
+          merge_splits(p, t * p.h_q + h, splits, pm.data(), pl.data(), pz.data(), po.data(), s.alpha.data());
+      }
+    }
+  });
+}
+
+namespace {
+
+// Lane permutations that move the selected lanes of an 8-bit mask to the front, as bytes.
+struct CompressTable {
+  uint64_t idx[256];
+  CompressTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      uint64_t v = 0;
+      int w = 0;
+      for (int lane = 0; lane < 8; ++lane)
+        if (mask & (1 << lane)) v |= static_cast<uint64_t>(lane) << (8 * w++);
+      idx[mask] = v;
+    }
+  }
+};
+
+// Order keys of the lanes of xf (select.h's order_key, 8 at a time).
+inline __m256i order_keys8(__m256 xf) {
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i u = _mm256_castps_si256(xf);
+  // negative -> ~u, else u | sign; -0 is +0; every NaN is the largest key.
+  __m256i key = _mm256_xor_si256(_mm256_or_si256(u, sign), _mm256_srai_epi32(u, 31));
+  key = _mm256_blendv_epi8(key, sign, _mm256_cmpeq_epi32(u, sign));
+  return _mm256_or_si256(key, _mm256_castps_si256(_mm256_cmp_ps(xf, xf, _CMP_UNORD_Q)));
+}
+
+// Appends the lanes of x[i:i+8) selected by `mask` (keys and positions) at keys/pos + w.
+inline int64_t compress8(__m256 xf, int mask, int64_t i, uint32_t* keys, int32_t* pos, int64_t w) {
+  static const CompressTable table;
+  const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(table.idx[mask])));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + w), _mm256_permutevar8x32_epi32(order_keys8(xf), perm));
+  const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(i)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pos + w), _mm256_permutevar8x32_epi32(at, perm));
+  return w + __builtin_popcount(static_cast<unsigned>(mask));
+}
+
+}  // namespace
+
+int64_t filter_at_least_avx2(const float* x, int64_t n, uint32_t floor, uint32_t* keys, int32_t* pos) {
+  // order_key is monotone, so key(x) >= floor is a float compare against the floor's value
+  // (ordered: false for NaN), or x is NaN (the largest key). A floor that is itself the NaN key
+  // keeps only NaNs (the compare against a NaN value is always false).
+  const uint32_t fb = (floor & 0x80000000u) ? (floor & 0x7FFFFFFFu) : ~floor;
+  float fv;
+  std::memcpy(&fv, &fb, 4);
+  const __m256 lim = _mm256_set1_ps(fv);
+  int64_t w = 0, i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    const int ma = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, lim, _CMP_GE_OQ), _mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+    const int mb = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(b, lim, _CMP_GE_OQ), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+    if ((ma | mb) == 0) continue;
+    // Survivors moved to the front of a vector, stored whole (the buffers have 8 spare slots).
+    if (ma) w = compress8(a, ma, i, keys, pos, w);
+    if (mb) w = compress8(b, mb, i + 8, keys, pos, w);
+  }
+  for (; i < n; ++i) {
+    const uint32_t kk = cpu::order_key(x[i]);
+    if (kk >= floor) {
+      keys[w] = kk;
+      pos[w++] = static_cast<int32_t>(i);
+    }
+  }
+  return w;
+}
+
+int64_t select_survivors_avx2(const uint32_t* keys, const int32_t* pos, int64_t c, int64_t k, int32_t* out,
+                              uint32_t* scratch) {
+  // The threshold: select.h's three radix levels (11, 11, 10 bits), with the narrowing passes
+  // branch-free (a survivor set's keys are close together, so "in the chosen bin" is a coin toss).
+  static constexpr int kShift[3] = {21, 10, 0};
+  static constexpr uint32_t kBins[3] = {2048, 2048, 1024};
+  uint32_t hist[2048];
+  uint32_t prefix = 0, mask = 0;
+  int64_t need = k, cnt = c;
+  const uint32_t* src = keys;
+  for (int level = 0; level < 3; ++level) {
+    const uint32_t bins = kBins[level];
+    const int shift = kShift[level];
+    std::memset(hist, 0, sizeof(uint32_t) * bins);
+    for (int64_t i = 0; i < cnt; ++i) ++hist[(src[i] >> shift) & (bins - 1)];
+    int64_t above = 0;
+    uint32_t b = bins - 1;
+    for (;; --b) {
+      if (above + hist[b] >= static_cast<uint64_t>(need)) break;
+      above += hist[b];
+    }
+    need -= above;
+    prefix |= b << shift;
+    mask |= (bins - 1) << shift;
+    if (level == 2) break;
+    int64_t w = 0;
+    for (int64_t i = 0; i < cnt; ++i) {
+      const uint32_t kk = src[i];
+      scratch[w] = kk;
+      w += (kk & mask) == prefix;
+    }
+    src = scratch;
+    cnt = w;
+  }
+  // Emit: keys above the threshold, and the first `need` equal to it (lowest positions), in
+  // position order. Whole-vector stores only while 8 more slots remain below k.
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i tk = _mm256_set1_epi32(static_cast<int>(prefix));
+  const __m256i tks = _mm256_xor_si256(tk, sign);
+  int64_t j = 0, i = 0, eq_left = need;
+  for (; i + 8 <= c && j + 8 <= k; i += 8) {
+    const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
+    const int gt = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(kv, sign), tks)));
+    const int eq = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(kv, tk)));
+    if (eq) {
+      for (int lane = 0; lane < 8; ++lane)
+        if (((gt >> lane) & 1) || (((eq >> lane) & 1) && eq_left-- > 0)) out[j++] = pos[i + lane];
+    } else if (gt) {
+      static const CompressTable table;
+      const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(table.idx[gt])));
+      const __m256i pv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_permutevar8x32_epi32(pv, perm));
+      j += __builtin_popcount(static_cast<unsigned>(gt));
+    }
+  }
+  for (; i < c; ++i) {
+    const uint32_t kk = keys[i];
+    if (kk > prefix || (kk == prefix && eq_left-- > 0)) out[j++] = pos[i];
+  }
+  return j;
+}
+
+}  // namespace indexcache
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else  // not x86-64: the avx2 path is never available (isa.cpp), so these are never called.
+
+namespace indexcache {
+void sparse_mla_avx2(const SparseMlaParams&) { TORCH_CHECK(false, "the avx2 CPU path needs an x86-64 CPU"); }
+int64_t filter_at_least_avx2(const float*, int64_t, uint32_t, uint32_t*, int32_t*) {
+  TORCH_CHECK(false, "the avx2 CPU path needs an x86-64 CPU");
+}
+int64_t select_survivors_avx2(const uint32_t*, const int32_t*, int64_t, int64_t, int32_t*, uint32_t*) {
+  TORCH_CHECK(false, "the avx2 CPU path needs an x86-64 CPU");
+}
+}  // namespace indexcache
+
+#endif
