@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from hf_weights import randomize_
 
 from indexcache.cli import main
 from indexcache.models import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM, from_pretrained
@@ -43,19 +44,7 @@ def hf_checkpoint(path, family, widths, seed=0, **extra):
     else:
         cfg = transformers.DeepseekV32Config(**widths, **extra)
         model = transformers.DeepseekV32ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
-            elif name.endswith(("bias", "e_score_correction_bias")):
-                t.copy_(0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
+    randomize_(model, seed)
     model.float().eval()
     model.save_pretrained(path)
     return model

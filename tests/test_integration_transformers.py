@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+from hf_weights import randomize_
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,19 +65,7 @@ def write_checkpoint(path, family, seed, **extra):
     """A transformers model with every weight drawn at random, written by its own save_pretrained."""
     cfg_cls, model_cls = (getattr(transformers, n) for n in CLASSES[family])
     model = model_cls(cfg_cls(**{**WIDTHS, **extra}))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
-            elif name.endswith("bias"):
-                t.copy_(0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
+    randomize_(model, seed)
     model.save_pretrained(path)
     return path
 

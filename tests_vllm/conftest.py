@@ -3,6 +3,11 @@ vLLM's CPU engine; the main suite (``tests/``) never collects this folder."""
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
+
+# tests/hf_weights.py: the random weights every suite's tiny transformers checkpoints share.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 # One process for the engine (no spawned engine core): faster start, and the tests can create
 # several LLM instances in turn. The plugin registers itself in every process either way.

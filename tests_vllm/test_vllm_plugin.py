@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from hf_weights import randomize_
 
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -45,19 +46,7 @@ def write_checkpoint(path, family, seed=0, **extra):
         model = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**widths))
     else:
         model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**widths))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
-            elif name.endswith(("bias", "e_score_correction_bias")):
-                t.copy_(0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
+    randomize_(model, seed)
     model.float().save_pretrained(path)
     return path
 
