@@ -564,6 +564,24 @@ def test_cpu_path_errors():
 
 # ------------------------------------------------------------------ registration
 
+def test_every_op_has_a_kernel_per_backend():
+    """Every schema of csrc/torch_bindings.cpp has its CPU kernel (cuda_error_word is CUDA only)
+    and, in a build with the CUDA kernels, its CUDA kernel: the one registration block per
+    backend (csrc/{cpu,cuda}/registration.*) misses none."""
+    import indexcache
+
+    names = sorted({str(op).split("::")[1].split(".")[0] for op in torch._C._dispatch_get_all_op_names()
+                    if str(op).startswith("indexcache::")})
+    assert {"sparse_mla", "indexer_topk", "topk_indices", "quantize_fp8", "fill_topk_buffer_"} <= set(names)
+    cuda = indexcache.build_info()["cuda_kernels"]
+    for name in names:
+        dump = torch._C._dispatch_dump(f"indexcache::{name}")
+        if name != "cuda_error_word":
+            assert "\nCPU: registered" in dump, f"{name} has no CPU kernel"
+        if cuda:
+            assert "\nCUDA: registered" in dump, f"{name} has no CUDA kernel"
+
+
 def test_opcheck_all_ops():
     q, k, k_scale, w = make_indexer_inputs(3, 40, 8, "cpu", "bf16")
     ks, ke = causal_windows(3, 40, "cpu")

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "../checks.h"
+#include "registry.h"
 #include "indexcache/buffer.h"
 
 namespace indexcache {
@@ -21,6 +22,8 @@ void fill_topk_buffer_cpu_op(at::Tensor& buf, int64_t num_rows) {
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(indexcache, CPU, m) { m.impl("fill_topk_buffer_", &fill_topk_buffer_cpu_op); }
+void register_buffer_cpu(torch::Library& m) {
+  m.impl("fill_topk_buffer_", &fill_topk_buffer_cpu_op);
+}
 
 }  // namespace indexcache

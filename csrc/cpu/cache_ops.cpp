@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "../checks.h"
+#include "registry.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
 #include "isa.h"
@@ -204,7 +205,7 @@ void check_positions_cpu(const SlotParams& p) {
   }
 }
 
-TORCH_LIBRARY_IMPL(indexcache, CPU, m) {
+void register_cache_ops_cpu(torch::Library& m) {
   m.impl("quantize_fp8", &quantize_fp8_op);
   m.impl("index_k_cache_insert", &index_k_cache_insert_op);
   m.impl("mla_kv_cache_insert", &mla_kv_cache_insert_op);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "registry.h"
 #include "avx2.h"
 #include "blas.h"
 #include "indexcache/fp8.h"
@@ -482,7 +483,7 @@ void indexer_topk_paged_op(const at::Tensor& q, const at::Tensor& weights, const
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(indexcache, CPU, m) {
+void register_indexer_cpu(torch::Library& m) {
   m.impl("indexer_logits", &indexer_logits_op);
   m.impl("indexer_logits_paged", &indexer_logits_paged_op);
   m.impl("topk_indices", &topk_indices_op);

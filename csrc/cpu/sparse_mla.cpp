@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "registry.h"
 #include "avx2.h"
 #include "blas.h"
 #include "indexcache/fp8.h"
@@ -365,6 +366,8 @@ void sparse_mla_op(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(indexcache, CPU, m) { m.impl("sparse_mla", &sparse_mla_op); }
+void register_sparse_mla_cpu(torch::Library& m) {
+  m.impl("sparse_mla", &sparse_mla_op);
+}
 
 }  // namespace indexcache

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "registry.h"
 #include "indexcache/buffer.h"
 #include "torch_env.h"
 
@@ -51,7 +52,7 @@ void fill_topk_buffer_cuda(const FillParams& p, void* stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-TORCH_LIBRARY_IMPL(indexcache, CUDA, m) {
+void register_buffer_cuda(torch::Library& m) {
   m.impl("fill_topk_buffer_", &fill_topk_buffer_cuda_op);
   m.impl("cuda_error_word", &cuda_error_word_op);
 }

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "registry.h"
 #include "cache_impl.cuh"
 #include "torch_env.h"
 
@@ -63,7 +64,7 @@ void positions_to_slots_cuda_op(const at::Tensor& positions, const at::Tensor& r
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(indexcache, CUDA, m) {
+void register_cache_ops_cuda(torch::Library& m) {
   m.impl("quantize_fp8", &cuda::quantize_fp8_cuda_op);
   m.impl("index_k_cache_insert", &cuda::index_k_cache_insert_cuda_op);
   m.impl("mla_kv_cache_insert", &cuda::mla_kv_cache_insert_cuda_op);

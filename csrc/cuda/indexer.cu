@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "registry.h"
 #include "indexer_impl.cuh"
 #include "torch_env.h"
 
@@ -69,7 +70,7 @@ void indexer_topk_paged_cuda_op(const at::Tensor& q, const at::Tensor& weights, 
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(indexcache, CUDA, m) {
+void register_indexer_cuda(torch::Library& m) {
   m.impl("indexer_logits", &cuda::indexer_logits_cuda_op);
   m.impl("indexer_logits_paged", &cuda::indexer_logits_paged_cuda_op);
   m.impl("indexer_topk", &cuda::indexer_topk_cuda_op);

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "registry.h"
 #include "sparse_mla_impl.cuh"
 #include "torch_env.h"
 
@@ -26,6 +27,8 @@ void sparse_mla_cuda_op(const at::Tensor& q, const at::Tensor& kv_cache, const a
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(indexcache, CUDA, m) { m.impl("sparse_mla", &cuda::sparse_mla_cuda_op); }
+void register_sparse_mla_cuda(torch::Library& m) {
+  m.impl("sparse_mla", &cuda::sparse_mla_cuda_op);
+}
 
 }  // namespace indexcache

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "registry.h"
 #include "topk_impl.cuh"
 #include "torch_env.h"
 
@@ -25,6 +26,8 @@ void topk_indices_cuda_op(const at::Tensor& logits, const at::Tensor& ks, const 
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(indexcache, CUDA, m) { m.impl("topk_indices", &cuda::topk_indices_cuda_op); }
+void register_topk_cuda(torch::Library& m) {
+  m.impl("topk_indices", &cuda::topk_indices_cuda_op);
+}
 
 }  // namespace indexcache

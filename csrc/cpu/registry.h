@@ -1,0 +1,14 @@
+// The CPU kernels' op families: each file registers its own ops through one of these,
+// called from the single TORCH_LIBRARY_IMPL(indexcache, CPU, ...) block in registration.cpp.
+#pragma once
+
+#include <torch/library.h>
+
+namespace indexcache {
+
+void register_buffer_cpu(torch::Library& m);
+void register_cache_ops_cpu(torch::Library& m);
+void register_indexer_cpu(torch::Library& m);
+void register_sparse_mla_cpu(torch::Library& m);
+
+}  // namespace indexcache
