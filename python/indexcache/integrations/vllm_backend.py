@@ -406,21 +406,23 @@ def use_reference_latent_norm_eps(model: torch.nn.Module) -> int:
 def _model_classes():
     from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM
 
-    class IndexCacheDeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
-        def __init__(self, *, vllm_config, prefix: str = ""):
-            apply_family_defaults(vllm_config)
-            apply_index_cache_plan(vllm_config)
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            use_native_rope(self)
-            use_reference_latent_norm_eps(self)
+    def with_index_cache(base):
+        # The same set-up around vLLM's own constructor for every DSA family it serves.
+        class Model(base):
+            def __init__(self, *, vllm_config, prefix: str = ""):
+                apply_family_defaults(vllm_config)
+                apply_index_cache_plan(vllm_config)
+                super().__init__(vllm_config=vllm_config, prefix=prefix)
+                use_native_rope(self)
+                use_reference_latent_norm_eps(self)
 
-    class IndexCacheGlmMoeDsaForCausalLM(GlmMoeDsaForCausalLM):
-        def __init__(self, *, vllm_config, prefix: str = ""):
-            apply_family_defaults(vllm_config)
-            apply_index_cache_plan(vllm_config)
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            use_native_rope(self)
-            use_reference_latent_norm_eps(self)
+        return Model
+
+    class IndexCacheDeepseekV32ForCausalLM(with_index_cache(DeepseekV3ForCausalLM)):
+        pass
+
+    class IndexCacheGlmMoeDsaForCausalLM(with_index_cache(GlmMoeDsaForCausalLM)):
+        pass
 
     return IndexCacheDeepseekV32ForCausalLM, IndexCacheGlmMoeDsaForCausalLM
 
