@@ -14,7 +14,7 @@ import torch
 
 from indexcache.runtime.cuda_graph import DecodeStep, unsupported_reason
 from indexcache.models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM
-from indexcache.models.layers import MoE
+from indexcache.models.blocks import MoE
 from indexcache.models.tiny import tiny_config
 from indexcache.runtime import generate
 

@@ -488,7 +488,7 @@ def test_bad_inputs():
 
 def test_generate_cli(tmp_path, capsys, monkeypatch):
     import argparse
-    from indexcache.generate_cli import add_generate_parser
+    from indexcache.cli.generate import add_generate_parser
     path = tmp_path / "ckpt"
     cfg = dict(CFG, vocab_size=264, bos_token_id=256, eos_token_id=257, indexcache_tokenizer="bytes")
     DeepseekV32ForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)

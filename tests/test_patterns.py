@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from indexcache.cli import main
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
-from indexcache.patterns import (PatternRunner, evaluate, greedy_search, load_all_full, overlap_matrix,
+from indexcache.tools.patterns import (PatternRunner, evaluate, greedy_search, load_all_full, overlap_matrix,
                                  source_overlap, text_windows, uniform_pattern)
 
 CFG = tiny_config(num_hidden_layers=5, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -124,7 +124,7 @@ def test_cli_search_json(ckpt, tmp_path, capsys):
 
 
 def test_training_loss_falls(tmp_path):
-    from indexcache import train as tr
+    from indexcache.tools import train as tr
 
     cfg = dict(CFG, num_nextn_predict_layers=1, index_topk=8)
     sched = tr.TrainSchedule(dense_steps=12, warmup_steps=3, sparse_steps=3, batch=2, context=32, sparse_batch=1,

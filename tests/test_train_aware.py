@@ -11,8 +11,10 @@ import torch
 import indexcache
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
-from indexcache.train_aware import (AwareSchedule, aware_forward, load_for_pattern, multi_layer_kl, serving_groups,
-                                    served_target, train_aware)
+from indexcache import reference
+from indexcache.models import BatchMeta
+from indexcache.tools.aware import AwareSchedule, aware_forward, load_for_pattern, train_aware
+from indexcache.tools.aware_loss import multi_layer_kl, served_target, serving_groups
 
 SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
@@ -64,8 +66,6 @@ def test_serving_groups_follow_the_plan():
 
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
 def test_chunked_loss_matches_whole_matrix(ckpt, stage):
-    from indexcache.train_aware import _allowed_rows, _attn_probs, _indexer_logits_rows, _indexer_qkw, _rope_for
-
     torch.manual_seed(1)
     model = load_for_pattern(ckpt, FREQ2)
     groups = serving_groups(list(model.plan.source_layer), 4)
@@ -78,11 +78,12 @@ def test_chunked_loss_matches_whole_matrix(ckpt, stage):
         assert chunked[f] == pytest.approx(whole[f], rel=1e-4)
     # the same loss written out over whole [T, T] matrices
     t = 40
-    allowed = _allowed_rows(rec[0].sel, 0, t, 2, "cpu")
-    probs = [_attn_probs(rec[l].q, rec[l].k, rec[l].scale, allowed) for l in groups[0]]
+    allowed = reference.allowed_keys(rec[0].selection, 0, t, 2, "cpu")
+    probs = [reference.attention_probs(rec[l].q, rec[l].k, rec[l].scale, allowed) for l in groups[0]]
+    ctx = model.forward_context(BatchMeta.dense(2, t, "cpu"))
     with torch.no_grad():
-        q, k, w = _indexer_qkw(model.model.layers[0].self_attn.indexer, rec[0].x, rec[0].qr, _rope_for(model, 2, t, "cpu"))
-        direct = multi_layer_kl(_indexer_logits_rows(q, k, w), probs, allowed)
+        q, k, w = model.model.layers[0].self_attn.indexer.dense_inputs(rec[0].x, rec[0].qr, ctx.cos, ctx.sin)
+        direct = multi_layer_kl(reference.dense_indexer_logits(q, k, w), probs, allowed)
     assert whole[0] == pytest.approx(float(direct), rel=1e-4)
     assert whole[0] > 0
 
@@ -143,8 +144,8 @@ def test_saved_checkpoint_carries_its_plan(ckpt, tmp_path):
     assert model.plan.pattern == "FFSF" and model.ic_config.shipped_by_checkpoint
     assert model.model.layers[2].self_attn.indexer is None
     assert torch.isfinite(model(torch.randint(0, 256, (1, 24)))).all()
-    from indexcache.patterns import text_windows
-    from indexcache.train_aware import trained_source_overlap
+    from indexcache.tools.aware_table import trained_source_overlap
+    from indexcache.tools.patterns import text_windows
 
     ov = trained_source_overlap(ckpt, out, text_windows(_text(), 32, 2))
     assert ov[:2] == [1.0, 1.0] and ov[3] == 1.0 and 0.0 <= ov[2] < 1.0
@@ -204,7 +205,7 @@ def test_model_mode_trains_main_layers_not_mtp(ckpt, tmp_path):
 
 
 def test_plain_train_command_keeps_its_schedule(tmp_path, monkeypatch):
-    import indexcache.train as tr
+    import indexcache.tools.train as tr
     from indexcache.cli import main
 
     seen = {}
@@ -256,7 +257,7 @@ class _Payload:
 
 def test_resume_state_is_plain_data_of_this_run(ckpt, tmp_path):
     from indexcache.resume import load_resume_state, save_resume_state
-    from indexcache.train import TrainSchedule, train
+    from indexcache.tools.train import TrainSchedule, train
 
     sched = AwareSchedule(warmup_steps=1, sparse_steps=1, batch=1, context=32, eval_every=2, eval_windows=1)
     kw = dict(train_text=_text(), heldout_text=_text()[:500], log=lambda s: None, progress=False)

@@ -1,5 +1,5 @@
-"""The checkpoint configuration of a DSA model (DeepSeek-V3.2, GLM-5.x): ``ModelArgs`` and the
-fixed widths of the native kernels. Nothing here imports the layers or the runtime."""
+"""The checkpoint configuration of a DSA model: ``ModelArgs`` and the fixed widths of the native
+kernels. The family defaults live in each family's file. Nothing here imports the blocks."""
 
 from __future__ import annotations
 
@@ -33,28 +33,6 @@ _OTHER_KNOWN_KEYS = {
     "num_key_value_heads", "aux_loss_alpha", "seq_aux", "indexcache_tokenizer", "pad_token_id",
     "head_dim", "layer_types", "mlp_bias", "output_router_logits", "qk_head_dim", "num_local_experts",
 }
-
-# The DSA families: model_type -> (architecture name, defaults for fields a config.json may omit).
-# Both are the same block (DESIGN.md §6); GLM-5.x differs in its indexer's RoPE layout (interleaved)
-# and its norm epsilon, and ships IndexCache settings of its own in some versions.
-FAMILIES: dict[str, tuple[str, dict]] = {
-    "deepseek_v32": ("DeepseekV32ForCausalLM", {"rms_norm_eps": 1e-6, "indexer_rope_interleave": False}),
-    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", {"rms_norm_eps": 1e-5, "indexer_rope_interleave": True,
-                                             "n_group": 1, "topk_group": 1}),
-}
-
-
-def model_type_of(config: Mapping[str, Any]) -> str:
-    """The DSA family of a config.json (``model_type``, else its ``architectures``); ValueError if none."""
-    model_type = config.get("model_type")
-    archs = config.get("architectures") or []
-    if model_type is None:
-        model_type = next((mt for mt, (arch, _) in FAMILIES.items() if arch in archs), None)
-    if model_type not in FAMILIES:
-        known = ", ".join(f"{mt!r} ({arch})" for mt, (arch, _) in FAMILIES.items())
-        raise ValueError(f"unsupported model_type {config.get('model_type')!r}: indexcache runs the DSA families {known}")
-    return model_type
-
 
 @dataclass
 class ModelArgs:
@@ -97,10 +75,10 @@ class ModelArgs:
     indexer_hadamard: bool = True        # 128-point rotation before fp8 (DeepSeek reference, DESIGN §4; vLLM: off)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "ModelArgs":
-        """Build from a config.json dict (overrides already merged). Raises ValueError."""
+    def from_config(cls, config: Mapping[str, Any], model_type: str, defaults: Mapping[str, Any]) -> "ModelArgs":
+        """Build from a config.json dict (overrides already merged) of family ``model_type``, whose
+        ``defaults`` fill the fields the file omits (the family file's ``config_defaults``). Raises ValueError."""
         c = dict(config)
-        model_type = model_type_of(c)
         missing_dsa = [k for k in _DSA_KEYS if c.get(k) is None]
         if missing_dsa:
             raise ValueError(f"config has no DSA indexer fields ({', '.join(missing_dsa)} missing): "
@@ -112,7 +90,6 @@ class ModelArgs:
             if c.get(key) not in (None, want):
                 raise ValueError(f"{key} {c[key]!r} is not supported (DSA models use {want!r})")
         theta, scaling = _rope_from_config(c)
-        defaults = FAMILIES[model_type][1]
         names = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling", "model_type"}
         values = {k: c[k] if c.get(k) is not None else defaults[k] for k in names
                   if c.get(k) is not None or k in defaults}

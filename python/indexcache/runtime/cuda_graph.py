@@ -22,7 +22,7 @@ import torch
 
 from indexcache import ops
 
-from indexcache.models.runtime import BatchMeta, PagedKVCache
+from indexcache.models.state import BatchMeta, PagedKVCache
 
 
 def unsupported_reason(model, cache: PagedKVCache, graph: bool = False) -> Optional[str]:

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from indexcache.formats import BLOCK_SIZE
-from indexcache.models.runtime import BatchMeta, StageTimer
+from indexcache.models.state import BatchMeta, StageTimer
 
 from .cuda_graph import DecodeStep, unsupported_reason
 from .sampling import accept, sample

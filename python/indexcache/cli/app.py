@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 
 def _load_config_file(path: str) -> dict:
-    from .loader import load_config
+    from indexcache.loader import load_config
 
     try:
         return load_config(path)
@@ -26,8 +26,8 @@ def _human(n: float, unit: str) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .config import IndexCacheConfig
-    from .plan import indexer_costs
+    from indexcache.config import IndexCacheConfig
+    from indexcache.plan import indexer_costs
 
     if args.config is None and args.layers is None:
         raise ValueError("give --config PATH or --layers N")
@@ -99,8 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _scaleout(args, config: dict, plan) -> dict:
     """Pipeline stages of the plan as given (top-k rows handed to a stage that begins on S) and of
     the engines' fallback (each stage's first layer forced F); per-GPU memory with --gpu-mem."""
-    from .parallel import stage_bounds, stage_start_full_pattern, scaleout_budget
-    from .plan import build_layer_plan, indexer_costs
+    from indexcache.parallel import stage_bounds, stage_start_full_pattern, scaleout_budget
+    from indexcache.plan import build_layer_plan, indexer_costs
 
     L, mtp = plan.num_hidden_layers, plan.num_nextn_predict_layers
     bounds = stage_bounds(L, args.pp)
@@ -174,10 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "bf16"],
                    help="MLA cache format for --gpu-mem")
     p.set_defaults(func=cmd_plan)
-    from .generate_cli import add_generate_parser
+    from indexcache.cli.generate import add_generate_parser
 
     add_generate_parser(sub)
-    from .pattern_cli import add_pattern_parsers
+    from indexcache.cli.patterns import add_pattern_parsers
 
     add_pattern_parsers(sub)
     return parser

@@ -1,0 +1,159 @@
+"""The DSA lightning indexer (DESIGN.md §4): scores every visible key of a query and keeps the
+top-k positions. One ``project`` feeds both of its forms: the kernels (fp8 or fp32 scoring,
+dense or paged keys, ``forward``) and the differentiable torch definition (``dense_inputs``,
+``select``) that training runs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from indexcache import ops, reference
+from indexcache.formats import INDEX_K_NORM_EPS
+from indexcache.parallel import ParallelContext
+
+from ..args import INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, ModelArgs
+from ..state import ForwardContext, row_chunks
+from .norms import LayerNorm
+from .rope import apply_rope
+
+
+class Indexer(nn.Module):
+    """The DSA lightning indexer: scores every visible key, writes the top-k rows (§4).
+
+    fp8 scoring (the engines' way, DESIGN §4) needs index_head_dim 128, one scale group per key;
+    other widths score in fp32 through the same top-k op (``docs/model.md``: widths).
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int, fp8: bool, par: ParallelContext | None = None):
+        super().__init__()
+        par = par or ParallelContext()
+        self.layer_id, self.fp8, self.hadamard = layer_id, fp8 and args.native_indexer, args.indexer_hadamard
+        self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
+        self.topk, self.rope_interleave = args.index_topk, args.indexer_rope_interleave
+        # replicated on every tensor-parallel rank (DESIGN §11): identical inputs, identical top-k rows
+        self.wq_b = par.linear(args.q_lora_rank, self.n_heads * self.head_dim, "wq_b")
+        self.wk = par.linear(args.hidden_size, self.head_dim, "wk")
+        self.k_norm = LayerNorm(self.head_dim, eps=INDEX_K_NORM_EPS)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)  # kept in fp32
+
+    def _rope(self, t, cos, sin):
+        r = self.rope_dim
+        return torch.cat((apply_rope(t[..., :r], cos, sin, self.rope_interleave), t[..., r:]), dim=-1)
+
+    def project(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rows ``[N, hidden]`` and their query latents ``[N, q_lora_rank]`` -> (queries ``[N, H, D]``,
+        keys ``[N, D]``, both rotated, in the model dtype; raw head weights fp32 ``[N, H]``)."""
+        n = x.shape[0]
+        q = self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        return q, k, self.weights_proj(x.float())
+
+    def dense_inputs(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The torch form's inputs over ``B`` requests: x ``[B, T, hidden]``, qr ``[B, T, q_lora]``, cos/sin
+        ``[B * T, rope / 2]`` -> fp32 queries ``[B, T, H, D]``, keys ``[B, T, D]`` and head weights
+        ``[B, T, H]`` with the softmax constants folded in (unquantized, so the fp8 path's Hadamard
+        rotation, being orthonormal, changes nothing here)."""
+        b, t = x.shape[:2]
+        q, k, w = self.project(x.reshape(b * t, -1), qr.reshape(b * t, -1), cos, sin)
+        w = reference.indexer_weights(w) * (INDEX_HEAD_DIM / self.head_dim) ** 0.5
+        return q.float().view(b, t, self.n_heads, -1), k.float().view(b, t, -1), w.view(b, t, -1)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The torch form of ``forward``: each row's top-k positions, int64 ``[B, T, k]`` (-1: none)."""
+        tp = ctx.torch_pass
+        with torch.no_grad():
+            q, k, w = self.dense_inputs(x.view(tp.batch, tp.seq, -1), qr.view(tp.batch, tp.seq, -1), ctx.cos, ctx.sin)
+            return reference.dense_topk(q, k, w, self.topk, tp.chunks)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Fill rows ``[:N]`` of the shared buffer with request-relative positions; returns them."""
+        n, meta = x.shape[0], ctx.meta
+        with ctx.stage(self.layer_id, "indexer"):
+            q, k, w = self.project(x, qr, ctx.cos, ctx.sin)
+            if self.fp8:
+                # DeepSeek's act_quant floors every amax at 1e-4; vLLM's q quantization at 1e-10
+                q_in, q_scale = ops.quantize_fp8(q, INDEX_K_EPS if self.hadamard else INDEX_Q_EPS, self.hadamard)
+                weights = ops.indexer_weights(w, q_scale.squeeze(-1))
+            else:
+                q_in, weights = q.float(), _indexer_weights_fp32(w, self.head_dim)
+            if meta.paged:
+                cache = ctx.cache.index_k[self.layer_id]
+                if self.fp8:
+                    ops.index_k_cache_insert(k, meta.slot_mapping, cache, self.hadamard)
+                else:
+                    cache.view(-1, self.head_dim)[meta.slot_mapping] = k.float()
+                k_in = k_scale = None
+            elif self.fp8:
+                k_in, k_scale = ops.quantize_fp8(k, INDEX_K_EPS, self.hadamard)
+                k_scale = k_scale.view(-1)
+            else:
+                k_in, k_scale = k.float(), None
+        with ctx.stage(self.layer_id, "topk"):
+            rows = ctx.topk_rows
+            ops.fill_topk_buffer_(ctx.topk_buffer, n)
+            if not meta.paged:
+                self._topk_dense(q_in, k_in, k_scale, weights, rows, meta)
+            elif self.fp8:
+                self._topk_paged_fp8(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
+            else:
+                self._topk_paged_fp32(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
+        ctx.topk_valid = True
+        return rows
+
+    def _score_topk(self, q, k, k_scale, weights, ks, ke, out):
+        if k.shape[-1] == INDEX_HEAD_DIM:
+            ops.indexer_topk(q, k, k_scale, weights, ks, ke, self.topk, out=out)
+        else:  # widths the native kernels do not take: scores by their definition, then the top-k op
+            logits = reference.indexer_logits(q, k, k_scale, weights, ks, ke)
+            ops.topk_indices(logits, ks, ke, self.topk, out=out)
+
+    def _topk_dense(self, q, k, k_scale, weights, rows, meta):
+        # Each request's keys are its own tokens; prefill row t sees keys [0, t].
+        seq = meta.block_size
+        for off in range(0, meta.num_tokens, seq):
+            for r0, r1 in row_chunks(seq, seq * self.n_heads, INDEXER_CHUNK_ELEMS):
+                ks = torch.zeros(r1 - r0, dtype=torch.int32, device=q.device)
+                ke = torch.arange(r0 + 1, r1 + 1, dtype=torch.int32, device=q.device)
+                keys = slice(off, off + r1)
+                self._score_topk(q[off + r0:off + r1], k[keys], None if k_scale is None else k_scale[keys],
+                                 weights[off + r0:off + r1], ks, ke, rows[off + r0:off + r1])
+
+    def _topk_paged_fp8(self, q, weights, cache, rows, meta, ctx):
+        nq = meta.uniform_q
+        if nq is not None and nq <= 8:  # decode / MTP verify: one batched call
+            ops.indexer_topk_paged(q, weights, cache, meta.block_table, meta.seq_lens, nq, self.topk, out=rows)
+            return
+        self._need_host_lengths(ctx)
+        for b, off in enumerate(meta.row_offsets()):
+            c, qn = meta.ctx_lens[b], meta.q_lens[b]
+            for r0, r1 in row_chunks(qn, (c + qn) * self.n_heads, INDEXER_CHUNK_ELEMS):
+                # rows r0..r1 of this chunk are "decode rows" of a request holding c + r1 tokens
+                lens = torch.tensor([c + r1], dtype=torch.int32, device=q.device)
+                ops.indexer_topk_paged(q[off + r0:off + r1], weights[off + r0:off + r1], cache,
+                                       meta.block_table[b:b + 1], lens, r1 - r0, self.topk, out=rows[off + r0:off + r1])
+
+    def _need_host_lengths(self, ctx):
+        if ctx.sync_free:
+            raise ValueError(f"layer {self.layer_id}: a sync-free forward (CUDA graph) needs the fp8 indexer and "
+                             "at most 8 rows per request, all requests alike (this path reads lengths on the host)")
+
+    def _topk_paged_fp32(self, q, weights, cache, rows, meta, ctx):
+        self._need_host_lengths(ctx)
+        for b, off in enumerate(meta.row_offsets()):
+            c, qn = meta.ctx_lens[b], meta.q_lens[b]
+            pos = torch.arange(c + qn, device=q.device, dtype=torch.int32).view(1, -1)
+            req = torch.zeros(1, dtype=torch.int32, device=q.device)
+            slots = ops.positions_to_slots(pos, req, meta.block_table[b:b + 1], meta.block_size).view(-1).long()
+            keys = cache.view(-1, self.head_dim)[slots]
+            for r0, r1 in row_chunks(qn, (c + qn) * self.n_heads, INDEXER_CHUNK_ELEMS):
+                ks = torch.zeros(r1 - r0, dtype=torch.int32, device=q.device)
+                ke = torch.arange(c + r0 + 1, c + r1 + 1, dtype=torch.int32, device=q.device)
+                self._score_topk(q[off + r0:off + r1], keys[:c + r1], None, weights[off + r0:off + r1], ks, ke,
+                                 rows[off + r0:off + r1])
+
+
+def _indexer_weights_fp32(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The head weights with the softmax constants h^-1/2 d^-1/2 folded in, for any head width d."""
+    return ops.indexer_weights(w) * (INDEX_HEAD_DIM / head_dim) ** 0.5
+

@@ -1,0 +1,149 @@
+"""Multi-head latent attention with q/kv LoRA (DESIGN.md §5), in two forms over one ``project``:
+
+- the kernels: attention absorbed over the latent cache, sparse over the positions in the
+  shared top-k rows (written by this layer's indexer when it is F in this forward, by the last
+  F layer below otherwise);
+- the torch definition (``ForwardContext.torch_pass`` set): the unabsorbed form over the causal
+  window or over the positions the source F layer's indexer selected, differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from indexcache import ops, reference
+from indexcache.parallel import ParallelContext, dense_weight
+
+from ..args import ATTN_CHUNK_ELEMS, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE, ModelArgs
+from ..state import ForwardContext, LayerRecord, row_chunks
+from .indexer import Indexer
+from .norms import RMSNorm
+from .rope import apply_rope
+
+
+class SparseAttention(nn.Module):
+    """Absorbed sparse MLA over the positions in the top-k rows (no parameters; a hook point:
+    its forward receives exactly the position rows this layer attends over)."""
+
+    def __init__(self, layer_id: int, softmax_scale: float, kv_lora_rank: int = MLA_LATENT):
+        super().__init__()
+        self.layer_id, self.softmax_scale, self.kv_lora_rank = layer_id, softmax_scale, kv_lora_rank
+
+    def forward(self, q: torch.Tensor, topk_positions: torch.Tensor, kv_cache: torch.Tensor,
+                req_of_row: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+        slots = ops.positions_to_slots(topk_positions, req_of_row, block_table, block_size)
+        n, h = q.shape[0], q.shape[1]
+        # widths other than 512 + 64: the op's definition (gather, softmax, weighted sum in fp32)
+        attend = ops.sparse_mla if q.shape[-1] == MLA_LATENT + MLA_ROPE else reference.sparse_mla
+        out = q.new_empty(n, h, self.kv_lora_rank)
+        for r0, r1 in row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS):
+            out[r0:r1] = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank)[0]
+        return out
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention with q/kv LoRA; ``indexer`` is None on layers that are never F."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool, indexer_fp8: bool,
+                 par: ParallelContext | None = None):
+        super().__init__()
+        self.par = par = par or ParallelContext()
+        self.layer_id = layer_id
+        self.nope, self.rope, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        # tensor parallel: this rank's heads [h0, h1); n_heads is the local count
+        h0, h1 = par.split(args.num_attention_heads, "num_attention_heads")
+        self.n_heads = h1 - h0
+        self.latent = args.kv_lora_rank
+        qk, kvb = args.qk_head_dim, self.nope + self.v_dim
+        # The latent norms use DeepSeek's reference epsilon (1e-6, as transformers does for both
+        # families), not rms_norm_eps: see docs/model.md.
+        self.q_a_proj = par.linear(args.hidden_size, args.q_lora_rank, "q_a_proj")
+        self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
+        self.q_b_proj = par.linear(args.q_lora_rank, args.num_attention_heads * qk, "q_b_proj", "col", (h0 * qk, h1 * qk))
+        self.kv_a_proj_with_mqa = par.linear(args.hidden_size, self.latent + self.rope, "kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
+        self.kv_b_proj = par.linear(self.latent, args.num_attention_heads * kvb, "kv_b_proj", "col", (h0 * kvb, h1 * kvb))
+        self.o_proj = par.linear(args.num_attention_heads * self.v_dim, args.hidden_size, "o_proj", "row",
+                                 (h0 * self.v_dim, h1 * self.v_dim))
+        self.indexer = Indexer(args, layer_id, indexer_fp8, par) if build_indexer else None
+        ys = args.rope_scaling or {}
+        scale = ops.mla_softmax_scale(self.nope, self.rope, ys.get("mscale_all_dim", 0.0), ys.get("factor", 1.0))
+        self.sparse_attn = SparseAttention(layer_id, scale, self.latent)
+
+    def project(self, x: torch.Tensor, ctx: ForwardContext):
+        """Rows ``[N, hidden]`` -> (query latent ``[N, q_lora]``, q_nope ``[N, H, nope]``, rotated q_pe
+        ``[N, H, rope]``, normed kv latent ``[N, latent]``, rotated k_pe ``[N, rope]``)."""
+        n = x.shape[0]
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q_nope, q_pe = self.q_b_proj(qr).view(n, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv[:, :self.latent])
+        k_pe = apply_rope(kv[:, self.latent:], ctx.cos, ctx.sin, interleaved=True)
+        return qr, q_nope, apply_rope(q_pe, ctx.cos, ctx.sin, interleaved=True), kv_c, k_pe
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n, h, meta = x.shape[0], self.n_heads, ctx.meta
+        with ctx.stage(self.layer_id, "mla_proj"):
+            qr, q_nope, q_pe, kv_c, k_pe = self.project(x, ctx)
+            absorbed = None if ctx.torch_pass is not None else self._absorb(q_nope, q_pe, kv_c, k_pe, ctx)
+        if absorbed is None:
+            return self._forward_torch(x, qr, q_nope, q_pe, kv_c, k_pe, ctx)
+        q_abs, w_kv, kv_cache = absorbed
+        if ctx.is_full(self.layer_id):
+            self._need_indexer()(x, qr, ctx)
+        elif not ctx.topk_valid:
+            raise RuntimeError(f"layer {self.layer_id} reuses top-k indices but no F layer wrote them in this forward")
+        with ctx.stage(self.layer_id, "attention"):
+            out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size)
+            o = torch.einsum("thc,hdc->thd", out, w_kv[:, self.nope:])
+            return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
+
+    def _absorb(self, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext):
+        """The kernels' form: (queries absorbed into the latent ``[N, H, latent + rope]``, kv_b's
+        weight ``[H, nope + v, latent]``, the latent cache holding this step's keys)."""
+        w_kv = dense_weight(self.kv_b_proj, q_nope.dtype).view(self.n_heads, self.nope + self.v_dim, self.latent)
+        q_abs = torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :self.nope]), q_pe), dim=-1)
+        return q_abs, w_kv, self._cache_keys(kv_c, k_pe, ctx)
+
+    def _need_indexer(self) -> Indexer:
+        if self.indexer is None:
+            raise ValueError(f"layer {self.layer_id} is F in this forward but holds no indexer "
+                             "(the model was built with it as an S layer)")
+        return self.indexer
+
+    def _cache_keys(self, kv_c: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Write this step's latent keys into the paged cache and return it (no cache: the batch's
+        own keys, B blocks of T tokens)."""
+        meta = ctx.meta
+        if not meta.paged:
+            return torch.cat((kv_c, k_pe), dim=-1).view(-1, meta.block_size, self.latent + self.rope)
+        kv_cache = ctx.cache.kv[self.layer_id]
+        if kv_cache.shape[-1] == MLA_LATENT + MLA_ROPE or kv_cache.dtype == torch.uint8:
+            ops.mla_kv_cache_insert(kv_c, k_pe, meta.slot_mapping, kv_cache)
+        else:  # other widths: a plain scatter (slot_mapping has no -1 for tokens being computed)
+            kv_cache.view(-1, kv_cache.shape[-1])[meta.slot_mapping] = torch.cat((kv_c, k_pe), -1).to(kv_cache.dtype)
+        return kv_cache
+
+    def _forward_torch(self, x, qr, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext) -> torch.Tensor:
+        """The differentiable form (unabsorbed): per-head keys and values from the latent, attention
+        by ``reference.masked_attention`` over the causal window or the source F layer's selection."""
+        tp, n, h = ctx.torch_pass, x.shape[0], self.n_heads
+        b, t = tp.batch, tp.seq
+        full = ctx.is_full(self.layer_id)
+        if tp.attention == "selected":
+            if full:
+                tp.selection = self._need_indexer().select(x, qr, ctx)
+            elif tp.selection is None:
+                raise RuntimeError(f"layer {self.layer_id} reuses top-k indices but no F layer selected them in this forward")
+        sel = tp.selection if tp.attention == "selected" else None
+        k_nope, v = self.kv_b_proj(kv_c).view(n, h, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).view(b, t, h, -1).transpose(1, 2)
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1).view(b, t, h, -1).transpose(1, 2)
+        v = v.reshape(b, t, h, self.v_dim).transpose(1, 2)
+        scale = self.sparse_attn.softmax_scale
+        if tp.observe is not None:
+            tp.observe(LayerRecord(self.layer_id, full, x.detach().view(b, t, -1), qr.detach().view(b, t, -1),
+                                   q.detach(), k.detach(), scale, sel))
+        out = reference.masked_attention(q, k, v, scale, sel, tp.chunks, tp.recompute)
+        return self.par.all_reduce(self.o_proj(out.transpose(1, 2).reshape(n, h * self.v_dim)), "attn_all_reduce")

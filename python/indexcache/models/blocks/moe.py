@@ -1,0 +1,119 @@
+"""The feed-forward blocks: the SwiGLU MLP (dense layers, shared and routed experts), the
+sigmoid router with group-limited top-k (noaux_tc) and the MoE that combines them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from indexcache.parallel import ParallelContext
+
+from ..args import ModelArgs
+
+
+class MLP(nn.Module):
+    """SwiGLU. ``shard``: split column/row over the tensor-parallel ranks (dense MLP, shared
+    experts); the caller sums the partial outputs (``DecoderLayer``, ``MoE``). Routed experts are
+    whole on the rank that owns them."""
+
+    def __init__(self, dim: int, inter: int, par: ParallelContext | None = None, shard: bool = False):
+        super().__init__()
+        par = par or ParallelContext()
+        if shard and par.tp_size > 1:
+            cut = par.split(inter, "the MLP intermediate size")
+            col, row = ("col", cut), ("row", cut)
+        else:
+            col = row = (None, None)
+        self.gate_proj = par.linear(dim, inter, "gate_proj", *col)
+        self.up_proj = par.linear(dim, inter, "up_proj", *col)
+        self.down_proj = par.linear(inter, dim, "down_proj", *row)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid router with a selection-only bias and group-limited top-k (noaux_tc)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = args.num_experts_per_tok, args.n_group, args.topk_group
+        self.norm_topk_prob, self.scale = args.norm_topk_prob, args.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts))  # kept in fp32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+            keep = group_scores.topk(self.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask.unsqueeze(-1), -math.inf).flatten(1)
+        idx = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * self.scale
+
+
+class MoE(nn.Module):
+    """Group-limited sigmoid MoE. Expert parallel: the gate is replicated, this rank holds the
+    routed experts ``[e0, e1)`` (an ``nn.ModuleDict`` keyed by the global id, so parameter names stay
+    the checkpoint's) and its shard of the shared experts; one all-reduce sums all of it."""
+
+    def __init__(self, args: ModelArgs, par: ParallelContext | None = None):
+        super().__init__()
+        self.par = par = par or ParallelContext()
+        self.gate = Gate(args)
+        self.n_experts = args.n_routed_experts
+        self.e0, self.e1 = par.split(args.n_routed_experts, "n_routed_experts")
+        if par.tp_size == 1:
+            self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size, par)
+                                         for _ in range(args.n_routed_experts))
+        else:
+            self.experts = nn.ModuleDict({str(e): MLP(args.hidden_size, args.moe_intermediate_size, par)
+                                          for e in range(self.e0, self.e1)})
+        self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, par, shard=True)
+                               if args.n_shared_experts else None)
+
+    def expert(self, e: int) -> nn.Module:
+        return self.experts[e] if isinstance(self.experts, nn.ModuleList) else self.experts[str(e)]
+
+    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
+        idx, weights = self.gate(x)
+        y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
+        if self.shared_experts is not None:
+            y += self.shared_experts(x).float()
+        return self.par.all_reduce(y.to(x.dtype), "moe_all_reduce")
+
+    def _masked(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """No host reads (CUDA graphs): every local expert runs on every row and keeps the rows routed
+        to it. The same sums in the same expert order as ``_routed``; costs n_experts / top_k times
+        the routed FLOPs, which a decode batch with B * top_k >= n_experts pays in weight reads anyway."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.e0, self.e1):
+            hit = idx == e
+            w = (weights * hit).sum(dim=-1, keepdim=True)
+            y += torch.where(hit.any(dim=-1, keepdim=True), self.expert(e)(x).float() * w, 0.0)
+        return y
+
+    def _routed(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = idx.shape[1]
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        w = weights.flatten()
+        start = 0
+        for e, c in enumerate(counts):
+            if c and self.e0 <= e < self.e1:
+                sel = order[start:start + c]
+                tok = sel // k
+                y.index_add_(0, tok, self.expert(e)(x[tok]).float() * w[sel].unsqueeze(-1))
+            start += c
+        return y
