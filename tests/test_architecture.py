@@ -204,3 +204,56 @@ def test_generation_steps_are_short():
              if name == "indexcache.runtime.generation"}
     for step in ("generate", "prefill", "decode_step", "mtp_round", "draft_step0", "draft_reuse", "verify", "decode"):
         assert steps[step] <= 60, (step, steps[step])
+
+
+# Sizes that keep each module and function readable (issue 18: the model core).
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_PUBLIC_PARAMS = 500, 80, 10
+
+
+def _size_problems() -> list:
+    problems = []
+    for name, (path, _) in _modules().items():
+        src = path.read_text()
+        if len(src.splitlines()) > MAX_FILE_LINES:
+            problems.append(f"{name}: {len(src.splitlines())} lines")
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                problems.append(f"{name}.{node.name}: {lines} lines")
+            a = node.args
+            params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+            if not node.name.startswith("_") and len(params) > MAX_PUBLIC_PARAMS:
+                problems.append(f"{name}.{node.name}: {len(params)} parameters")
+    return problems
+
+
+def test_no_long_file_function_or_parameter_list():
+    assert _size_problems() == []
+
+
+def test_the_size_guard_finds_oversized_code(tmp_path, monkeypatch):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    params = ", ".join(f"p{i}" for i in range(MAX_PUBLIC_PARAMS + 1))
+    pkg = tmp_path / "python" / "indexcache"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "big.py").write_text(f"def long():\n{body}\n\n\ndef wide({params}):\n    pass\n")
+    monkeypatch.setattr(__import__(__name__), "PKG", pkg)
+    found = _size_problems()
+    assert any("big.long" in p for p in found) and any("big.wide: 11 parameters" in p for p in found)
+
+
+def test_blocks_do_not_import_the_tools_or_the_runtime():
+    """Imports run one way: cli -> tools -> runtime -> models -> parallel/ops/plan/config."""
+    graph = import_graph()
+    mods = _modules()
+    shims = {m for m, (path, _) in mods.items() if path.read_text().startswith('"""Deprecated location')}
+    lower = [m for m in graph if m.startswith(("indexcache.models", "indexcache.parallel")) and m not in shims]
+    for m in lower:
+        bad = {t for t in graph[m] if t.startswith(("indexcache.tools", "indexcache.cli", "indexcache.runtime",
+                                                    "indexcache.integrations"))}
+        assert not bad, f"{m} imports {sorted(bad)}"
+    for m in (m for m in graph if m.startswith("indexcache.tools")):
+        assert not {t for t in graph[m] if t.startswith("indexcache.cli")}, m

@@ -117,53 +117,86 @@ def _full_shape(mod, attr: str, p: torch.Tensor) -> tuple:
     return tuple(shape)
 
 
-@torch.no_grad()
-def load_weights(model, path: Union[str, Path], *, progress: Optional[bool] = None) -> None:
-    """Copy every parameter of ``model`` (this rank's) from the checkpoint at ``path`` (see module docstring)."""
-    from safetensors import safe_open
-    path = Path(path)
-    files = _weight_files(path)  # a shard the index names but the directory lacks: error here
-    qc = model.config.get("quantization_config") or {}
-    block = tuple(qc.get("weight_block_size") or FP8_BLOCK)
-    targets = _targets(model)
-    handles = {}
+class _Reader:
+    """Slices of the checkpoint's tensors by name, through one open safetensors handle per file."""
 
-    def handle(name):
-        f = files[name]
-        if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        return handles[f]
+    def __init__(self, files: dict, block: tuple):
+        from safetensors import safe_open
+        self.files, self.block, self._open, self.handles = files, block, safe_open, {}
 
-    problems = []
-    for name, ckpt, mod, attr in targets:
-        p = getattr(mod, attr)
-        if ckpt not in files:
-            problems.append(f"{ckpt} is missing (expected shape {_full_shape(mod, attr, p)})")
-    if problems:
-        raise ValueError(f"checkpoint {path} lacks weights the model needs: " + "; ".join(problems[:8])
-                         + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
-    for name, ckpt, mod, attr in targets:  # shapes from the headers, before any tensor is read
-        p = getattr(mod, attr)
-        have, want = tuple(handle(ckpt).get_slice(ckpt).get_shape()), _full_shape(mod, attr, p)
-        if have != want:
-            raise ValueError(f"{ckpt} has shape {have} in the checkpoint, the model expects {want}")
+    def handle(self, name):
+        f = self.files[name]
+        if f not in self.handles:
+            self.handles[f] = self._open(str(f), framework="pt", device="cpu")
+        return self.handles[f]
 
-    def read(ckpt, dim, lo, hi):
-        sl = handle(ckpt).get_slice(ckpt)
+    def shape(self, name) -> tuple:
+        return tuple(self.handle(name).get_slice(name).get_shape())
+
+    def read(self, ckpt, dim, lo, hi):
+        sl = self.handle(ckpt).get_slice(ckpt)
         if dim is None:
             return sl[:]
         return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
-    def read_scale(ckpt, dim, lo, hi, shape):
+    def read_scale(self, ckpt, dim, lo, hi):
         sname = ckpt + "_scale_inv"
-        if sname not in files:
+        if sname not in self.files:
             raise ValueError(f"{ckpt} is stored in fp8 but {sname} is missing")
         if dim is None:
-            return read(sname, None, 0, 0), (0, 0)
-        b = block[dim]
+            return self.read(sname, None, 0, 0), (0, 0)
+        b = self.block[dim]
         off = (lo % b, 0) if dim == 0 else (0, lo % b)
-        return read(sname, dim, lo // b, -(-hi // b)), off
+        return self.read(sname, dim, lo // b, -(-hi // b)), off
 
+
+def _check_targets(path: Path, targets: list, reader: _Reader) -> None:
+    """Every tensor the model needs is there with its full shape (headers only, before any read)."""
+    problems = [f"{ckpt} is missing (expected shape {_full_shape(mod, attr, getattr(mod, attr))})"
+                for _, ckpt, mod, attr in targets if ckpt not in reader.files]
+    if problems:
+        raise ValueError(f"checkpoint {path} lacks weights the model needs: " + "; ".join(problems[:8])
+                         + (f"; and {len(problems) - 8} more" if len(problems) > 8 else ""))
+    for name, ckpt, mod, attr in targets:
+        have, want = reader.shape(ckpt), _full_shape(mod, attr, getattr(mod, attr))
+        if have != want:
+            raise ValueError(f"{ckpt} has shape {have} in the checkpoint, the model expects {want}")
+
+
+def _copy_param(reader: _Reader, ckpt: str, mod, attr: str, used: set) -> None:
+    """This rank's slice of checkpoint tensor ``ckpt`` into ``mod.attr`` (FP8 kept or dequantized)."""
+    p = getattr(mod, attr)
+    dim, shard = _slice_of(mod, attr)
+    lo, hi = shard if shard is not None else (0, 0)
+    t = reader.read(ckpt, dim, lo, hi)
+    used.add(ckpt)
+    fp8_param = p.dtype == torch.float8_e4m3fn
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        s, off = reader.read_scale(ckpt, dim, lo, hi)
+        used.add(ckpt + "_scale_inv")
+        if fp8_param and t.dtype == torch.float8_e4m3fn and reader.block == FP8_BLOCK:
+            if tuple(s.shape) != tuple(mod.weight_scale_inv.shape):
+                raise ValueError(f"{ckpt}_scale_inv slice has shape {tuple(s.shape)}, expected "
+                                 f"{tuple(mod.weight_scale_inv.shape)}")
+            p.copy_(t)
+            mod.weight_scale_inv.copy_(s)
+            return
+        t = dequantize_fp8_blocks(t, s, ckpt, reader.block, off)
+    if fp8_param:
+        mod.set_dense(t)  # a bf16 checkpoint held FP8 (weights="fp8"): quantized in aligned blocks
+    else:
+        p.copy_(t)
+
+
+@torch.no_grad()
+def load_weights(model, path: Union[str, Path], *, progress: Optional[bool] = None) -> None:
+    """Copy every parameter of ``model`` (this rank's) from the checkpoint at ``path`` (see module docstring)."""
+    path = Path(path)
+    files = _weight_files(path)  # a shard the index names but the directory lacks: error here
+    qc = model.config.get("quantization_config") or {}
+    reader = _Reader(files, tuple(qc.get("weight_block_size") or FP8_BLOCK))
+    targets = _targets(model)
+    _check_targets(path, targets, reader)
     rank0 = getattr(model, "par", None) is None or model.par.rank == 0
     total = sum(getattr(m, a).numel() * getattr(m, a).element_size() for _, _, m, a in targets)
     show = (progress if progress is not None else total > _PROGRESS_BYTES) and rank0
@@ -172,29 +205,8 @@ def load_weights(model, path: Union[str, Path], *, progress: Optional[bool] = No
         from tqdm import tqdm
         items = tqdm(items, desc=f"loading {path.name}", unit="tensor")
     used = set()
-    for name, ckpt, mod, attr in items:
-        p = getattr(mod, attr)
-        dim, shard = _slice_of(mod, attr)
-        lo, hi = shard if shard is not None else (0, 0)
-        t = read(ckpt, dim, lo, hi)
-        used.add(ckpt)
-        fp8_param = p.dtype == torch.float8_e4m3fn
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            s, off = read_scale(ckpt, dim, lo, hi, t.shape)
-            used.add(ckpt + "_scale_inv")
-            if fp8_param and t.dtype == torch.float8_e4m3fn and block == FP8_BLOCK:
-                if tuple(s.shape) != tuple(mod.weight_scale_inv.shape):
-                    raise ValueError(f"{ckpt}_scale_inv slice has shape {tuple(s.shape)}, expected "
-                                     f"{tuple(mod.weight_scale_inv.shape)}")
-                p.copy_(t)
-                mod.weight_scale_inv.copy_(s)
-                continue
-            t = dequantize_fp8_blocks(t, s, ckpt, block, off)
-        if fp8_param:
-            mod.set_dense(t)  # a bf16 checkpoint held FP8 (weights="fp8"): quantized in aligned blocks
-        else:
-            p.copy_(t)
-        del t
+    for _, ckpt, mod, attr in items:
+        _copy_param(reader, ckpt, mod, attr, used)
     if getattr(model, "par", None) is not None and model.par.distributed:
         return  # each rank reads a subset by design: no "unused tensor" report
     unexpected = [n for n in files if n not in used and not n.endswith("_scale_inv") and not _should_drop(n, model)]

@@ -1,0 +1,134 @@
+"""Sharded and FP8 linear layers: this rank's slice of a checkpoint linear, held in the model
+dtype or as e4m3 with the checkpoint's fp32 128x128 block scales (DESIGN.md §11)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from indexcache.formats import FP8_MAX, FP8_WEIGHT_AMAX_FLOOR, FP8_WEIGHT_BLOCK
+from indexcache.fp8_blocks import quantize_fp8_blocks
+
+FP8_BLOCK = FP8_WEIGHT_BLOCK[0]  # rows (and columns) per weight scale
+
+
+def _dequant_block_row(weight: torch.Tensor, scale_row: torch.Tensor, col_off: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of one 128-row block: e4m3 ``[r, in]`` x its block scales ``[blocks]`` -> ``dtype``."""
+    s = scale_row.float().repeat_interleave(FP8_BLOCK)[col_off:col_off + weight.shape[1]]
+    return (weight.float() * s).to(dtype)
+
+
+class ShardedLinear(nn.Module):
+    """``y = x W^T`` for this rank's slice of a checkpoint linear, held in the model dtype or as FP8.
+
+    ``shard_dim`` 0: output rows ``shard`` of the checkpoint weight (column parallel); 1: input
+    columns (row parallel: the caller all-reduces the partial sums); None: the whole weight. An FP8
+    weight keeps the checkpoint's 128x128 block scales; a slice not aligned to 128 keeps the
+    offset of its first row/column inside the first block (``row_off`` / ``col_off``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, shard_dim: Optional[int],
+                 shard: Optional[tuple[int, int]], fp8: bool):
+        super().__init__()
+        self.full_shape = (out_features, in_features)
+        self.shard_dim, self.shard = shard_dim, shard
+        o, i = out_features, in_features
+        self.row_off = self.col_off = 0
+        if shard_dim == 0:
+            o = shard[1] - shard[0]
+            self.row_off = shard[0] % FP8_BLOCK
+        elif shard_dim == 1:
+            i = shard[1] - shard[0]
+            self.col_off = shard[0] % FP8_BLOCK
+        self.in_features, self.out_features, self.fp8 = i, o, fp8
+        if fp8:
+            self.weight = nn.Parameter(torch.empty(o, i, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(-(-(self.row_off + o) // FP8_BLOCK), -(-(self.col_off + i) // FP8_BLOCK)),
+                requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.empty(o, i))
+        self._scaled_mm_ok = True
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, shard_dim={self.shard_dim}, shard={self.shard}, "
+                f"fp8={self.fp8}")
+
+    def checkpoint_slice(self) -> tuple[Optional[int], Optional[tuple[int, int]]]:
+        return self.shard_dim, self.shard
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype`` (dequantized whole: for the absorbed MLA einsums)."""
+        if not self.fp8:
+            return self.weight.to(dtype)
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.weight.device)
+        for b, r0, r1 in self._block_rows():
+            out[r0:r1] = _dequant_block_row(self.weight[r0:r1], self.weight_scale_inv[b], self.col_off, dtype)
+        return out
+
+    def _block_rows(self):
+        for b in range(self.weight_scale_inv.shape[0]):
+            r0, r1 = max(0, b * FP8_BLOCK - self.row_off), min(self.out_features, (b + 1) * FP8_BLOCK - self.row_off)
+            if r1 > r0:
+                yield b, r0, r1
+
+    @torch.no_grad()
+    def set_dense(self, w: torch.Tensor) -> None:
+        """Fill from a dense ``[out, in]`` slice (quantizing in aligned blocks when FP8)."""
+        if not self.fp8:
+            self.weight.copy_(w)
+            return
+        padded = torch.zeros(self.row_off + w.shape[0], self.col_off + w.shape[1], dtype=torch.float32)
+        padded[self.row_off:, self.col_off:] = w.float()
+        q, s = quantize_fp8_blocks(padded)
+        self.weight.copy_(q[self.row_off:, self.col_off:])
+        self.weight_scale_inv.copy_(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8:
+            return F.linear(x, self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight)
+        if x.is_cuda and self._scaled_mm_ok:
+            y = self._forward_scaled_mm(x)
+            if y is not None:
+                return y
+        x2 = x.reshape(-1, self.in_features)
+        y = x2.new_empty(x2.shape[0], self.out_features)
+        for b, r0, r1 in self._block_rows():
+            w = _dequant_block_row(self.weight[r0:r1], self.weight_scale_inv[b], self.col_off, x.dtype)
+            y[:, r0:r1] = x2 @ w.t()
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_scaled_mm(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Hopper block-scaled FP8 GEMM: activations quantized 1x128 per token, weight scales 128x128.
+        Written against torch's ``scaled_mm`` API; not run on this project's CPU machines, so any
+        failure disables it for this layer (with one warning) and the dequant path runs instead."""
+        ST = getattr(F, "ScalingType", None)
+        if ST is None or not hasattr(F, "scaled_mm") or self.row_off or self.col_off \
+                or self.in_features % FP8_BLOCK or self.out_features % FP8_BLOCK or x.dtype != torch.bfloat16:
+            return None
+        try:
+            x2 = x.reshape(-1, self.in_features)
+            m = x2.shape[0]
+            g = x2.float().view(m, -1, FP8_BLOCK)
+            sa = g.abs().amax(-1).clamp(min=FP8_WEIGHT_AMAX_FLOOR) / FP8_MAX                      # [M, K/128]
+            xq = (g / sa.unsqueeze(-1)).to(torch.float8_e4m3fn).view(m, -1)
+            sa = sa.t().contiguous().t()                                          # outer-dim-major scales
+            y = F.scaled_mm(xq, self.weight.t(), sa, ST.BlockWise1x128, self.weight_scale_inv, ST.BlockWise128x128,
+                            output_dtype=torch.bfloat16)
+            return y.view(*x.shape[:-1], self.out_features)
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            self._scaled_mm_ok = False
+            warnings.warn(f"block-scaled FP8 matmul unavailable ({str(e).splitlines()[0][:120]}); "
+                          "dequantizing block-rows instead", RuntimeWarning, stacklevel=3)
+            return None
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's weight in ``dtype``, whatever it holds (plain, sharded, FP8)."""
+    if isinstance(linear, ShardedLinear):
+        return linear.dense_weight(dtype)
+    return linear.weight if linear.weight.dtype == dtype else linear.weight.to(dtype)

@@ -1,0 +1,49 @@
+"""The vocabulary-parallel embedding and LM head: each tensor-parallel rank holds a contiguous
+range of vocabulary rows; the embedding all-reduces, the head all-gathers fp32 logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .groups import ParallelContext
+from .linear import ShardedLinear
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``vocab_range`` of the embedding; ids outside give zeros; one all-reduce sums the ranks
+    (exact: one non-zero term per token)."""
+
+    def __init__(self, vocab: int, dim: int, par: ParallelContext):
+        super().__init__()
+        self.par, self.vocab = par, vocab
+        self.lo, self.hi = par.vocab_range(vocab)
+        self.shard_dim, self.shard = 0, (self.lo, self.hi)
+        self.full_shape = (vocab, dim)
+        self.weight = nn.Parameter(torch.empty(self.hi - self.lo, dim))
+
+    def checkpoint_slice(self):
+        return self.shard_dim, self.shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = (ids >= self.lo) & (ids < self.hi)
+        local = torch.where(inside, ids - self.lo, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.par.all_reduce(out, "embed_all_reduce")
+
+
+def make_embedding(vocab: int, dim: int, par: ParallelContext) -> nn.Module:
+    return nn.Embedding(vocab, dim) if par.tp_size == 1 else VocabParallelEmbedding(vocab, dim, par)
+
+
+def make_lm_head(dim: int, vocab: int, par: ParallelContext) -> nn.Module:
+    """The LM head (kept fp32, never FP8): this rank's vocabulary rows."""
+    if par.tp_size == 1:
+        return nn.Linear(dim, vocab, bias=False)
+    return ShardedLinear(dim, vocab, 0, par.vocab_range(vocab), False)
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor, vocab: int, par: ParallelContext) -> torch.Tensor:
+    """fp32 full-vocabulary logits on every tensor-parallel rank of this stage."""
+    return par.all_gather_last(F.linear(hidden.float(), head.weight.float()), vocab)
