@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import indexcache
+
 from indexcache.runtime import generate
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
@@ -232,3 +234,57 @@ def test_fp8_resident_single_process(setup):
     assert rel(q(ids), auto(ids)) < 1e-5
     with pytest.raises(ValueError, match="weights 'int4'"):
         DeepseekV32ForCausalLM.from_pretrained(fp8_dir, **LOAD, weights="int4")
+
+
+def _config_key_bytes(c: dict, tp: int, pp: int, skip: list, fp8: bool) -> list:
+    """Per-stage weight bytes counted by hand from config.json keys (an independent count of what
+    the model holds: FP8 linears + 4 B per 128x128 block, bf16 norms / embedding / router, fp32 LM
+    head, indexer head weights and router bias; S layers without an indexer)."""
+    import math
+
+    from indexcache.parallel import stage_bounds
+
+    h, L = c["hidden_size"], c["num_hidden_layers"]
+    nh, qk, v = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
+    ql, kl, rope = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    ih, idim = c["index_n_heads"], c["index_head_dim"]
+    E, mi, ns = c.get("n_routed_experts", 0), c.get("moe_intermediate_size", 0), c.get("n_shared_experts", 0)
+    inter, dense, vocab, mtp = c["intermediate_size"], c.get("first_k_dense_replace", 0), c["vocab_size"], \
+        c.get("num_nextn_predict_layers", 0)
+
+    def lin(o, i, q=True):
+        q = q and fp8
+        return o * i * (1 if q else 2) + (math.ceil(o / 128) * math.ceil(i / 128) * 4 if q else 0)
+
+    def layer(i, indexer):
+        b = lin(ql, h) + lin(nh // tp * qk, ql) + lin(kl + rope, h) + lin(nh // tp * (qk - rope + v), kl) \
+            + lin(h, nh // tp * v) + 2 * (ql + kl) + 2 * 2 * h
+        if indexer:
+            b += lin(ih * idim, ql) + lin(idim, h) + 2 * 2 * idim + 4 * ih * h
+        if E and i >= dense:
+            return b + 2 * E * h + 4 * E + E // tp * 3 * lin(mi, h) + (3 * lin(mi * ns // tp, h) if ns else 0)
+        return b + 3 * lin(inter // tp, h)
+
+    bounds, vshard, out = stage_bounds(L, pp), -(-vocab // tp), []
+    for s in range(pp):
+        b = sum(layer(i, not skip[i]) for i in range(bounds[s], bounds[s + 1]))
+        b += vshard * h * 2 if s == 0 else 0
+        if s == pp - 1:
+            b += vshard * h * 4 + 2 * h + mtp * (layer(L, True) + 2 * 3 * h + 2 * h * 2 * h + vshard * h * 4)
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,fp8", [(8, 1, True), (8, 2, True), (4, 2, False)])
+def test_sizing_counts_the_model_modules(tp, pp, fp8):
+    """``indexcache plan --gpu-mem`` weight bytes come from the model's own modules (meta device) and
+    agree with a count by hand from the config keys, for DeepSeek-V3.2 under freq 4."""
+    import json
+    from pathlib import Path
+
+    from indexcache.models.sizing import weight_bytes_per_gpu
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "bench" / "configs" / "deepseek-v3.2.json").read_text())
+    plan = indexcache.build_layer_plan(61, 1, use_index_cache=True, index_topk_freq=4)
+    got = weight_bytes_per_gpu(config, tp, pp, list(plan.skip_topk), fp8)
+    assert got == _config_key_bytes(config, tp, pp, list(plan.skip_topk), fp8)

@@ -99,7 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _scaleout(args, config: dict, plan) -> dict:
     """Pipeline stages of the plan as given (top-k rows handed to a stage that begins on S) and of
     the engines' fallback (each stage's first layer forced F); per-GPU memory with --gpu-mem."""
-    from indexcache.parallel import stage_bounds, stage_start_full_pattern, scaleout_budget
+    from indexcache.models.sizing import scaleout_budget
+    from indexcache.parallel import stage_bounds, stage_start_full_pattern
     from indexcache.plan import build_layer_plan, indexer_costs
 
     L, mtp = plan.num_hidden_layers, plan.num_nextn_predict_layers

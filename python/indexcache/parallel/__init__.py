@@ -1,7 +1,7 @@
 """Scale-out (DESIGN.md §11), in four modules: ``groups`` (process groups, collectives and the
 pipeline-stage hand-off of the hidden state and the shared top-k rows), ``linear`` (sharded and
-FP8 linear layers), ``vocab`` (the vocabulary-parallel embedding and head) and ``sizing``
-(per-GPU memory of a plan).
+FP8 linear layers) and ``vocab`` (the vocabulary-parallel embedding and head). The per-GPU
+memory of a plan is ``indexcache.models.sizing`` (it builds the model).
 
 Nothing here is a module-level global: a :class:`ParallelContext` is built once per model (from
 the initialised ``torch.distributed`` default group, or the single-process default) and handed to
@@ -26,17 +26,19 @@ activation dtype and matmuls; on CUDA it uses torch's block-scaled matmul
 else the same dequant path.
 """
 
+# the names this module exported before it was split (tests/test_architecture.py)
 from indexcache.formats import (FP8_DS_MLA_BYTES, FP8_LINEAR_NAMES, FP8_MAX, FP8_WEIGHT_AMAX_FLOOR,  # noqa: F401
                                 FP8_WEIGHT_BLOCK, INDEX_K_BYTES, MLA_KV_WIDTH, MLA_LATENT)
 from indexcache.fp8_blocks import quantize_fp8_blocks  # noqa: F401
 
 from .groups import ParallelContext, init_from_env, stage_bounds, stage_start_full_pattern
 from .linear import FP8_BLOCK, ShardedLinear, dense_weight
-from .sizing import MLA_KV_BYTES, scaleout_budget, weight_bytes_per_gpu
 from .vocab import VocabParallelEmbedding, head_logits, make_embedding, make_lm_head
 
 WEIGHTS_CHOICES = ("auto", "fp8", "bf16")
 
+MLA_KV_BYTES = {"fp8_ds_mla": FP8_DS_MLA_BYTES, "bf16": 2 * MLA_KV_WIDTH}  # per token per layer (DESIGN §5)
+
 __all__ = ["FP8_BLOCK", "MLA_KV_BYTES", "ParallelContext", "ShardedLinear", "VocabParallelEmbedding", "WEIGHTS_CHOICES",
-           "dense_weight", "head_logits", "init_from_env", "make_embedding", "make_lm_head", "scaleout_budget",
-           "stage_bounds", "stage_start_full_pattern", "weight_bytes_per_gpu"]
+           "dense_weight", "head_logits", "init_from_env", "make_embedding", "make_lm_head", "stage_bounds",
+           "stage_start_full_pattern"]
