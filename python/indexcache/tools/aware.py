@@ -36,6 +36,7 @@ from indexcache.models.state import TorchPass
 from indexcache.resume import load_resume_state, save_resume_state
 from indexcache.tools.aware_loss import CHUNK_ELEMS, IndexerKL, serving_groups
 from indexcache.tools.text import load_text, text_tensor
+from indexcache.tools.train import cosine_lr
 
 MODES = ("indexers", "model")
 # Keys that describe a pattern; the saved config carries the pattern as indexer_types only.
@@ -148,12 +149,6 @@ class AwareSchedule:
 
 # ---------------------------------------------------------------------------- the loop
 
-def _lr(step: int, base: float, start: int, length: int) -> float:
-    frac = (step - start) / max(1, length)
-    warm = min(1.0, (step - start + 1) / 10)
-    return base * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
 class _AwareTrainer:
     """The model under the pattern, its serving groups, what trains and its optimizers."""
 
@@ -185,7 +180,7 @@ class _AwareTrainer:
         ids = torch.stack([data[i:i + s.context + 1] for i in starts.tolist()])
         start, length = (0, s.warmup_steps) if stage == "warmup" else (s.warmup_steps, s.sparse_steps)
         for grp in self.opt_idx.param_groups:
-            grp["lr"] = _lr(step, s.lr * (1.0 if stage == "warmup" else 0.3), start, length)
+            grp["lr"] = cosine_lr(step, s.lr * (1.0 if stage == "warmup" else 0.3), start, length, warmup=10)
         self.opt_idx.zero_grad(set_to_none=True)
         train_main = self.opt_main is not None and stage == "sparse"
         if self.opt_main is not None:
@@ -197,7 +192,7 @@ class _AwareTrainer:
             lm.backward()
             torch.nn.utils.clip_grad_norm_(self.main_params, 1.0)
             for grp in self.opt_main.param_groups:
-                grp["lr"] = _lr(step, s.main_lr, start, length)
+                grp["lr"] = cosine_lr(step, s.main_lr, start, length, warmup=10)
             self.opt_main.step()
         torch.nn.utils.clip_grad_norm_(self.idx_params, 1.0)
         self.opt_idx.step()

@@ -136,9 +136,11 @@ def eval_bits_per_byte(model, data: torch.Tensor, context: int, mode: str = "den
     return float(torch.stack(losses).mean()) / math.log(2)
 
 
-def _lr_at(s: int, base: float, start: int, length: int) -> float:
-    frac = (s - start) / max(1, length)
-    warm = min(1.0, (s - start + 1) / 50)
+def cosine_lr(step: int, base: float, start: int, length: int, warmup: int = 50) -> float:
+    """The learning rate of a phase that began at ``start`` and lasts ``length`` steps: a linear
+    warm-up over ``warmup`` steps, then a cosine decay to a tenth of ``base``."""
+    frac = (step - start) / max(1, length)
+    warm = min(1.0, (step - start + 1) / warmup)
     return base * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
@@ -166,13 +168,13 @@ class _Trainer:
     def _set_lrs(self, step: int, phase: str) -> None:
         s = self.schedule
         if phase == "dense":
-            main, idx = _lr_at(step, s.lr, 0, s.dense_steps), None
+            main, idx = cosine_lr(step, s.lr, 0, s.dense_steps), None
         elif phase == "warmup":
-            main, idx = None, _lr_at(step, s.indexer_lr, s.dense_steps, s.warmup_steps)
+            main, idx = None, cosine_lr(step, s.indexer_lr, s.dense_steps, s.warmup_steps)
         else:
             start = s.dense_steps + s.warmup_steps
-            main = _lr_at(step, s.lr * 0.3, start, s.sparse_steps)
-            idx = _lr_at(step, s.indexer_lr * 0.3, start, s.sparse_steps)
+            main = cosine_lr(step, s.lr * 0.3, start, s.sparse_steps)
+            idx = cosine_lr(step, s.indexer_lr * 0.3, start, s.sparse_steps)
         for opt, lr in ((self.opt_main, main), (self.opt_idx, idx)):
             for grp in opt.param_groups:
                 grp["lr"] = grp["lr"] if lr is None else lr
