@@ -789,6 +789,20 @@ def test_torch_compile_attention_step():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
+def test_torch_compile_sparse_mla_sinks():
+    """sparse_mla with sinks (the wrapper's checks included) compiles with fullgraph=True."""
+    cache, idx = make_mla("cpu", "bf16", 2, 4, 8, blocks=1)
+    sinks = torch.randn(4)
+
+    def attend(q, sinks):
+        return ops.sparse_mla(q, cache, idx, 0.1, sinks=sinks)
+
+    q = torch.randn(2, 4, 576).bfloat16()
+    eager = attend(q, sinks)
+    compiled = torch.compile(attend, fullgraph=True)(q, sinks)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
 def test_ops_visible_in_profiler():
     x = torch.randn(4, 128)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
