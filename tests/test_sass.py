@@ -92,9 +92,12 @@ def count(ops: list[str], *prefixes: str) -> int:
 
 
 # Mangled-name fragments: Elem is h (uint8_t, fp8), t (uint16_t, bf16), f (float); then Paged; then
-# kPadHeads (heads not a multiple of 16: small models only, a check in the hot loop).
-FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0ELb0E", "ItLb0ELb0E", "IhLb1ELb0E"
-PADDED = ["IhLb0ELb1E", "ItLb0ELb1E", "IhLb1ELb1E"]
+# kPadHeads (heads not a multiple of 16: small models only, a check in the hot loop); then Vec
+# (16-byte aligned q, keys and scales: the cp.async key ring; false: the misaligned fallback,
+# synchronous byte-safe staging, always with the padded-heads check).
+FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0ELb0ELb1E", "ItLb0ELb0ELb1E", "IhLb1ELb0ELb1E"
+PADDED = ["IhLb0ELb1ELb1E", "ItLb0ELb1ELb1E", "IhLb1ELb1ELb1E"]
+MISALIGNED = ["IhLb0ELb1ELb0E", "ItLb0ELb1ELb0E", "IhLb1ELb1ELb0E"]
 # sparse_mla_mma_kernel<NG, Vec>: NG head groups of 16 per CTA (1, 2, 4), Vec = 16-byte aligned
 # inputs (cp.async staging) or not (byte loads).
 SPARSE_MLA_ALIGNED = [f"sparse_mla_mma_kernelILi{ng}ELb1E" for ng in (1, 2, 4)]
@@ -103,7 +106,7 @@ SPARSE_MLA_MMA = SPARSE_MLA_ALIGNED + SPARSE_MLA_BYTES
 MMA_KERNELS = [
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + BF16_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
-] + SPARSE_MLA_MMA + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED]
+] + SPARSE_MLA_MMA + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED + MISALIGNED]
 # Kernels with no local memory at all (no spills, no stack arrays). The remaining indexer
 # kernels (bf16 logits, fp32, padded heads) are asserted below with the issue 12 checks.
 NO_LOCAL = [
@@ -165,7 +168,7 @@ def test_sparse_mla_byte_fallback_is_separate(name):
 INDEXER_MMA = [n for n in MMA_KERNELS if n.startswith("indexer_")]
 FP8_INDEXER = [n for n in INDEXER_MMA if "|Ih" in n]
 BF16_INDEXER = [n for n in INDEXER_MMA if "|It" in n]
-INDEXER_FP32 = ["indexer_logits_kernel|IfLb0ELb0E", "indexer_fused_kernel|IfLb0ELb0E"]
+INDEXER_FP32 = ["indexer_logits_kernel|IfLb0ELb0ELb0E", "indexer_fused_kernel|IfLb0ELb0ELb0E"]
 
 
 @pytest.mark.parametrize("name", INDEXER_MMA)
@@ -196,3 +199,32 @@ def test_bf16_indexer_runs_bf16_mma(name):
 def test_no_local_memory_indexer_and_persistent_topk(name):
     ops = kernel(name)
     assert count(ops, "LDL", "STL") == 0, [op for op in ops if op.startswith(("LDL", "STL"))]
+
+
+# ------------------------------------------------------------------ issue 25: the indexer's cp.async key ring
+
+INDEXER_ALIGNED = [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused")
+                   for frag in [FP8_DENSE, BF16_DENSE, FP8_PAGED] + PADDED]
+INDEXER_MISALIGNED = [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in MISALIGNED]
+
+
+@pytest.mark.parametrize("name", INDEXER_ALIGNED)
+def test_indexer_aligned_staging_is_cp_async(name):
+    # Key rows and their fp32 scales (dense and paged 132-byte rows) are copied by cp.async.cg
+    # 16 B (LDGSTS) into the shared-memory ring (commit_group = LDGDEPBAR, wait_group = DEPBAR);
+    # no per-byte global loads (the paged scales were read byte by byte, LDG.E.U8, before).
+    ops = kernel(name)
+    byte_loads = [op for op in ops if op.startswith("LDG") and (".U8" in op or ".S8" in op)]
+    assert byte_loads == []
+    assert count(ops, "LDGSTS") > 0
+    assert count(ops, "LDGDEPBAR") > 0 and count(ops, "DEPBAR") > 0
+
+
+@pytest.mark.parametrize("name", INDEXER_MISALIGNED)
+def test_indexer_misaligned_fallback_is_separate(name):
+    # The misaligned instantiations stage synchronously (no cp.async); fp8 ones keep byte loads.
+    # Without them the checks above would be vacuous (one kernel serving both).
+    ops = kernel(name)
+    assert count(ops, "LDGSTS") == 0
+    if "|Ih" in name:
+        assert any(op.startswith("LDG") and ".U8" in op for op in ops)

@@ -10,6 +10,11 @@
 //     ReLU-weighted head sum is folded in registers, across the 8 lane groups, then the two
 //     head-tile parities are added in shared memory.
 //   - fp32 inputs: a plain fp32 FMA loop (exact-enough for the 1e-5 bar; bf16 would not be).
+// Key tiles of the aligned instantiations (Vec: q, keys, scales 16-byte aligned) are copied by
+// 16-byte cp.async into a ring of 2-4 shared-memory stages, up to three tiles ahead of the
+// one being scored (fp8 rows land raw and are converted to f16 in shared memory; bf16 rows
+// land in their mma tile directly; the per-key fp32 scales land beside them, four keys per
+// copy). The misaligned instantiations (!Vec) stage synchronously with byte-safe loads.
 // The plain op writes a row's scores (-inf outside its window). The fused op never writes
 // scores: each row keeps a bounded candidate list in global scratch (2k + 64 entries),
 // appends keys above its running k-th best, compacts with the exact radix select when
@@ -41,6 +46,9 @@ constexpr int kFusedMaxK = 2048;
 constexpr int kMaxSplits = 64;
 constexpr int64_t kScratchBudget = 256ll << 20;
 constexpr int kFusedSmemTarget = 100 * 1024;  // two CTAs per SM on sm_90 (228 KB)
+constexpr int kSmemTarget = 113 * 1024;       // the most a CTA may take for two per sm_90 SM
+constexpr int kMinStages = 2;                 // key-tile ring depth (cp.async pipeline)
+constexpr int kMaxStages = 4;
 
 struct IdxArgs {
   const void* q;            // [rows, h, 128]
@@ -66,7 +74,8 @@ struct IdxArgs {
   int64_t unit_end;
   int64_t out_row0;         // logits: output row of global row r is r - out_row0
   int tiles;                // logits: 64-key tiles per CTA (one q staging serves them all)
-  bool vec;                 // 16-byte global loads allowed for q and keys
+  int stages;               // Vec: key tiles in the cp.async ring, kMinStages..kMaxStages
+  bool vec;                 // q, keys and key scales 16-byte aligned: the Vec instantiation
 };
 
 struct FusedArgs {
@@ -80,12 +89,29 @@ struct FusedArgs {
 
 // Shared memory carve-up (bytes, 16-aligned), the same on host and device.
 struct Layout {
-  int q, w, k, ksc, sc, tmp, lo, hi, cnt, thr, full, sel, st_keys, st_pos, total;
+  int q, w, k, ksc, sc, tmp, lo, hi, cnt, thr, full, sel, st_keys, st_pos, ring, slot, total;
 };
 
 __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
-__host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int stage_k, bool fused) {
+// How a CTA stages its key tiles: synchronously (fp32, misaligned), or through the cp.async
+// ring of raw fp8 rows (converted into the 16-bit tile k) or bf16 rows (the ring slot is the
+// mma tile; no separate tile).
+enum class Staging { kSync, kRingFp8, kRingBf16 };
+
+// One ring slot: 64 key rows (fp8: 128 raw bytes each; bf16: the mma tile's kLd stride), then
+// the 64 keys' fp32 scales.
+__host__ __device__ constexpr int ring_row_bytes(Staging st) { return st == Staging::kRingFp8 ? kD : kLd * 2; }
+__host__ __device__ constexpr int ring_slot_bytes(Staging st) { return kKeyTile * ring_row_bytes(st) + kKeyTile * 4; }
+
+// The staging an instantiation uses (the same on host and device).
+template <typename Elem, bool Vec>
+constexpr Staging kStagingOf = !Vec || std::is_same_v<Elem, float> ? Staging::kSync
+                               : std::is_same_v<Elem, uint8_t>     ? Staging::kRingFp8
+                                                                   : Staging::kRingBf16;
+
+__host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int stage_k, bool fused,
+                                              Staging st = Staging::kSync, int stages = 0) {
   Layout L{};
   int off = 0;
   auto take = [&off](int bytes) {
@@ -95,8 +121,8 @@ __host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int st
   };
   L.q = take(mma ? rb * hpad * kLd * 2 : rb * hpad * kD * 4);
   L.w = take(rb * hpad * 4);
-  L.k = take(mma ? kKeyTile * kLd * 2 : kKeyTile * kLdF * 4);
-  L.ksc = take(kKeyTile * 4);
+  L.k = take(st == Staging::kRingBf16 ? 0 : (mma ? kKeyTile * kLd * 2 : kKeyTile * kLdF * 4));
+  L.ksc = take(st == Staging::kSync ? kKeyTile * 4 : 0);
   L.sc = take(rb * kKeyTile * 4);
   L.tmp = take(mma ? rb * kKeyTile * 4 : 2 * rb * kKeyTile * 4);
   L.lo = take(rb * 4);
@@ -107,6 +133,8 @@ __host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int st
   L.sel = take(fused ? static_cast<int>(sizeof(SelectShared)) : 0);
   L.st_keys = take(fused ? stage_k * 4 : 0);
   L.st_pos = take(fused ? stage_k * 4 : 0);
+  L.slot = st == Staging::kSync ? 0 : ring_slot_bytes(st);
+  L.ring = take(st == Staging::kSync ? 0 : stages * L.slot);
   L.total = off;
   return L;
 }
@@ -181,6 +209,16 @@ struct Keys {
       return k_scale != nullptr ? k_scale[s] : 1.0f;
     }
   }
+  // Aligned caches (Vec) only: key s's scale, 4-byte aligned (16-byte aligned when s % 4 == 0,
+  // and keys s .. s + 3 then share a block: block_size % 4 == 0).
+  __device__ __forceinline__ bool has_scales() const { return Paged || k_scale != nullptr; }
+  __device__ __forceinline__ const float* scale_ptr(int s) const {
+    if constexpr (Paged) {
+      return reinterpret_cast<const float*>(block_of(s) + block_size * kD) + s % block_size;
+    } else {
+      return k_scale + s;
+    }
+  }
 };
 
 // ------------------------------------------------------------------ staging
@@ -239,6 +277,82 @@ __device__ __forceinline__ void stage_rows_f32(int nrows, RowFn row, float* dst,
     const int j = idx / kD, c = idx % kD;
     const float* src = row(j);
     dst[j * ld + c] = src != nullptr ? src[c] : 0.f;
+  }
+}
+
+// ------------------------------------------------------------------ the cp.async key ring (Vec)
+
+// Starts the copies of keys [s0, s0 + 64) ∩ [s_lo, s_hi) into a ring slot (s0 % 4 == 0):
+// 16-byte cp.async pieces of each row (fp8: 8 raw pieces at stride 128; bf16: 16 pieces at the
+// mma tile's stride kLd), and of each 4-key group of scales that lies wholly in the range;
+// keys outside get zero rows and scale 0 (plain shared stores), a group cut by the range
+// edge is loaded key by key (4-byte loads). The caller commits the group.
+template <typename Elem, bool Paged>
+__device__ __forceinline__ void issue_key_tile(const Keys<Elem, Paged>& kk, int s0, int s_lo, int s_hi,
+                                               unsigned char* slot) {
+  constexpr Staging st = kStagingOf<Elem, true>;
+  constexpr int kRowLd = ring_row_bytes(st);
+  constexpr int kPieces = kD * static_cast<int>(sizeof(Elem)) / 16;
+  for (int c = threadIdx.x; c < kKeyTile * kPieces; c += kThreads) {
+    const int j = c / kPieces, piece = c % kPieces;
+    const int s = s0 + j;
+    unsigned char* d = slot + j * kRowLd + piece * 16;
+    if (s >= s_lo && s < s_hi) {
+      cp_async_16(d, reinterpret_cast<const unsigned char*>(kk.row(s)) + piece * 16);
+    } else {
+      *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  // Scales: the last warp's first 16 lanes, one 4-key group each (the row pieces above
+  // spread evenly over all 128 threads).
+  const int g = static_cast<int>(threadIdx.x) - (kThreads - 32);
+  if (g >= 0 && g < kKeyTile / 4) {
+    float* sc = reinterpret_cast<float*>(slot + kKeyTile * kRowLd) + 4 * g;
+    const int s = s0 + 4 * g;
+    if (kk.has_scales() && s >= s_lo && s + 4 <= s_hi) {
+      cp_async_16(sc, kk.scale_ptr(s));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int si = s + i;
+        sc[i] = (si >= s_lo && si < s_hi) ? (kk.has_scales() ? *kk.scale_ptr(si) : 1.0f) : 0.f;
+      }
+    }
+  }
+}
+
+// Raw e4m3 rows of a ring slot -> the 16-bit key tile (stride kLd): f16 through the hardware
+// pair conversion where IC_FP8_F16 (sm_89+), else bf16 in software; the same values
+// stage_rows_bf16 produces.
+__device__ __forceinline__ void convert_fp8_tile(const unsigned char* slot, uint16_t* kt) {
+  constexpr int kPieces = kD / 16;
+  for (int c = threadIdx.x; c < kKeyTile * kPieces; c += kThreads) {
+    const int j = c / kPieces, piece = c % kPieces;
+    const uint4 u = *reinterpret_cast<const uint4*>(slot + j * kD + piece * 16);
+    const uint32_t in[4] = {u.x, u.y, u.z, u.w};
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t pair = static_cast<uint16_t>(in[i >> 1] >> (16 * (i & 1)));
+      w[i] = IC_FP8_F16 ? e4m3x2_to_f16x2(pair)
+                        : static_cast<uint32_t>(e4m3_to_bf16_bits(static_cast<uint8_t>(pair))) |
+                              (static_cast<uint32_t>(e4m3_to_bf16_bits(static_cast<uint8_t>(pair >> 8))) << 16);
+    }
+    uint4* d = reinterpret_cast<uint4*>(kt + j * kLd + piece * 16);
+    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+// cp.async.wait_group stages - 1: all but the stages - 1 most recently committed groups (the
+// tiles still in flight ahead of the current one) have landed; the immediate is a constant.
+__device__ __forceinline__ void ring_wait(int stages) {
+  if (stages <= 2) {
+    cp_async_wait<1>();
+  } else if (stages == 3) {
+    cp_async_wait<2>();
+  } else {
+    cp_async_wait<3>();
   }
 }
 
@@ -349,9 +463,11 @@ __device__ __forceinline__ void score_tile_fma(const float* qs, const float* ws,
 }
 
 // Shared state of one CTA: q block, weights and row windows staged, pointers carved.
-template <typename Elem, bool Paged, bool kPadHeads>
+template <typename Elem, bool Paged, bool kPadHeads, bool Vec>
 struct Cta {
   static constexpr bool kMma = !std::is_same_v<Elem, float>;
+  static constexpr Staging kStaging = kStagingOf<Elem, Vec>;
+  static constexpr bool kRing = kStaging != Staging::kSync;
   Layout L;
   unsigned char* smem;
   RowBlock b;
@@ -362,6 +478,7 @@ struct Cta {
   __device__ int* hi() const { return reinterpret_cast<int*>(smem + L.hi); }
   __device__ float* sc() const { return reinterpret_cast<float*>(smem + L.sc); }
   __device__ float* ksc() const { return reinterpret_cast<float*>(smem + L.ksc); }
+  __device__ unsigned char* slot(int t, int stages) const { return smem + L.ring + (t % stages) * L.slot; }
 
   // Row block and windows (lo(), hi()); ends with a barrier.
   __device__ void init(const IdxArgs& a, unsigned char* sm, const Layout& layout) {
@@ -393,7 +510,7 @@ struct Cta {
       return q + ((r0 + rr) * h + hh) * kD;
     };
     if constexpr (kMma) {
-      stage_rows_bf16<Elem>(a.rb * hpad, qrow, reinterpret_cast<uint16_t*>(smem + L.q), a.vec);
+      stage_rows_bf16<Elem>(a.rb * hpad, qrow, reinterpret_cast<uint16_t*>(smem + L.q), Vec);
     } else {
       stage_rows_f32(a.rb * hpad, qrow, reinterpret_cast<float*>(smem + L.q), kD);
     }
@@ -415,8 +532,23 @@ struct Cta {
     return m;
   }
 
-  // Stages keys [s0, s0+64) ∩ [s_lo, s_hi) (zeros elsewhere), scores the rows in mask
-  // into sc(). Ends with a barrier.
+  // Scores the rows in mask against the staged tile kt (16-bit, or fp32 for the FMA path)
+  // with key scales ksc, into sc(). Every thread calls it; ends with a barrier.
+  __device__ void compute(const IdxArgs& a, const void* kt, const float* ksc, uint32_t mask) {
+    if constexpr (kMma) {
+      score_tile_mma<kPadHeads>(fp8_f16<Elem>(), reinterpret_cast<const uint16_t*>(smem + L.q),
+                                reinterpret_cast<const float*>(smem + L.w), static_cast<const uint16_t*>(kt), ksc, sc(),
+                                reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad, mask);
+    } else {
+      score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
+                     static_cast<const float*>(kt), ksc, sc(), reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad,
+                     mask);
+    }
+    __syncthreads();
+  }
+
+  // Synchronous staging (fp32, misaligned): keys [s0, s0+64) ∩ [s_lo, s_hi) (zeros
+  // elsewhere), then scores the rows in mask into sc(). Ends with a barrier.
   __device__ void score(const IdxArgs& a, int s0, int s_lo, int s_hi, uint32_t mask) {
     const Keys<Elem, Paged> kk = keys;
     auto krow = [kk, s0, s_lo, s_hi](int j) -> const Elem* {
@@ -424,7 +556,7 @@ struct Cta {
       return (s >= s_lo && s < s_hi) ? kk.row(s) : nullptr;
     };
     if constexpr (kMma) {
-      stage_rows_bf16<Elem>(kKeyTile, krow, reinterpret_cast<uint16_t*>(smem + L.k), a.vec);
+      stage_rows_bf16<Elem>(kKeyTile, krow, reinterpret_cast<uint16_t*>(smem + L.k), Vec);
     } else {
       stage_rows_f32(kKeyTile, krow, reinterpret_cast<float*>(smem + L.k), kLdF);
     }
@@ -433,26 +565,67 @@ struct Cta {
       ksc()[j] = (s >= s_lo && s < s_hi) ? kk.scale(s) : 0.f;
     }
     __syncthreads();
-    if constexpr (kMma) {
-      score_tile_mma<kPadHeads>(fp8_f16<Elem>(), reinterpret_cast<const uint16_t*>(smem + L.q),
-                                reinterpret_cast<const float*>(smem + L.w), reinterpret_cast<const uint16_t*>(smem + L.k),
-                                ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad, mask);
+    compute(a, smem + L.k, ksc(), mask);
+  }
+
+  // Walks ntiles 64-key tiles from key t0 (t0 % 4 == 0 where kRing) over keys [s_lo, s_hi):
+  // per tile, the rows of `rows` whose window meets it (mask) are scored into sc() when
+  // mask != 0, then body(s0, mask) runs (every thread; it may hold barriers), then a barrier.
+  // kRing: the copies of the next stages - 1 needed tiles are in flight while a tile is
+  // scored; one commit group per tile (empty for a tile no row needs), so the wait count is
+  // the same every iteration.
+  template <typename Body>
+  __device__ void walk(const IdxArgs& a, int t0, int ntiles, int s_lo, int s_hi, uint32_t rows, Body body) {
+    if constexpr (kRing) {
+      const int stages = a.stages;
+      auto issue = [&](int t) {
+        if (t < ntiles && need(rows, t0 + t * kKeyTile) != 0)
+          issue_key_tile<Elem, Paged>(keys, t0 + t * kKeyTile, s_lo, s_hi, slot(t, stages));
+        cp_async_commit();
+      };
+      for (int t = 0; t < stages - 1; ++t) issue(t);
+      for (int t = 0; t < ntiles; ++t) {
+        const int s0 = t0 + t * kKeyTile;
+        const uint32_t mask = need(rows, s0);
+        // Into the slot of tile t - 1, whose readers all passed the previous barrier.
+        issue(t + stages - 1);
+        ring_wait(stages);  // this thread's copies of tile t have landed
+        if (mask != 0) {    // uniform
+          __syncthreads();  // ... and everyone's (and the zero rows stored at issue)
+          const unsigned char* sl = slot(t, stages);
+          const float* ksc = reinterpret_cast<const float*>(sl + kKeyTile * ring_row_bytes(kStaging));
+          if constexpr (kStaging == Staging::kRingFp8) {
+            convert_fp8_tile(sl, reinterpret_cast<uint16_t*>(smem + L.k));
+            __syncthreads();
+            compute(a, smem + L.k, ksc, mask);
+          } else {
+            compute(a, sl, ksc, mask);
+          }
+        }
+        body(s0, mask);
+        __syncthreads();
+      }
+      cp_async_wait<0>();  // only empty groups remain (tiles past the end)
     } else {
-      score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
-                     reinterpret_cast<const float*>(smem + L.k), ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp),
-                     a.rb, a.hpad, mask);
+      for (int t = 0; t < ntiles; ++t) {
+        const int s0 = t0 + t * kKeyTile;
+        const uint32_t mask = need(rows, s0);
+        if (mask != 0) score(a, s0, s_lo, s_hi, mask);  // uniform
+        body(s0, mask);
+        __syncthreads();
+      }
     }
-    __syncthreads();
   }
 };
 
 // ------------------------------------------------------------------ plain scoring
 
-template <typename Elem, bool Paged, bool kPadHeads>
+template <typename Elem, bool Paged, bool kPadHeads, bool Vec>
 __global__ void __launch_bounds__(kThreads, 2) indexer_logits_kernel(IdxArgs a, LogitsOut o) {
   IC_DYNAMIC_SMEM(smem);
-  Cta<Elem, Paged, kPadHeads> cta;
-  cta.init(a, smem, make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, 0, false));
+  using C = Cta<Elem, Paged, kPadHeads, Vec>;
+  C cta;
+  cta.init(a, smem, make_layout(C::kMma, a.rb, a.hpad, 0, false, C::kStaging, a.stages));
   const int nrows = cta.nrows;
   int lo_all = INT_MAX, hi_all = 0;
   uint32_t nonempty = 0;
@@ -467,28 +640,26 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_logits_kernel(IdxArgs a, 
   const int64_t c_end = std::min<int64_t>(o.cols, c_begin + static_cast<int64_t>(a.tiles) * kKeyTile);
   const float ninf = -__int_as_float(0x7f800000);
   if (nonempty != 0 && lo_all < c_end && hi_all > c_begin) cta.stage_q(a);  // uniform
-  for (int64_t s0l = c_begin; s0l < c_end; s0l += kKeyTile) {
-    const int s0 = static_cast<int>(s0l);
-    const uint32_t mask = cta.need(nonempty, s0);
-    if (mask != 0) cta.score(a, s0, lo_all, hi_all, mask);  // uniform branch
+  const int ntiles = c_begin < c_end ? static_cast<int>((c_end - c_begin + kKeyTile - 1) / kKeyTile) : 0;
+  cta.walk(a, static_cast<int>(c_begin), ntiles, lo_all, hi_all, nonempty, [&](int s0, uint32_t mask) {
     for (int idx = threadIdx.x; idx < nrows * kKeyTile; idx += kThreads) {
       const int rr = idx / kKeyTile, j = idx % kKeyTile;
-      const int64_t col = s0l + j;
+      const int64_t col = static_cast<int64_t>(s0) + j;
       if (col >= c_end) continue;
       const bool in = ((mask >> rr) & 1u) && col >= cta.lo()[rr] && col < cta.hi()[rr];
       o.logits[(cta.b.r0 + rr - a.out_row0) * o.stride + col] = in ? cta.sc()[idx] : ninf;
     }
-    __syncthreads();  // sc / key tile reused by the next tile
-  }
+  });  // (walk's barrier: sc and the key tile are reused by the next tile)
 }
 
 // ------------------------------------------------------------------ fused scoring + top-k
 
-template <typename Elem, bool Paged, bool kPadHeads>
+template <typename Elem, bool Paged, bool kPadHeads, bool Vec>
 __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, FusedArgs f) {
   IC_DYNAMIC_SMEM(smem);
-  Cta<Elem, Paged, kPadHeads> cta;
-  const Layout L = make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, f.k, true);
+  using C = Cta<Elem, Paged, kPadHeads, Vec>;
+  C cta;
+  const Layout L = make_layout(C::kMma, a.rb, a.hpad, f.k, true, C::kStaging, a.stages);
   int* cnt = reinterpret_cast<int*>(smem + L.cnt);
   uint32_t* thr = reinterpret_cast<uint32_t*>(smem + L.thr);
   int* full = reinterpret_cast<int*>(smem + L.full);
@@ -524,10 +695,12 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, F
   const int warp = warp_id(), lane = lane_id();
   const uint32_t lt = lanemask_lt();
   if (c0 < c1) cta.stage_q(a);  // uniform
-  for (int s0 = c0; s0 < c1; s0 += kKeyTile) {
-    const uint32_t mask = cta.need(active, s0);
-    if (mask == 0) continue;  // uniform
-    cta.score(a, s0, c0, c1, mask);
+  // Tiles from c0 rounded down to a multiple of 64 (whole 4-key scale groups for the ring);
+  // keys below c0 belong to the previous split: staged as zeros, never taken.
+  const int t0 = c0 & ~(kKeyTile - 1);
+  const int ntiles = c0 < c1 ? (c1 - t0 + kKeyTile - 1) / kKeyTile : 0;
+  cta.walk(a, t0, ntiles, c0, c1, active, [&](int s0, uint32_t mask) {
+    if (mask == 0) return;  // uniform
     // Append keys above each row's running threshold, in position order (one warp per row).
     for (int rr = warp; rr < nrows; rr += kWarps) {
       if (!((mask >> rr) & 1u)) continue;
@@ -541,7 +714,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, F
         const int j = half * 32 + lane;
         const int s = s0 + j;
         const uint32_t key = order_key(cta.sc()[rr * kKeyTile + j]);
-        const bool take = s >= lo && s < hi && s < c1 && (!is_full || key > t_key);
+        const bool take = s >= lo && s < hi && s >= c0 && s < c1 && (!is_full || key > t_key);
         const uint32_t bal = __ballot_sync(kFullMask, take);
         if (take) {
           const int at = n + __popc(bal & lt);
@@ -581,7 +754,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, F
       }
       __syncthreads();
     }
-  }
+  });
   for (int rr = threadIdx.x; rr < nrows; rr += kThreads) f.cnt[(cta.b.r0 + rr - local0) * f.S + sp] = cnt[rr];
 }
 
@@ -663,16 +836,61 @@ int prepare_smem(Kernel kernel, const Layout& L, int64_t h, const DeviceEnv& env
   return L.total;
 }
 
-// The mma kernels come in two instantiations: h a multiple of 16 (every production model) and
-// padded heads (small models), which need a check in the hot loop (score_tile_mma).
-template <typename Elem>
-constexpr bool kHasPadding = !std::is_same_v<Elem, float>;
+// The mma kernels come in three instantiations: aligned inputs (Vec: the cp.async ring) with
+// h a multiple of 16 (every production model) or padded heads (small models, a check in the
+// hot loop: score_tile_mma), and misaligned inputs (synchronous byte-safe staging; the padded
+// heads' check, which is exact for any h). fp32 has one (synchronous FMA path).
+template <typename Elem, bool Paged>
+auto logits_kernel_for(const IdxArgs& a) {
+  using K = void (*)(IdxArgs, LogitsOut);
+  if constexpr (std::is_same_v<Elem, float>) {
+    return K(indexer_logits_kernel<float, Paged, false, false>);
+  } else {
+    if (!a.vec) return K(indexer_logits_kernel<Elem, Paged, true, false>);
+    return a.hpad != a.h ? K(indexer_logits_kernel<Elem, Paged, true, true>)
+                         : K(indexer_logits_kernel<Elem, Paged, false, true>);
+  }
+}
 
 template <typename Elem, bool Paged>
-void launch_logits_t(const IdxArgs& a, const LogitsOut& o, int64_t blocks, const DeviceEnv& env) {
-  const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, 0, false);
-  auto kernel = kHasPadding<Elem> && a.hpad != a.h ? indexer_logits_kernel<Elem, Paged, kHasPadding<Elem>>
-                                                   : indexer_logits_kernel<Elem, Paged, false>;
+auto fused_kernel_for(const IdxArgs& a) {
+  using K = void (*)(IdxArgs, FusedArgs);
+  if constexpr (std::is_same_v<Elem, float>) {
+    return K(indexer_fused_kernel<float, Paged, false, false>);
+  } else {
+    if (!a.vec) return K(indexer_fused_kernel<Elem, Paged, true, false>);
+    return a.hpad != a.h ? K(indexer_fused_kernel<Elem, Paged, true, true>)
+                         : K(indexer_fused_kernel<Elem, Paged, false, true>);
+  }
+}
+
+template <typename Elem>
+Staging staging_of(const IdxArgs& a) {
+  return a.vec ? kStagingOf<Elem, true> : kStagingOf<Elem, false>;
+}
+
+// The deepest key ring (kMinStages..kMaxStages) whose layout fits `target` bytes; kMinStages
+// when none does (the row block was sized without it). 0 for synchronous staging.
+template <typename LayoutOf>
+int choose_stages(Staging st, int target, LayoutOf layout_of) {
+  if (st == Staging::kSync) return 0;
+#ifdef IC_CUDA_EMULATION
+  if (::emu::g_idx_stages != 0) return ::emu::g_idx_stages;  // the tests run every depth
+#endif
+  for (int s = kMaxStages; s > kMinStages; --s)
+    if (layout_of(s).total <= target) return s;
+  return kMinStages;
+}
+
+template <typename Elem, bool Paged>
+void launch_logits_t(const IdxArgs& a0, const LogitsOut& o, int64_t blocks, const DeviceEnv& env) {
+  constexpr bool mma = !std::is_same_v<Elem, float>;
+  IdxArgs a = a0;
+  const Staging st = staging_of<Elem>(a);
+  a.stages = choose_stages(st, std::min(kSmemTarget, env.smem_optin),
+                           [&](int s) { return make_layout(mma, a.rb, a.hpad, 0, false, st, s); });
+  const Layout L = make_layout(mma, a.rb, a.hpad, 0, false, st, a.stages);
+  auto kernel = logits_kernel_for<Elem, Paged>(a);
   const int smem = prepare_smem(kernel, L, a.h, env);
   // Each CTA stages its rows' q once and walks `tiles` key tiles: as many as keep about four
   // CTAs per SM busy, at least kLogitsTilesPerCta (q was re-staged every 512 keys before).
@@ -705,10 +923,14 @@ void launch_logits(const Problem& pr, const LogitsOut& o, const DeviceEnv& env) 
 }
 
 template <typename Elem, bool Paged>
-void launch_fused_t(const IdxArgs& a, const FusedArgs& f, int64_t blocks, const DeviceEnv& env) {
-  const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, f.k, true);
-  auto kernel = kHasPadding<Elem> && a.hpad != a.h ? indexer_fused_kernel<Elem, Paged, kHasPadding<Elem>>
-                                                   : indexer_fused_kernel<Elem, Paged, false>;
+void launch_fused_t(const IdxArgs& a0, const FusedArgs& f, int64_t blocks, const DeviceEnv& env) {
+  constexpr bool mma = !std::is_same_v<Elem, float>;
+  IdxArgs a = a0;
+  const Staging st = staging_of<Elem>(a);
+  a.stages = choose_stages(st, std::min(kFusedSmemTarget, env.smem_optin),
+                           [&](int s) { return make_layout(mma, a.rb, a.hpad, f.k, true, st, s); });
+  const Layout L = make_layout(mma, a.rb, a.hpad, f.k, true, st, a.stages);
+  auto kernel = fused_kernel_for<Elem, Paged>(a);
   const int smem = prepare_smem(kernel, L, a.h, env);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(f.S));
   IC_LAUNCH(kernel, grid, kThreads, smem, env.stream, a, f);
@@ -755,10 +977,15 @@ void run_fused(const Problem& problem, const TopkOut& o, const DeviceEnv& env) {
     return;
   }
   const int k = static_cast<int>(o.topk);
-  // Fewer rows per CTA when the candidate staging makes the CTA too large for two per SM.
+  // Fewer rows per CTA when the candidate staging (and the shallowest key ring) makes the CTA
+  // too large for two per SM.
   Problem pr = problem;
   const bool mma = pr.dt != DType::kFloat32;
-  while (pr.a.rb > 1 && make_layout(mma, pr.a.rb, pr.a.hpad, k, true).total > kFusedSmemTarget) --pr.a.rb;
+  const Staging st = !mma || !pr.a.vec                      ? Staging::kSync
+                     : pr.paged || pr.dt == DType::kFp8E4M3 ? Staging::kRingFp8
+                                                            : Staging::kRingBf16;
+  while (pr.a.rb > 1 && make_layout(mma, pr.a.rb, pr.a.hpad, k, true, st, kMinStages).total > kFusedSmemTarget)
+    --pr.a.rb;
   pr.a.bpr = pr.paged ? (pr.a.next_n + pr.a.rb - 1) / pr.a.rb : 1;
   const int64_t all_blocks = row_blocks(pr, pr.units);
   // Split each row block's key range so that there are about two CTAs per SM, keeping
@@ -823,7 +1050,7 @@ Problem dense_problem(const IndexerParams& p) {
   pr.a.unit_begin = 0;
   pr.a.unit_end = p.s_q;
   pr.a.out_row0 = 0;
-  pr.a.vec = al16(p.q) && al16(p.k);
+  pr.a.vec = al16(p.q) && al16(p.k) && (p.k_scale == nullptr || al16(p.k_scale));
   pr.dt = p.qk_dtype;
   pr.paged = false;
   pr.units = p.s_q;

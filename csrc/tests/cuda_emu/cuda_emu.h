@@ -241,6 +241,10 @@ inline void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, ui
 // e4m3x2 -> f16x2 and the f16 mma), false the software e4m3 -> bf16 path of older archs.
 inline bool g_fp8_f16 = true;
 
+// The indexer's cp.async key-ring depth (indexer_impl.cuh choose_stages): 0 lets the launcher
+// choose from the shared-memory budget; 2..4 forces it, so that the tests run every depth.
+inline int g_idx_stages = 0;
+
 // cp.async.cg.shared.global 16 / commit_group / wait_group N (sm_80+), deferred: a copy is
 // only queued (in the issuing thread's open group) and performed when that thread's
 // cp.async.wait_group covers its group, so reading the destination earlier, or from another

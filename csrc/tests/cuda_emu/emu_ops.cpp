@@ -97,6 +97,13 @@ int emu_set_fp8_f16(int on) {
   ::emu::g_fp8_f16 = on != 0;
   return was;
 }
+// The indexer's key-ring depth: 2..4 forces it, 0 restores the launcher's choice. Returns the
+// previous setting.
+int emu_set_indexer_stages(int stages) {
+  const int was = ::emu::g_idx_stages;
+  ::emu::g_idx_stages = stages;
+  return was;
+}
 // The emulator's cvt.rn.f16x2.e4m3x2 (checked against torch's e4m3 -> f16 conversion).
 uint32_t emu_cvt_f16x2_e4m3x2(uint32_t v) { return ::emu::cvt_f16x2_e4m3x2(static_cast<uint16_t>(v)); }
 
