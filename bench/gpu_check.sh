@@ -125,7 +125,9 @@ fi
 rm -f "$OUT/.ceilings.py"
 
 # 6. Side by side with the peers on the shapes, in this run: FlashMLA's sparse
-#    prefill / decode, DeepGEMM's fp8_mqa_logits / fp8_paged_mqa_logits, torch.topk. The
+#    prefill / decode, DeepGEMM's fp8_mqa_logits / fp8_paged_mqa_logits (sgl-deep-gemm 0.2.5:
+#    fp8_fp4_*) against our indexer on 64 rows x 64 heads x 128K keys and on paged decode
+#    batches (1 / 8 / 64 x 128K, 32 x 2 x 32K), with TFLOP/s and the ratio, torch.topk. The
 #    GPU machine has no internet: download the wheels where there is one and carry them
 #    (build/ is git-ignored: pass carry=["build/peer_wheels"] to the device tool; 15 MB)
 #    (docs/profiling.md):  pip download --no-deps -d build/peer_wheels sgl-flash-mla sgl-deep-gemm
