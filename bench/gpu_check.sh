@@ -73,6 +73,15 @@ else
   ROWS+=("tests|skipped (no build)|0")
 fi
 
+# 2b. The indexer's sm_90a fp8 warpgroup-MMA kernels (opt-in: INDEXCACHE_WGMMA=1) on the same
+#     indexer tests: accuracy bars and the fused == topk_indices(logits) checks (issue 25).
+if [ $BUILD_OK -eq 0 ]; then
+  stage wgmma 60 test.log env INDEXCACHE_WGMMA=1 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/test_ops.py \
+    -k "cuda and indexer"
+else
+  ROWS+=("wgmma|skipped (no build)|0")
+fi
+
 # 3. Sanitizers on small shapes. No caching allocator, so that every tensor is its own
 #    allocation and memcheck sees an access one past its end.
 SMALL='cuda and not portable and (test_quantize_fp8 or test_index_k_cache_insert or test_mla_kv_cache_insert or test_positions_to_slots or (test_indexer_logits and 7-300 and fp8) or test_indexer_logits_paged or test_topk_windows_and_ties or (test_topk_tie_free and 5-1000) or (test_indexer_topk_fused and 6-200 and fp8) or test_indexer_topk_paged or (test_sparse_mla and 3-16-64) or test_fill_topk_buffer or (test_topk_long_rows and 65536) or test_sparse_mla_few_rows_split_keys)'

@@ -97,6 +97,14 @@ int emu_set_fp8_f16(int on) {
   ::emu::g_fp8_f16 = on != 0;
   return was;
 }
+// 1: the fp8 indexer may take the sm_90a wgmma kernels (aligned inputs, h % 64 == 0), as on an
+// H100/H200 with INDEXCACHE_WGMMA=1; 0 (the default): the mma.sync ones. Returns the previous
+// setting.
+int emu_set_wgmma(int on) {
+  const int was = ::emu::g_wgmma ? 1 : 0;
+  ::emu::g_wgmma = on != 0;
+  return was;
+}
 // The indexer's key-ring depth: 2..4 forces it, 0 restores the launcher's choice. Returns the
 // previous setting.
 int emu_set_indexer_stages(int stages) {
