@@ -161,7 +161,8 @@ fi
     printf '%-10s %-34s %6s\n' "$n" "$s" "$d"
   done
   echo
-  echo "tests:     $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/test.log" 2>/dev/null | tail -1)"
+  echo "tests:     $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/test.log" 2>/dev/null | tail -2 | head -1)"
+  echo "wgmma:     $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/test.log" 2>/dev/null | tail -1) (INDEXCACHE_WGMMA=1, indexer tests)"
   echo "memcheck:  $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" 2>/dev/null | tail -1) $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/memcheck.log" 2>/dev/null | tail -1)"
   echo "racecheck: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" 2>/dev/null | tail -1) $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/racecheck.log" 2>/dev/null | tail -1)"
   if [ -s "$OUT/bench_cuda.json" ]; then
