@@ -73,6 +73,15 @@ else
   ROWS+=("tests|skipped (no build)|0")
 fi
 
+# 2b. The indexer's sm_90a fp8 warpgroup-MMA kernels (opt-in: INDEXCACHE_WGMMA=1) on the same
+#     indexer tests: accuracy bars and the fused == topk_indices(logits) checks (issue 25).
+if [ $BUILD_OK -eq 0 ]; then
+  stage wgmma 60 test.log env INDEXCACHE_WGMMA=1 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/test_ops.py \
+    -k "cuda and indexer"
+else
+  ROWS+=("wgmma|skipped (no build)|0")
+fi
+
 # 3. Sanitizers on small shapes. No caching allocator, so that every tensor is its own
 #    allocation and memcheck sees an access one past its end.
 SMALL='cuda and not portable and (test_quantize_fp8 or test_index_k_cache_insert or test_mla_kv_cache_insert or test_positions_to_slots or (test_indexer_logits and 7-300 and fp8) or test_indexer_logits_paged or test_topk_windows_and_ties or (test_topk_tie_free and 5-1000) or (test_indexer_topk_fused and 6-200 and fp8) or test_indexer_topk_paged or (test_sparse_mla and 3-16-64) or test_fill_topk_buffer or (test_topk_long_rows and 65536) or test_sparse_mla_few_rows_split_keys or (test_sparse_mla_sinks and 3-16-64) or test_sparse_mla_sinks_few_rows_split_keys or (test_sparse_mla_nonfinite_sinks and 1100))'
@@ -130,7 +139,9 @@ fi
 rm -f "$OUT/.ceilings.py"
 
 # 6. Side by side with the peers on the issue's shapes, in this run: FlashMLA's sparse
-#    prefill / decode, DeepGEMM's fp8_mqa_logits / fp8_paged_mqa_logits, torch.topk. The
+#    prefill / decode, DeepGEMM's fp8_mqa_logits / fp8_paged_mqa_logits (sgl-deep-gemm 0.2.5:
+#    fp8_fp4_*) against our indexer on 64 rows x 64 heads x 128K keys and on paged decode
+#    batches (1 / 8 / 64 x 128K, 32 x 2 x 32K), with TFLOP/s and the ratio, torch.topk. The
 #    GPU machine has no internet: download the wheels where there is one and carry them
 #    (build/ is git-ignored: pass carry=["build/peer_wheels"] to the device tool; 15 MB)
 #    (docs/profiling.md):  pip download --no-deps -d build/peer_wheels sgl-flash-mla sgl-deep-gemm
@@ -155,7 +166,8 @@ fi
     printf '%-10s %-34s %6s\n' "$n" "$s" "$d"
   done
   echo
-  echo "tests:     $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/test.log" 2>/dev/null | tail -1)"
+  echo "tests:     $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/test.log" 2>/dev/null | tail -2 | head -1)"
+  echo "wgmma:     $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/test.log" 2>/dev/null | tail -1) (INDEXCACHE_WGMMA=1, indexer tests)"
   echo "memcheck:  $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" 2>/dev/null | tail -1) $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/memcheck.log" 2>/dev/null | tail -1)"
   echo "racecheck: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" 2>/dev/null | tail -1) $(grep -E '[0-9]+ (passed|failed|skipped|errors?)( |,|$)' "$OUT/racecheck.log" 2>/dev/null | tail -1)"
   if [ -s "$OUT/bench_cuda.json" ]; then

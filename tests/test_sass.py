@@ -5,7 +5,8 @@ and each test asserts a property the design promises for named kernels (docs/cud
 tensor-core instructions (HMMA) where the kernels use mma.sync, no local-memory traffic
 (LDL/STL: register spills or stack arrays) in the listed kernels, and no byte loads from
 global memory in the aligned sparse-MLA staging (the fp8_ds_mla RoPE part is copied in
-16-byte pieces). Skipped, with the reason, when cuobjdump is not found or the extension was
+16-byte pieces), cp.async (LDGSTS) and no byte loads in the aligned indexer kernels, and the fp8
+warpgroup MMA (QGMMA) in the indexer's sm_90a wgmma kernels. Skipped, with the reason, when cuobjdump is not found or the extension was
 built without CUDA. ``INDEXCACHE_CUOBJDUMP`` names the tool explicitly.
 """
 
@@ -92,9 +93,14 @@ def count(ops: list[str], *prefixes: str) -> int:
 
 
 # Mangled-name fragments: Elem is h (uint8_t, fp8), t (uint16_t, bf16), f (float); then Paged; then
-# kPadHeads (heads not a multiple of 16: small models only, a check in the hot loop).
-FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0ELb0E", "ItLb0ELb0E", "IhLb1ELb0E"
-PADDED = ["IhLb0ELb1E", "ItLb0ELb1E", "IhLb1ELb1E"]
+# kPadHeads (heads not a multiple of 16: small models only, a check in the hot loop); then Vec
+# (16-byte aligned q, keys and scales: the cp.async key ring; false: the misaligned fallback,
+# synchronous byte-safe staging, always with the padded-heads check); then Wg (the sm_90a fp8
+# warpgroup-MMA kernels: aligned fp8, h % 64 == 0).
+FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0ELb0ELb1ELb0E", "ItLb0ELb0ELb1ELb0E", "IhLb1ELb0ELb1ELb0E"
+PADDED = ["IhLb0ELb1ELb1ELb0E", "ItLb0ELb1ELb1ELb0E", "IhLb1ELb1ELb1ELb0E"]
+MISALIGNED = ["IhLb0ELb1ELb0ELb0E", "ItLb0ELb1ELb0ELb0E", "IhLb1ELb1ELb0ELb0E"]
+WGMMA = ["IhLb0ELb0ELb1ELb1E", "IhLb1ELb0ELb1ELb1E"]
 # sparse_mla_mma_kernel<NG, Vec>: NG head groups of 16 per CTA (1, 2, 4), Vec = 16-byte aligned
 # inputs (cp.async staging) or not (byte loads).
 SPARSE_MLA_ALIGNED = [f"sparse_mla_mma_kernelILi{ng}ELb1E" for ng in (1, 2, 4)]
@@ -103,7 +109,7 @@ SPARSE_MLA_MMA = SPARSE_MLA_ALIGNED + SPARSE_MLA_BYTES
 MMA_KERNELS = [
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + BF16_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
-] + SPARSE_MLA_MMA + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED]
+] + SPARSE_MLA_MMA + [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in PADDED + MISALIGNED]
 # Kernels with no local memory at all (no spills, no stack arrays). The remaining indexer
 # kernels (bf16 logits, fp32, padded heads) are asserted below with the issue 12 checks.
 NO_LOCAL = [
@@ -165,7 +171,7 @@ def test_sparse_mla_byte_fallback_is_separate(name):
 INDEXER_MMA = [n for n in MMA_KERNELS if n.startswith("indexer_")]
 FP8_INDEXER = [n for n in INDEXER_MMA if "|Ih" in n]
 BF16_INDEXER = [n for n in INDEXER_MMA if "|It" in n]
-INDEXER_FP32 = ["indexer_logits_kernel|IfLb0ELb0E", "indexer_fused_kernel|IfLb0ELb0E"]
+INDEXER_FP32 = ["indexer_logits_kernel|IfLb0ELb0ELb0ELb0E", "indexer_fused_kernel|IfLb0ELb0ELb0ELb0E"]
 
 
 @pytest.mark.parametrize("name", INDEXER_MMA)
@@ -196,3 +202,49 @@ def test_bf16_indexer_runs_bf16_mma(name):
 def test_no_local_memory_indexer_and_persistent_topk(name):
     ops = kernel(name)
     assert count(ops, "LDL", "STL") == 0, [op for op in ops if op.startswith(("LDL", "STL"))]
+
+
+# ------------------------------------------------------------------ issue 25: the indexer's cp.async key ring
+
+INDEXER_WGMMA = [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in WGMMA]
+INDEXER_ALIGNED = [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused")
+                   for frag in [FP8_DENSE, BF16_DENSE, FP8_PAGED] + PADDED] + INDEXER_WGMMA
+INDEXER_MISALIGNED = [f"indexer_{kind}_kernel|{frag}" for kind in ("logits", "fused") for frag in MISALIGNED]
+
+
+@pytest.mark.parametrize("name", INDEXER_ALIGNED)
+def test_indexer_aligned_staging_is_cp_async(name):
+    # Key rows and their fp32 scales (dense and paged 132-byte rows) are copied by cp.async.cg
+    # 16 B (LDGSTS) into the shared-memory ring (commit_group = LDGDEPBAR, wait_group = DEPBAR);
+    # no per-byte global loads (the paged scales were read byte by byte, LDG.E.U8, before).
+    ops = kernel(name)
+    byte_loads = [op for op in ops if op.startswith("LDG") and (".U8" in op or ".S8" in op)]
+    assert byte_loads == []
+    assert count(ops, "LDGSTS") > 0
+    assert count(ops, "LDGDEPBAR") > 0 and count(ops, "DEPBAR") > 0
+
+
+@pytest.mark.parametrize("name", INDEXER_MISALIGNED)
+def test_indexer_misaligned_fallback_is_separate(name):
+    # The misaligned instantiations stage synchronously (no cp.async); fp8 ones keep byte loads.
+    # Without them the checks above would be vacuous (one kernel serving both).
+    ops = kernel(name)
+    assert count(ops, "LDGSTS") == 0
+    if "|Ih" in name:
+        assert any(op.startswith("LDG") and ".U8" in op for op in ops)
+
+
+@pytest.mark.parametrize("name", INDEXER_WGMMA)
+def test_indexer_wgmma_kernels_run_qgmma(name):
+    # sm_90a fp8 warpgroup MMA: wgmma.mma_async m64n64k32 e4m3 x e4m3 -> fp32 is
+    # QGMMA.64x64x32.F32.E4M3.E4M3 (one per k-step of 32: 4 for d = 128), fenced by
+    # WARPGROUP.ARRIVE (wgmma.fence) and waited by WARPGROUP.DEPBAR (wait_group); shared-memory
+    # writes reach the async proxy through FENCE.VIEW.ASYNC.S (fence.proxy.async). No mma.sync
+    # and no ldmatrix: both operands are read from shared memory by descriptor.
+    ops = kernel(name)
+    assert count(ops, "QGMMA") >= 4
+    assert all(op.startswith("QGMMA.64") for op in ops if op.startswith("QGMMA"))
+    assert count(ops, "WARPGROUP.ARRIVE") > 0 and count(ops, "WARPGROUP.DEPBAR") > 0
+    assert count(ops, "FENCE.VIEW.ASYNC.S") > 0
+    assert count(ops, "HMMA") == 0 and count(ops, "LDSM") == 0
+    assert count(ops, "LDL", "STL") == 0

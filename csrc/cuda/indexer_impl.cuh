@@ -10,6 +10,11 @@
 //     ReLU-weighted head sum is folded in registers, across the 8 lane groups, then the two
 //     head-tile parities are added in shared memory.
 //   - fp32 inputs: a plain fp32 FMA loop (exact-enough for the 1e-5 bar; bf16 would not be).
+// Key tiles of the aligned instantiations (Vec: q, keys, scales 16-byte aligned) are copied by
+// 16-byte cp.async into a ring of 2-4 shared-memory stages, up to three tiles ahead of the
+// one being scored (fp8 rows land raw and are converted to f16 in shared memory; bf16 rows
+// land in their mma tile directly; the per-key fp32 scales land beside them, four keys per
+// copy). The misaligned instantiations (!Vec) stage synchronously with byte-safe loads.
 // The plain op writes a row's scores (-inf outside its window). The fused op never writes
 // scores: each row keeps a bounded candidate list in global scratch (2k + 64 entries),
 // appends keys above its running k-th best, compacts with the exact radix select when
@@ -19,6 +24,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common.cuh"
@@ -41,6 +47,10 @@ constexpr int kFusedMaxK = 2048;
 constexpr int kMaxSplits = 64;
 constexpr int64_t kScratchBudget = 256ll << 20;
 constexpr int kFusedSmemTarget = 100 * 1024;  // two CTAs per SM on sm_90 (228 KB)
+constexpr int kSmemTarget = 113 * 1024;       // the most a CTA may take for two per sm_90 SM
+constexpr int kMinStages = 2;                 // key-tile ring depth (cp.async pipeline)
+constexpr int kMaxStages = 4;
+constexpr int64_t kFewRowsMinKeys = 32768;    // fused op: few rows at least this long -> logits + top-k
 
 struct IdxArgs {
   const void* q;            // [rows, h, 128]
@@ -66,7 +76,9 @@ struct IdxArgs {
   int64_t unit_end;
   int64_t out_row0;         // logits: output row of global row r is r - out_row0
   int tiles;                // logits: 64-key tiles per CTA (one q staging serves them all)
-  bool vec;                 // 16-byte global loads allowed for q and keys
+  int stages;               // Vec: key tiles in the cp.async ring, kMinStages..kMaxStages
+  bool vec;                 // q, keys and key scales 16-byte aligned: the Vec instantiation
+  bool wg;                  // fp8, Vec, h % 64 == 0 on sm_90a: the wgmma instantiation
 };
 
 struct FusedArgs {
@@ -80,12 +92,36 @@ struct FusedArgs {
 
 // Shared memory carve-up (bytes, 16-aligned), the same on host and device.
 struct Layout {
-  int q, w, k, ksc, sc, tmp, lo, hi, cnt, thr, full, sel, st_keys, st_pos, total;
+  int q, w, k, ksc, sc, tmp, lo, hi, cnt, thr, full, sel, st_keys, st_pos, ring, slot, total;
 };
 
 __host__ __device__ inline int align16(int x) { return (x + 15) & ~15; }
 
-__host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int stage_k, bool fused) {
+// How a CTA stages its key tiles: synchronously (fp32, misaligned), or through the cp.async
+// ring of raw fp8 rows (converted into the 16-bit tile k) or bf16 rows (the ring slot is the
+// mma tile; no separate tile).
+// kRingWg (sm_90a, fp8, h % 64 == 0): raw fp8 rows in the 128-byte swizzled K-major layout
+// that wgmma reads from shared memory (q too); no 16-bit tile.
+enum class Staging { kSync, kRingFp8, kRingBf16, kRingWg };
+
+// One ring slot: 64 key rows (fp8: 128 raw bytes each; bf16: the mma tile's kLd stride), then
+// the 64 keys' fp32 scales; kRingWg slots are padded to whole 1024-byte swizzle atoms.
+__host__ __device__ constexpr int ring_row_bytes(Staging st) { return st == Staging::kRingBf16 ? kLd * 2 : kD; }
+__host__ __device__ constexpr int ring_slot_bytes(Staging st) {
+  return st == Staging::kRingWg ? kKeyTile * kD + 1024 : kKeyTile * ring_row_bytes(st) + kKeyTile * 4;
+}
+constexpr int kWgAtom = 1024;           // 8 rows x 128 bytes: one 128-byte swizzle atom
+constexpr int kWgTile = 64 * kD;        // 64 fp8 rows of 128 bytes (an M = 64 q tile, a key tile)
+
+// The staging an instantiation uses (the same on host and device).
+template <typename Elem, bool Vec, bool Wg = false>
+constexpr Staging kStagingOf = !Vec || std::is_same_v<Elem, float> ? Staging::kSync
+                               : Wg                                ? Staging::kRingWg
+                               : std::is_same_v<Elem, uint8_t>     ? Staging::kRingFp8
+                                                                   : Staging::kRingBf16;
+
+__host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int stage_k, bool fused,
+                                              Staging st = Staging::kSync, int stages = 0) {
   Layout L{};
   int off = 0;
   auto take = [&off](int bytes) {
@@ -93,12 +129,21 @@ __host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int st
     off += align16(bytes);
     return at;
   };
-  L.q = take(mma ? rb * hpad * kLd * 2 : rb * hpad * kD * 4);
+  const bool wg = st == Staging::kRingWg;
+  // kRingWg: q (rb x hpad / 64 tiles of 64 x 128 fp8) and the ring start on 1024-byte atoms of
+  // the shared window; the kernel aligns the base at run time (up to 1008 bytes: the slack).
+  auto take_atom = [&off](int bytes) {
+    off = (off + kWgAtom - 1) / kWgAtom * kWgAtom;
+    const int at = off;
+    off += align16(bytes);
+    return at;
+  };
+  L.q = wg ? take_atom(rb * hpad * kD) : take(mma ? rb * hpad * kLd * 2 : rb * hpad * kD * 4);
   L.w = take(rb * hpad * 4);
-  L.k = take(mma ? kKeyTile * kLd * 2 : kKeyTile * kLdF * 4);
-  L.ksc = take(kKeyTile * 4);
+  L.k = take(st == Staging::kRingBf16 || wg ? 0 : (mma ? kKeyTile * kLd * 2 : kKeyTile * kLdF * 4));
+  L.ksc = take(st == Staging::kSync ? kKeyTile * 4 : 0);
   L.sc = take(rb * kKeyTile * 4);
-  L.tmp = take(mma ? rb * kKeyTile * 4 : 2 * rb * kKeyTile * 4);
+  L.tmp = take(wg ? kWarps * rb * kKeyTile * 4 : (mma ? rb * kKeyTile * 4 : 2 * rb * kKeyTile * 4));
   L.lo = take(rb * 4);
   L.hi = take(rb * 4);
   L.cnt = take(rb * 4);
@@ -107,7 +152,9 @@ __host__ __device__ inline Layout make_layout(bool mma, int rb, int hpad, int st
   L.sel = take(fused ? static_cast<int>(sizeof(SelectShared)) : 0);
   L.st_keys = take(fused ? stage_k * 4 : 0);
   L.st_pos = take(fused ? stage_k * 4 : 0);
-  L.total = off;
+  L.slot = st == Staging::kSync ? 0 : ring_slot_bytes(st);
+  L.ring = wg ? take_atom(stages * L.slot) : take(st == Staging::kSync ? 0 : stages * L.slot);
+  L.total = off + (wg ? kWgAtom - 16 : 0);
   return L;
 }
 
@@ -181,6 +228,16 @@ struct Keys {
       return k_scale != nullptr ? k_scale[s] : 1.0f;
     }
   }
+  // Aligned caches (Vec) only: key s's scale, 4-byte aligned (16-byte aligned when s % 4 == 0,
+  // and keys s .. s + 3 then share a block: block_size % 4 == 0).
+  __device__ __forceinline__ bool has_scales() const { return Paged || k_scale != nullptr; }
+  __device__ __forceinline__ const float* scale_ptr(int s) const {
+    if constexpr (Paged) {
+      return reinterpret_cast<const float*>(block_of(s) + block_size * kD) + s % block_size;
+    } else {
+      return k_scale + s;
+    }
+  }
 };
 
 // ------------------------------------------------------------------ staging
@@ -239,6 +296,223 @@ __device__ __forceinline__ void stage_rows_f32(int nrows, RowFn row, float* dst,
     const int j = idx / kD, c = idx % kD;
     const float* src = row(j);
     dst[j * ld + c] = src != nullptr ? src[c] : 0.f;
+  }
+}
+
+// ------------------------------------------------------------------ the cp.async key ring (Vec)
+
+// Starts the copies of keys [s0, s0 + 64) ∩ [s_lo, s_hi) into a ring slot (s0 % 4 == 0):
+// 16-byte cp.async pieces of each row (fp8: 8 raw pieces at stride 128; bf16: 16 pieces at the
+// mma tile's stride kLd), and of each 4-key group of scales that lies wholly in the range;
+// keys outside get zero rows and scale 0 (plain shared stores), a group cut by the range
+// edge is loaded key by key (4-byte loads). The caller commits the group.
+// kRingWg: piece p of row j goes to chunk p ^ (j % 8) of the row (the 128-byte swizzle).
+template <typename Elem, bool Paged, Staging st>
+__device__ __forceinline__ void issue_key_tile(const Keys<Elem, Paged>& kk, int s0, int s_lo, int s_hi,
+                                               unsigned char* slot) {
+  constexpr int kRowLd = ring_row_bytes(st);
+  constexpr int kPieces = kD * static_cast<int>(sizeof(Elem)) / 16;
+  for (int c = threadIdx.x; c < kKeyTile * kPieces; c += kThreads) {
+    const int j = c / kPieces, piece = c % kPieces;
+    const int s = s0 + j;
+    unsigned char* d = slot + j * kRowLd + (st == Staging::kRingWg ? piece ^ (j & 7) : piece) * 16;
+    if (s >= s_lo && s < s_hi) {
+      cp_async_16(d, reinterpret_cast<const unsigned char*>(kk.row(s)) + piece * 16);
+    } else {
+      *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  // Scales: the last warp's first 16 lanes, one 4-key group each (the row pieces above
+  // spread evenly over all 128 threads).
+  const int g = static_cast<int>(threadIdx.x) - (kThreads - 32);
+  if (g >= 0 && g < kKeyTile / 4) {
+    float* sc = reinterpret_cast<float*>(slot + kKeyTile * kRowLd) + 4 * g;
+    const int s = s0 + 4 * g;
+    if (kk.has_scales() && s >= s_lo && s + 4 <= s_hi) {
+      cp_async_16(sc, kk.scale_ptr(s));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int si = s + i;
+        sc[i] = (si >= s_lo && si < s_hi) ? (kk.has_scales() ? *kk.scale_ptr(si) : 1.0f) : 0.f;
+      }
+    }
+  }
+}
+
+// Raw e4m3 rows of a ring slot -> the 16-bit key tile (stride kLd): f16 through the hardware
+// pair conversion where IC_FP8_F16 (sm_89+), else bf16 in software; the same values
+// stage_rows_bf16 produces.
+__device__ __forceinline__ void convert_fp8_tile(const unsigned char* slot, uint16_t* kt) {
+  constexpr int kPieces = kD / 16;
+  for (int c = threadIdx.x; c < kKeyTile * kPieces; c += kThreads) {
+    const int j = c / kPieces, piece = c % kPieces;
+    const uint4 u = *reinterpret_cast<const uint4*>(slot + j * kD + piece * 16);
+    const uint32_t in[4] = {u.x, u.y, u.z, u.w};
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t pair = static_cast<uint16_t>(in[i >> 1] >> (16 * (i & 1)));
+      w[i] = IC_FP8_F16 ? e4m3x2_to_f16x2(pair)
+                        : static_cast<uint32_t>(e4m3_to_bf16_bits(static_cast<uint8_t>(pair))) |
+                              (static_cast<uint32_t>(e4m3_to_bf16_bits(static_cast<uint8_t>(pair >> 8))) << 16);
+    }
+    uint4* d = reinterpret_cast<uint4*>(kt + j * kLd + piece * 16);
+    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+// cp.async.wait_group stages - 1: all but the stages - 1 most recently committed groups (the
+// tiles still in flight ahead of the current one) have landed; the immediate is a constant.
+__device__ __forceinline__ void ring_wait(int stages) {
+  if (stages <= 2) {
+    cp_async_wait<1>();
+  } else if (stages == 3) {
+    cp_async_wait<2>();
+  } else {
+    cp_async_wait<3>();
+  }
+}
+
+// ------------------------------------------------------------------ fp8 warpgroup MMA (sm_90a)
+//
+// wgmma.mma_async m64n64k32, e4m3 x e4m3 -> fp32, both operands in shared memory (K-major,
+// 128-byte swizzle: row r of a 64 x 128-byte tile at r * 128, its 16-byte chunk c at chunk
+// c ^ (r % 8); 8-row atoms 1024 bytes apart and 1024-byte aligned in the shared window). The
+// emulator runs the same descriptors (cuda_emu.h); elsewhere (sm_80 PTX) the kernels that
+// would use it are compiled but never launched (wgmma_available).
+#if defined(IC_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#define IC_WGMMA 1
+#else
+#define IC_WGMMA 0
+#endif
+
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+#ifdef IC_CUDA_EMULATION
+  return ::emu::smem_addr(p);
+#else
+  return smem_u32(p);
+#endif
+}
+
+// Descriptor of a 128-byte swizzled K-major tile at p (1024-byte aligned): stride byte offset
+// 1024 (between 8-row atoms), leading byte offset unused (1), swizzle mode 1 (128 B). One
+// k-step (32 e4m3) further is the descriptor + 2 (start address in 16-byte units).
+__device__ __forceinline__ uint64_t wg_desc(const void* p) {
+  const uint32_t a = shared_addr(p);
+  return static_cast<uint64_t>((a & 0x3ffffu) >> 4) | (1ull << 16) | (static_cast<uint64_t>(kWgAtom >> 4) << 32) |
+         (1ull << 62);
+}
+
+// Keeps the compiler from moving accumulator accesses across the asynchronous MMA.
+__device__ __forceinline__ void wg_fence_operands(float (&d)[32]) {
+#if !defined(IC_CUDA_EMULATION) && IC_WGMMA
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
+__device__ __forceinline__ void wg_fence() {
+#ifdef IC_CUDA_EMULATION
+  ::emu::wgmma_fence();
+#elif IC_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#ifdef IC_CUDA_EMULATION
+  ::emu::wgmma_commit();
+#elif IC_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#ifdef IC_CUDA_EMULATION
+  ::emu::wgmma_wait(N);
+#elif IC_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Generic-proxy writes to shared memory (stores, cp.async) made visible to the async proxy
+// that wgmma reads through; before the barrier that publishes them.
+__device__ __forceinline__ void fence_proxy_async() {
+#if !defined(IC_CUDA_EMULATION) && IC_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// d (64 x 64 fp32, mma.m16n8 layout per warp) = A (64 x 32 e4m3) * B^T (64 x 32) (+ d if acc).
+__device__ __forceinline__ void wgmma_64x64x32_e4m3(float (&d)[32], uint64_t da, uint64_t db, bool acc) {
+#ifdef IC_CUDA_EMULATION
+  ::emu::wgmma_e4m3(d, 64, da, db, acc);
+#elif IC_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(static_cast<int>(acc)));
+#else
+  __trap();  // never launched: the host checks wgmma_available first
+#endif
+}
+
+// Scores of the rows in need_mask against a swizzled fp8 key tile (kslot) -> sc[rr][64] (times
+// the key scales). q: rb x hpad / 64 swizzled 64-head tiles. Every thread of the CTA (one
+// warpgroup) must call it. Warp w's accumulators hold heads 16 w + g, + 8 of each 64-head tile;
+// the ReLU-weighted sum runs over the tiles and the two heads in registers, across the 8 lane
+// groups by a fixed butterfly, then across the 4 warps in shared memory, (w0 + w1) + (w2 + w3).
+__device__ __forceinline__ void score_tile_wgmma(const unsigned char* qs, const float* ws, const unsigned char* kslot,
+                                                 const float* ksc, float* sc, float* tmp, int rb, int hpad,
+                                                 uint32_t need_mask) {
+  const int warp = warp_id(), lane = lane_id();
+  const int g = lane >> 2, t = lane & 3;
+  const int mtiles = hpad / 64;
+  const uint64_t db = wg_desc(kslot);
+  for (int rr = 0; rr < rb; ++rr) {
+    if (!((need_mask >> rr) & 1u)) continue;  // uniform
+    float part[8][2] = {};
+    for (int mt = 0; mt < mtiles; ++mt) {
+      float acc[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+      const uint64_t da = wg_desc(qs + (rr * mtiles + mt) * kWgTile);
+      wg_fence_operands(acc);
+      wg_fence();
+#pragma unroll
+      for (int ks = 0; ks < kD / 32; ++ks) wgmma_64x64x32_e4m3(acc, da + 2 * ks, db + 2 * ks, ks > 0);
+      wg_commit();
+      wg_wait<0>();
+      wg_fence_operands(acc);
+      const float* wr = ws + rr * hpad + mt * 64 + warp * 16;
+      const float wl = wr[g], wh = wr[g + 8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          part[j][e] = fmaf(wl, relu_nan(acc[4 * j + e]), part[j][e]);      // head 16 w + g
+          part[j][e] = fmaf(wh, relu_nan(acc[4 * j + 2 + e]), part[j][e]);  // head 16 w + g + 8
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) part[j][e] += __shfl_xor_sync(kFullMask, part[j][e], o);
+    if (g == 0) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) tmp[(warp * rb + rr) * kKeyTile + 8 * j + 2 * t + e] = part[j][e];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < rb * kKeyTile; idx += kThreads) {
+    if (!((need_mask >> (idx / kKeyTile)) & 1u)) continue;
+    const int q4 = rb * kKeyTile;
+    sc[idx] = ((tmp[idx] + tmp[q4 + idx]) + (tmp[2 * q4 + idx] + tmp[3 * q4 + idx])) * ksc[idx % kKeyTile];
   }
 }
 
@@ -349,9 +623,12 @@ __device__ __forceinline__ void score_tile_fma(const float* qs, const float* ws,
 }
 
 // Shared state of one CTA: q block, weights and row windows staged, pointers carved.
-template <typename Elem, bool Paged, bool kPadHeads>
+template <typename Elem, bool Paged, bool kPadHeads, bool Vec, bool Wg>
 struct Cta {
+  static_assert(!Wg || (std::is_same_v<Elem, uint8_t> && Vec && !kPadHeads), "wgmma: aligned fp8, h % 64 == 0");
   static constexpr bool kMma = !std::is_same_v<Elem, float>;
+  static constexpr Staging kStaging = kStagingOf<Elem, Vec, Wg>;
+  static constexpr bool kRing = kStaging != Staging::kSync;
   Layout L;
   unsigned char* smem;
   RowBlock b;
@@ -362,8 +639,20 @@ struct Cta {
   __device__ int* hi() const { return reinterpret_cast<int*>(smem + L.hi); }
   __device__ float* sc() const { return reinterpret_cast<float*>(smem + L.sc); }
   __device__ float* ksc() const { return reinterpret_cast<float*>(smem + L.ksc); }
+  __device__ unsigned char* slot(int t, int stages) const { return smem + L.ring + (t % stages) * L.slot; }
 
   // Row block and windows (lo(), hi()); ends with a barrier.
+  // The base the layout's offsets count from: kRingWg needs it 1024-byte aligned in the shared
+  // window (the layout's total has the slack).
+  __device__ static unsigned char* base(unsigned char* sm) {
+    if constexpr (Wg) {
+      return sm + ((kWgAtom - (shared_addr(sm) & (kWgAtom - 1))) & (kWgAtom - 1));
+    } else {
+      return sm;
+    }
+  }
+
+  // sm: base(dynamic shared memory).
   __device__ void init(const IdxArgs& a, unsigned char* sm, const Layout& layout) {
     L = layout;
     smem = sm;
@@ -392,8 +681,19 @@ struct Cta {
       if (rr >= nr || hh >= h) return nullptr;
       return q + ((r0 + rr) * h + hh) * kD;
     };
-    if constexpr (kMma) {
-      stage_rows_bf16<Elem>(a.rb * hpad, qrow, reinterpret_cast<uint16_t*>(smem + L.q), a.vec);
+    if constexpr (Wg) {
+      // Raw e4m3 rows in the swizzled layout: 64-head tile (rr, hh / 64), row hh % 64, chunk
+      // piece ^ (hh % 8); zeros past the block's rows. 16-byte loads (Vec).
+      unsigned char* qs = smem + L.q;
+      for (int c = threadIdx.x; c < a.rb * hpad * (kD / 16); c += kThreads) {
+        const int j = c / (kD / 16), piece = c % (kD / 16);
+        const Elem* src = qrow(j);
+        const uint4 v = src != nullptr ? *reinterpret_cast<const uint4*>(src + piece * 16) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(qs + j * kD + (piece ^ (j & 7)) * 16) = v;
+      }
+      fence_proxy_async();
+    } else if constexpr (kMma) {
+      stage_rows_bf16<Elem>(a.rb * hpad, qrow, reinterpret_cast<uint16_t*>(smem + L.q), Vec);
     } else {
       stage_rows_f32(a.rb * hpad, qrow, reinterpret_cast<float*>(smem + L.q), kD);
     }
@@ -415,8 +715,23 @@ struct Cta {
     return m;
   }
 
-  // Stages keys [s0, s0+64) ∩ [s_lo, s_hi) (zeros elsewhere), scores the rows in mask
-  // into sc(). Ends with a barrier.
+  // Scores the rows in mask against the staged tile kt (16-bit, or fp32 for the FMA path)
+  // with key scales ksc, into sc(). Every thread calls it; ends with a barrier.
+  __device__ void compute(const IdxArgs& a, const void* kt, const float* ksc, uint32_t mask) {
+    if constexpr (kMma) {
+      score_tile_mma<kPadHeads>(fp8_f16<Elem>(), reinterpret_cast<const uint16_t*>(smem + L.q),
+                                reinterpret_cast<const float*>(smem + L.w), static_cast<const uint16_t*>(kt), ksc, sc(),
+                                reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad, mask);
+    } else {
+      score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
+                     static_cast<const float*>(kt), ksc, sc(), reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad,
+                     mask);
+    }
+    __syncthreads();
+  }
+
+  // Synchronous staging (fp32, misaligned): keys [s0, s0+64) ∩ [s_lo, s_hi) (zeros
+  // elsewhere), then scores the rows in mask into sc(). Ends with a barrier.
   __device__ void score(const IdxArgs& a, int s0, int s_lo, int s_hi, uint32_t mask) {
     const Keys<Elem, Paged> kk = keys;
     auto krow = [kk, s0, s_lo, s_hi](int j) -> const Elem* {
@@ -424,7 +739,7 @@ struct Cta {
       return (s >= s_lo && s < s_hi) ? kk.row(s) : nullptr;
     };
     if constexpr (kMma) {
-      stage_rows_bf16<Elem>(kKeyTile, krow, reinterpret_cast<uint16_t*>(smem + L.k), a.vec);
+      stage_rows_bf16<Elem>(kKeyTile, krow, reinterpret_cast<uint16_t*>(smem + L.k), Vec);
     } else {
       stage_rows_f32(kKeyTile, krow, reinterpret_cast<float*>(smem + L.k), kLdF);
     }
@@ -433,26 +748,72 @@ struct Cta {
       ksc()[j] = (s >= s_lo && s < s_hi) ? kk.scale(s) : 0.f;
     }
     __syncthreads();
-    if constexpr (kMma) {
-      score_tile_mma<kPadHeads>(fp8_f16<Elem>(), reinterpret_cast<const uint16_t*>(smem + L.q),
-                                reinterpret_cast<const float*>(smem + L.w), reinterpret_cast<const uint16_t*>(smem + L.k),
-                                ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad, mask);
+    compute(a, smem + L.k, ksc(), mask);
+  }
+
+  // Walks ntiles 64-key tiles from key t0 (t0 % 4 == 0 where kRing) over keys [s_lo, s_hi):
+  // per tile, the rows of `rows` whose window meets it (mask) are scored into sc() when
+  // mask != 0, then body(s0, mask) runs (every thread; it may hold barriers), then a barrier.
+  // kRing: the copies of the next stages - 1 needed tiles are in flight while a tile is
+  // scored; one commit group per tile (empty for a tile no row needs), so the wait count is
+  // the same every iteration.
+  template <typename Body>
+  __device__ void walk(const IdxArgs& a, int t0, int ntiles, int s_lo, int s_hi, uint32_t rows, Body body) {
+    if constexpr (kRing) {
+      const int stages = a.stages;
+      auto issue = [&](int t) {
+        if (t < ntiles && need(rows, t0 + t * kKeyTile) != 0)
+          issue_key_tile<Elem, Paged, kStaging>(keys, t0 + t * kKeyTile, s_lo, s_hi, slot(t, stages));
+        cp_async_commit();
+      };
+      for (int t = 0; t < stages - 1; ++t) issue(t);
+      for (int t = 0; t < ntiles; ++t) {
+        const int s0 = t0 + t * kKeyTile;
+        const uint32_t mask = need(rows, s0);
+        // Into the slot of tile t - 1, whose readers all passed the previous barrier.
+        issue(t + stages - 1);
+        ring_wait(stages);  // this thread's copies of tile t have landed
+        if (mask != 0) {    // uniform
+          if constexpr (Wg) fence_proxy_async();  // ... visible to wgmma's operand reads
+          __syncthreads();  // ... and everyone's (and the zero rows stored at issue)
+          const unsigned char* sl = slot(t, stages);
+          const float* ksc = reinterpret_cast<const float*>(sl + kKeyTile * ring_row_bytes(kStaging));
+          if constexpr (Wg) {
+            score_tile_wgmma(smem + L.q, reinterpret_cast<const float*>(smem + L.w), sl, ksc, sc(),
+                             reinterpret_cast<float*>(smem + L.tmp), a.rb, a.hpad, mask);
+            __syncthreads();
+          } else if constexpr (kStaging == Staging::kRingFp8) {
+            convert_fp8_tile(sl, reinterpret_cast<uint16_t*>(smem + L.k));
+            __syncthreads();
+            compute(a, smem + L.k, ksc, mask);
+          } else {
+            compute(a, sl, ksc, mask);
+          }
+        }
+        body(s0, mask);
+        __syncthreads();
+      }
+      cp_async_wait<0>();  // only empty groups remain (tiles past the end)
     } else {
-      score_tile_fma(reinterpret_cast<const float*>(smem + L.q), reinterpret_cast<const float*>(smem + L.w),
-                     reinterpret_cast<const float*>(smem + L.k), ksc(), sc(), reinterpret_cast<float*>(smem + L.tmp),
-                     a.rb, a.hpad, mask);
+      for (int t = 0; t < ntiles; ++t) {
+        const int s0 = t0 + t * kKeyTile;
+        const uint32_t mask = need(rows, s0);
+        if (mask != 0) score(a, s0, s_lo, s_hi, mask);  // uniform
+        body(s0, mask);
+        __syncthreads();
+      }
     }
-    __syncthreads();
   }
 };
 
 // ------------------------------------------------------------------ plain scoring
 
-template <typename Elem, bool Paged, bool kPadHeads>
+template <typename Elem, bool Paged, bool kPadHeads, bool Vec, bool Wg>
 __global__ void __launch_bounds__(kThreads, 2) indexer_logits_kernel(IdxArgs a, LogitsOut o) {
   IC_DYNAMIC_SMEM(smem);
-  Cta<Elem, Paged, kPadHeads> cta;
-  cta.init(a, smem, make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, 0, false));
+  using C = Cta<Elem, Paged, kPadHeads, Vec, Wg>;
+  C cta;
+  cta.init(a, C::base(smem), make_layout(C::kMma, a.rb, a.hpad, 0, false, C::kStaging, a.stages));
   const int nrows = cta.nrows;
   int lo_all = INT_MAX, hi_all = 0;
   uint32_t nonempty = 0;
@@ -467,28 +828,27 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_logits_kernel(IdxArgs a, 
   const int64_t c_end = std::min<int64_t>(o.cols, c_begin + static_cast<int64_t>(a.tiles) * kKeyTile);
   const float ninf = -__int_as_float(0x7f800000);
   if (nonempty != 0 && lo_all < c_end && hi_all > c_begin) cta.stage_q(a);  // uniform
-  for (int64_t s0l = c_begin; s0l < c_end; s0l += kKeyTile) {
-    const int s0 = static_cast<int>(s0l);
-    const uint32_t mask = cta.need(nonempty, s0);
-    if (mask != 0) cta.score(a, s0, lo_all, hi_all, mask);  // uniform branch
+  const int ntiles = c_begin < c_end ? static_cast<int>((c_end - c_begin + kKeyTile - 1) / kKeyTile) : 0;
+  cta.walk(a, static_cast<int>(c_begin), ntiles, lo_all, hi_all, nonempty, [&](int s0, uint32_t mask) {
     for (int idx = threadIdx.x; idx < nrows * kKeyTile; idx += kThreads) {
       const int rr = idx / kKeyTile, j = idx % kKeyTile;
-      const int64_t col = s0l + j;
+      const int64_t col = static_cast<int64_t>(s0) + j;
       if (col >= c_end) continue;
       const bool in = ((mask >> rr) & 1u) && col >= cta.lo()[rr] && col < cta.hi()[rr];
       o.logits[(cta.b.r0 + rr - a.out_row0) * o.stride + col] = in ? cta.sc()[idx] : ninf;
     }
-    __syncthreads();  // sc / key tile reused by the next tile
-  }
+  });  // (walk's barrier: sc and the key tile are reused by the next tile)
 }
 
 // ------------------------------------------------------------------ fused scoring + top-k
 
-template <typename Elem, bool Paged, bool kPadHeads>
+template <typename Elem, bool Paged, bool kPadHeads, bool Vec, bool Wg>
 __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, FusedArgs f) {
-  IC_DYNAMIC_SMEM(smem);
-  Cta<Elem, Paged, kPadHeads> cta;
-  const Layout L = make_layout(Cta<Elem, Paged, kPadHeads>::kMma, a.rb, a.hpad, f.k, true);
+  IC_DYNAMIC_SMEM(smem_raw);
+  using C = Cta<Elem, Paged, kPadHeads, Vec, Wg>;
+  unsigned char* const smem = C::base(smem_raw);
+  C cta;
+  const Layout L = make_layout(C::kMma, a.rb, a.hpad, f.k, true, C::kStaging, a.stages);
   int* cnt = reinterpret_cast<int*>(smem + L.cnt);
   uint32_t* thr = reinterpret_cast<uint32_t*>(smem + L.thr);
   int* full = reinterpret_cast<int*>(smem + L.full);
@@ -524,10 +884,12 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, F
   const int warp = warp_id(), lane = lane_id();
   const uint32_t lt = lanemask_lt();
   if (c0 < c1) cta.stage_q(a);  // uniform
-  for (int s0 = c0; s0 < c1; s0 += kKeyTile) {
-    const uint32_t mask = cta.need(active, s0);
-    if (mask == 0) continue;  // uniform
-    cta.score(a, s0, c0, c1, mask);
+  // Tiles from c0 rounded down to a multiple of 64 (whole 4-key scale groups for the ring);
+  // keys below c0 belong to the previous split: staged as zeros, never taken.
+  const int t0 = c0 & ~(kKeyTile - 1);
+  const int ntiles = c0 < c1 ? (c1 - t0 + kKeyTile - 1) / kKeyTile : 0;
+  cta.walk(a, t0, ntiles, c0, c1, active, [&](int s0, uint32_t mask) {
+    if (mask == 0) return;  // uniform
     // Append keys above each row's running threshold, in position order (one warp per row).
     for (int rr = warp; rr < nrows; rr += kWarps) {
       if (!((mask >> rr) & 1u)) continue;
@@ -541,7 +903,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, F
         const int j = half * 32 + lane;
         const int s = s0 + j;
         const uint32_t key = order_key(cta.sc()[rr * kKeyTile + j]);
-        const bool take = s >= lo && s < hi && s < c1 && (!is_full || key > t_key);
+        const bool take = s >= lo && s < hi && s >= c0 && s < c1 && (!is_full || key > t_key);
         const uint32_t bal = __ballot_sync(kFullMask, take);
         if (take) {
           const int at = n + __popc(bal & lt);
@@ -581,7 +943,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_fused_kernel(IdxArgs a, F
       }
       __syncthreads();
     }
-  }
+  });
   for (int rr = threadIdx.x; rr < nrows; rr += kThreads) f.cnt[(cta.b.r0 + rr - local0) * f.S + sp] = cnt[rr];
 }
 
@@ -663,16 +1025,103 @@ int prepare_smem(Kernel kernel, const Layout& L, int64_t h, const DeviceEnv& env
   return L.total;
 }
 
-// The mma kernels come in two instantiations: h a multiple of 16 (every production model) and
-// padded heads (small models), which need a check in the hot loop (score_tile_mma).
-template <typename Elem>
-constexpr bool kHasPadding = !std::is_same_v<Elem, float>;
+// The mma kernels come in three instantiations: aligned inputs (Vec: the cp.async ring) with
+// h a multiple of 16 (every production model) or padded heads (small models, a check in the
+// hot loop: score_tile_mma), and misaligned inputs (synchronous byte-safe staging; the padded
+// heads' check, which is exact for any h). fp32 has one (synchronous FMA path).
+// fp8 with aligned inputs and h % 64 == 0 has a fourth, the sm_90a warpgroup MMA (Wg).
+template <typename Elem, bool Paged>
+auto logits_kernel_for(const IdxArgs& a) {
+  using K = void (*)(IdxArgs, LogitsOut);
+  if constexpr (std::is_same_v<Elem, float>) {
+    return K(indexer_logits_kernel<float, Paged, false, false, false>);
+  } else {
+    if constexpr (std::is_same_v<Elem, uint8_t>) {
+      if (a.wg) return K(indexer_logits_kernel<Elem, Paged, false, true, true>);
+    }
+    if (!a.vec) return K(indexer_logits_kernel<Elem, Paged, true, false, false>);
+    return a.hpad != a.h ? K(indexer_logits_kernel<Elem, Paged, true, true, false>)
+                         : K(indexer_logits_kernel<Elem, Paged, false, true, false>);
+  }
+}
 
 template <typename Elem, bool Paged>
-void launch_logits_t(const IdxArgs& a, const LogitsOut& o, int64_t blocks, const DeviceEnv& env) {
-  const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, 0, false);
-  auto kernel = kHasPadding<Elem> && a.hpad != a.h ? indexer_logits_kernel<Elem, Paged, kHasPadding<Elem>>
-                                                   : indexer_logits_kernel<Elem, Paged, false>;
+auto fused_kernel_for(const IdxArgs& a) {
+  using K = void (*)(IdxArgs, FusedArgs);
+  if constexpr (std::is_same_v<Elem, float>) {
+    return K(indexer_fused_kernel<float, Paged, false, false, false>);
+  } else {
+    if constexpr (std::is_same_v<Elem, uint8_t>) {
+      if (a.wg) return K(indexer_fused_kernel<Elem, Paged, false, true, true>);
+    }
+    if (!a.vec) return K(indexer_fused_kernel<Elem, Paged, true, false, false>);
+    return a.hpad != a.h ? K(indexer_fused_kernel<Elem, Paged, true, true, false>)
+                         : K(indexer_fused_kernel<Elem, Paged, false, true, false>);
+  }
+}
+
+// Whether the wgmma kernels are enabled (INDEXCACHE_WGMMA=1, read at each launch: opt-in until
+// a GPU run has checked their accuracy and speed, docs/cuda_kernels.md) and the device runs the
+// kernel's sm_90a code (the wgmma path is compiled only there; the sm_80 PTX, JIT-compiled on
+// other GPUs, reports its own version).
+template <typename K>
+bool wgmma_available(K kernel) {
+#ifdef IC_CUDA_EMULATION
+  (void)kernel;
+  return ::emu::g_wgmma;
+#else
+  const char* on = std::getenv("INDEXCACHE_WGMMA");
+  if (on == nullptr || on[0] != '1') return false;
+  cudaFuncAttributes at{};
+  if (cudaFuncGetAttributes(&at, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return at.ptxVersion == 90 && at.binaryVersion == 90;
+#endif
+}
+
+// Sets a.wg where the wgmma instantiation applies and runs here.
+template <typename Elem, bool Paged>
+void choose_wgmma(IdxArgs& a) {
+  a.wg = false;
+  if constexpr (std::is_same_v<Elem, uint8_t>) {
+    if (a.vec && a.h % 64 == 0 && a.hpad == a.h)
+      a.wg = wgmma_available(indexer_logits_kernel<uint8_t, Paged, false, true, true>);
+  }
+}
+
+template <typename Elem>
+Staging staging_of(const IdxArgs& a) {
+  if constexpr (std::is_same_v<Elem, uint8_t>) {
+    if (a.wg) return Staging::kRingWg;
+  }
+  return a.vec ? kStagingOf<Elem, true> : kStagingOf<Elem, false>;
+}
+
+// The deepest key ring (kMinStages..kMaxStages) whose layout fits `target` bytes; kMinStages
+// when none does (the row block was sized without it). 0 for synchronous staging.
+template <typename LayoutOf>
+int choose_stages(Staging st, int target, LayoutOf layout_of) {
+  if (st == Staging::kSync) return 0;
+#ifdef IC_CUDA_EMULATION
+  if (::emu::g_idx_stages != 0) return ::emu::g_idx_stages;  // the tests run every depth
+#endif
+  for (int s = kMaxStages; s > kMinStages; --s)
+    if (layout_of(s).total <= target) return s;
+  return kMinStages;
+}
+
+template <typename Elem, bool Paged>
+void launch_logits_t(const IdxArgs& a0, const LogitsOut& o, int64_t blocks, const DeviceEnv& env) {
+  constexpr bool mma = !std::is_same_v<Elem, float>;
+  IdxArgs a = a0;
+  choose_wgmma<Elem, Paged>(a);
+  const Staging st = staging_of<Elem>(a);
+  a.stages = choose_stages(st, std::min(kSmemTarget, env.smem_optin),
+                           [&](int s) { return make_layout(mma, a.rb, a.hpad, 0, false, st, s); });
+  const Layout L = make_layout(mma, a.rb, a.hpad, 0, false, st, a.stages);
+  auto kernel = logits_kernel_for<Elem, Paged>(a);
   const int smem = prepare_smem(kernel, L, a.h, env);
   // Each CTA stages its rows' q once and walks `tiles` key tiles: as many as keep about four
   // CTAs per SM busy, at least kLogitsTilesPerCta (q was re-staged every 512 keys before).
@@ -705,17 +1154,23 @@ void launch_logits(const Problem& pr, const LogitsOut& o, const DeviceEnv& env) 
 }
 
 template <typename Elem, bool Paged>
-void launch_fused_t(const IdxArgs& a, const FusedArgs& f, int64_t blocks, const DeviceEnv& env) {
-  const Layout L = make_layout(!std::is_same_v<Elem, float>, a.rb, a.hpad, f.k, true);
-  auto kernel = kHasPadding<Elem> && a.hpad != a.h ? indexer_fused_kernel<Elem, Paged, kHasPadding<Elem>>
-                                                   : indexer_fused_kernel<Elem, Paged, false>;
+void launch_fused_t(const IdxArgs& a0, const FusedArgs& f, int64_t blocks, const DeviceEnv& env) {
+  constexpr bool mma = !std::is_same_v<Elem, float>;
+  IdxArgs a = a0;
+  choose_wgmma<Elem, Paged>(a);
+  const Staging st = staging_of<Elem>(a);
+  a.stages = choose_stages(st, std::min(kFusedSmemTarget, env.smem_optin),
+                           [&](int s) { return make_layout(mma, a.rb, a.hpad, f.k, true, st, s); });
+  const Layout L = make_layout(mma, a.rb, a.hpad, f.k, true, st, a.stages);
+  auto kernel = fused_kernel_for<Elem, Paged>(a);
   const int smem = prepare_smem(kernel, L, a.h, env);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(f.S));
   IC_LAUNCH(kernel, grid, kThreads, smem, env.stream, a, f);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// k > kFusedMaxK: score a bounded chunk of rows into a temporary, then the top-k kernel.
+// k > kFusedMaxK, or few long rows: score a bounded chunk of rows into a temporary, then the
+// top-k kernels.
 // Memory is bounded by kScratchBudget, never by s_q * s_kv.
 void fused_fallback(const Problem& pr, const TopkOut& o, const DeviceEnv& env) {
   const int64_t unit_rows = pr.paged ? pr.a.next_n : 1;
@@ -755,16 +1210,30 @@ void run_fused(const Problem& problem, const TopkOut& o, const DeviceEnv& env) {
     return;
   }
   const int k = static_cast<int>(o.topk);
-  // Fewer rows per CTA when the candidate staging makes the CTA too large for two per SM.
+  // Fewer rows per CTA when the candidate staging (and the shallowest key ring) makes the CTA
+  // too large for two per SM.
   Problem pr = problem;
   const bool mma = pr.dt != DType::kFloat32;
-  while (pr.a.rb > 1 && make_layout(mma, pr.a.rb, pr.a.hpad, k, true).total > kFusedSmemTarget) --pr.a.rb;
+  const Staging st = !mma || !pr.a.vec                      ? Staging::kSync
+                     : pr.paged || pr.dt == DType::kFp8E4M3 ? Staging::kRingFp8
+                                                            : Staging::kRingBf16;
+  while (pr.a.rb > 1 && make_layout(mma, pr.a.rb, pr.a.hpad, k, true, st, kMinStages).total > kFusedSmemTarget)
+    --pr.a.rb;
   pr.a.bpr = pr.paged ? (pr.a.next_n + pr.a.rb - 1) / pr.a.rb : 1;
   const int64_t all_blocks = row_blocks(pr, pr.units);
   // Split each row block's key range so that there are about two CTAs per SM, keeping
   // >= 4096 keys per split (the merge reads S * cap candidates per row).
   int64_t S = (2 * static_cast<int64_t>(env.sms) + all_blocks - 1) / std::max<int64_t>(all_blocks, 1);
   S = std::clamp<int64_t>(std::min<int64_t>(S, pr.max_keys / 4096), 1, kMaxSplits);
+  // Few long rows (decode): the fused grid (row blocks x splits) cannot fill the SMs, and the
+  // merge then selects each row's S x cap candidates in one CTA. The plain logits kernel
+  // spreads the keys over the whole GPU, and the top-k of few long rows runs on up to 32 CTAs
+  // per row (topk_launch): score into a temporary (a few MB) and select from it. Same scores,
+  // exact selections, so the same indices as the fused route.
+  if (all_blocks * S < env.sms && pr.max_keys >= kFewRowsMinKeys && pr.rows * pr.max_keys * 4 <= kScratchBudget) {
+    fused_fallback(problem, o, env);
+    return;
+  }
   const int cap = 2 * k + kKeyTile;
   const int64_t per_row = S * cap * 8 + S * 4;
   const int64_t unit_rows = pr.paged ? pr.a.next_n : 1;
@@ -823,7 +1292,7 @@ Problem dense_problem(const IndexerParams& p) {
   pr.a.unit_begin = 0;
   pr.a.unit_end = p.s_q;
   pr.a.out_row0 = 0;
-  pr.a.vec = al16(p.q) && al16(p.k);
+  pr.a.vec = al16(p.q) && al16(p.k) && (p.k_scale == nullptr || al16(p.k_scale));
   pr.dt = p.qk_dtype;
   pr.paged = false;
   pr.units = p.s_q;

@@ -241,6 +241,10 @@ inline void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, ui
 // e4m3x2 -> f16x2 and the f16 mma), false the software e4m3 -> bf16 path of older archs.
 inline bool g_fp8_f16 = true;
 
+// The indexer's cp.async key-ring depth (indexer_impl.cuh choose_stages): 0 lets the launcher
+// choose from the shared-memory budget; 2..4 forces it, so that the tests run every depth.
+inline int g_idx_stages = 0;
+
 // cp.async.cg.shared.global 16 / commit_group / wait_group N (sm_80+), deferred: a copy is
 // only queued (in the issuing thread's open group) and performed when that thread's
 // cp.async.wait_group covers its group, so reading the destination earlier, or from another
@@ -284,6 +288,99 @@ inline void cp_async_check_exit() {
   t_cp_groups.clear();
 }
 
+// ------------------------------------------------------------------ wgmma (sm_90a), as the fp8 indexer uses it
+//
+// Shared-memory addresses are offsets into the block's dynamic shared memory (the CUDA
+// shared window, where the dynamic region starts at 0 here).
+inline uint32_t smem_addr(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p), lo = reinterpret_cast<uintptr_t>(t_blk->smem.data());
+  if (a < lo || a >= lo + t_blk->smem.size()) throw std::runtime_error("emu: not a dynamic shared memory address");
+  return static_cast<uint32_t>(a - lo);
+}
+
+// wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3 with both operands in shared memory,
+// K-major, 128-byte swizzle (the only mode the kernels use; any other descriptor aborts).
+// Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): bits 0-13 start address >> 4,
+// 16-29 leading byte offset >> 4 (unused for swizzled K-major), 32-45 stride byte offset >> 4
+// (between 8-row groups), 49-51 base offset (0 here), 62-63 swizzle (1: 128 B).
+// Row r, byte b (< 32: one k-step of 32 e4m3 values) of an operand is at
+//   a = start + (r / 8) * SBO + (r % 8) * 128 + b,  stored at a ^ (((a >> 7) & 7) << 4),
+// the 16-byte chunk index XOR the row within a 1024-byte atom; the start must lie in the first
+// 128-byte row of a 1024-byte aligned atom (a k-step advances it by 32 bytes).
+// D (64 x N, fp32) is spread as mma.m16n8: warp w of the warpgroup holds rows 16 w + g and
+// 16 w + g + 8 (g = lane / 4), register 4 j + i the column 8 j + 2 (lane % 4) + (i & 1), rows
+// + 8 for i >= 2. The operation is deferred to the wgmma.wait_group that covers it, so reading
+// the accumulators earlier sees their old values; a wgmma issued without a wgmma.fence since
+// the thread last touched them aborts.
+struct WgmmaOp {
+  float* d;
+  int n;
+  uint64_t da, db;
+  bool acc;
+};
+inline thread_local std::vector<WgmmaOp> t_wg_open;
+inline thread_local std::vector<std::vector<WgmmaOp>> t_wg_groups;
+inline thread_local bool t_wg_fenced = false;
+[[noreturn]] inline void wgmma_fail(const char* what) {
+  std::fprintf(stderr, "emu: wgmma misuse: %s\n", what);
+  std::abort();
+}
+inline void wgmma_fence() { t_wg_fenced = true; }
+inline const unsigned char* wgmma_operand(uint64_t desc, int row, int byte) {
+  if ((desc >> 62) != 1u) wgmma_fail("only 128-byte swizzled K-major descriptors are emulated");
+  if (((desc >> 49) & 7u) != 0) wgmma_fail("base offset");
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3fffu) << 4;
+  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3fffu) << 4;
+  if (((start >> 7) & 7u) != 0) wgmma_fail("start address not in the first row of a 1024-byte atom");
+  const uint32_t a = start + static_cast<uint32_t>(row / 8) * sbo + static_cast<uint32_t>(row % 8) * 128 + byte;
+  const uint32_t phys = a ^ (((a >> 7) & 7u) << 4);
+  if (phys + 1 > t_blk->smem.size()) wgmma_fail("operand outside shared memory");
+  return t_blk->smem.data() + phys;
+}
+inline float e4m3_value(uint8_t b) { return f16_to_float(e4m3_to_f16(b)); }
+inline void wgmma_run(const WgmmaOp& op) {
+  const int w = static_cast<int>((t_thread.x >> 5) & 3), l = static_cast<int>(t_thread.x & 31);
+  const int g = l >> 2, t = l & 3;
+  for (int j = 0; j < op.n / 8; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int m = 16 * w + g + (i >= 2 ? 8 : 0), col = 8 * j + 2 * t + (i & 1);
+      double s = 0.0;
+      for (int k = 0; k < 32; ++k)
+        s += static_cast<double>(e4m3_value(*wgmma_operand(op.da, m, k))) *
+             static_cast<double>(e4m3_value(*wgmma_operand(op.db, col, k)));
+      float& d = op.d[4 * j + i];
+      d = static_cast<float>((op.acc ? static_cast<double>(d) : 0.0) + s);
+    }
+}
+inline void wgmma_e4m3(float* d, int n, uint64_t da, uint64_t db, bool acc) {
+  if (!t_wg_fenced) wgmma_fail("wgmma.mma_async without a wgmma.fence before it");
+  if (g_blockdim.x % 128 != 0) wgmma_fail("the block is not whole warpgroups");
+  t_wg_open.push_back(WgmmaOp{d, n, da, db, acc});
+}
+inline void wgmma_commit() {
+  t_wg_groups.push_back(std::move(t_wg_open));
+  t_wg_open.clear();
+}
+inline void wgmma_wait(int n) {
+  const size_t keep = static_cast<size_t>(n);
+  if (t_wg_groups.size() <= keep) return;
+  const size_t done = t_wg_groups.size() - keep;
+  for (size_t g = 0; g < done; ++g)
+    for (const WgmmaOp& op : t_wg_groups[g]) wgmma_run(op);
+  t_wg_groups.erase(t_wg_groups.begin(), t_wg_groups.begin() + static_cast<std::ptrdiff_t>(done));
+  t_wg_fenced = false;  // the accumulators were written: the next wgmma needs a new fence
+}
+inline void wgmma_check_exit() {
+  bool pending = !t_wg_open.empty();
+  for (const auto& g : t_wg_groups) pending = pending || !g.empty();
+  if (pending) wgmma_fail("thread exited with wgmma it never waited for");
+  t_wg_groups.clear();
+  t_wg_fenced = false;
+}
+// Whether the launcher may pick the wgmma kernels: on a GPU, INDEXCACHE_WGMMA=1 and the sm_90a
+// cubin running; here the tests' switch (emu_set_wgmma), off by default as on a GPU.
+inline bool g_wgmma = false;
+
 template <class K, class... Args>
 void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
   const int nt = static_cast<int>(block.x * block.y * block.z);
@@ -306,6 +403,7 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
             t_blk = &B;
             kernel(args...);
             cp_async_check_exit();
+            wgmma_check_exit();
             // An exited thread no longer takes part in barriers.
             warp().bar.arrive_and_drop();
             B.bar->arrive_and_drop();

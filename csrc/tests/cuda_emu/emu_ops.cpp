@@ -97,6 +97,21 @@ int emu_set_fp8_f16(int on) {
   ::emu::g_fp8_f16 = on != 0;
   return was;
 }
+// 1: the fp8 indexer may take the sm_90a wgmma kernels (aligned inputs, h % 64 == 0), as on an
+// H100/H200 with INDEXCACHE_WGMMA=1; 0 (the default): the mma.sync ones. Returns the previous
+// setting.
+int emu_set_wgmma(int on) {
+  const int was = ::emu::g_wgmma ? 1 : 0;
+  ::emu::g_wgmma = on != 0;
+  return was;
+}
+// The indexer's key-ring depth: 2..4 forces it, 0 restores the launcher's choice. Returns the
+// previous setting.
+int emu_set_indexer_stages(int stages) {
+  const int was = ::emu::g_idx_stages;
+  ::emu::g_idx_stages = stages;
+  return was;
+}
 // The emulator's cvt.rn.f16x2.e4m3x2 (checked against torch's e4m3 -> f16 conversion).
 uint32_t emu_cvt_f16x2_e4m3x2(uint32_t v) { return ::emu::cvt_f16x2_e4m3x2(static_cast<uint16_t>(v)); }
 

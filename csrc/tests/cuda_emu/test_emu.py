@@ -460,6 +460,25 @@ def test_indexer_paged_long_splits_and_fallback():
         assert torch.equal(buf, ref.topk_indices(out, torch.zeros_like(windows), windows, topk))
 
 
+def test_indexer_topk_few_long_rows_route():
+    """Few long rows (decode) that the fused grid cannot spread over the SMs (one row block, 8
+    splits, 132 SMs) go to the logits kernel (keys split over the GPU) and the few-long-rows
+    top-k (persistent, 8 CTAs per row); with one SM the fused kernel (two key-range splits)
+    runs instead. Same indices either way (same scores, exact selections), and the values
+    they select are the reference's top k."""
+    s_kv, h, topk = 33000, 4, 2048
+    q, k, ksc, w = indexer_inputs(2, s_kv, h, "fp8", seed=7)
+    ks = torch.tensor([0, 5], dtype=torch.int32)
+    ke = torch.tensor([s_kv, s_kv - 7], dtype=torch.int32)
+    routed = run_fused(q, k, ksc, w, ks, ke, topk, sms=132)
+    fused = run_fused(q, k, ksc, w, ks, ke, topk, sms=1)
+    assert torch.equal(routed, fused)
+    expect = ref.indexer_logits(q, k, ksc, w, ks, ke)
+    assert (routed >= 0).all()
+    got_vals = torch.gather(expect, 1, routed.long() + ks.long().unsqueeze(1)).sort(1, descending=True).values
+    torch.testing.assert_close(got_vals, expect.topk(topk, 1).values, rtol=1e-4, atol=1e-6)
+
+
 # ------------------------------------------------------------------ sparse MLA
 
 def make_mla(cache_kind, s_q, topk, blocks=3, bs=64, seed=0):
@@ -520,6 +539,165 @@ def test_indexer_misaligned(dtype):
         qm, km = qm.view(torch.float8_e4m3fn), km.view(torch.float8_e4m3fn)
     assert torch.equal(run_logits(qm, km, ksc, w, ks, ke), expect)
     assert torch.equal(run_fused(qm, km, ksc, w, ks, ke, 32), run_fused(q, k, ksc, w, ks, ke, 32))
+
+
+# ------------------------------------------------------------------ indexer: the cp.async key ring
+
+def ring_stages(n):
+    """Forces the indexer's key-ring depth (0: the launcher's choice); returns the previous one."""
+    return lib().emu_set_indexer_stages(ctypes.c_int(n))
+
+
+def exact_indexer_inputs(s_q, s_kv, h, dtype, seed):
+    """Inputs whose logits are exact in fp32 in any summation order: small integers in q and
+    keys (exact in e4m3 and bf16), weights in quarters, power-of-two key scales. The CUDA
+    code must then match reference.py bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-3, 4, (s_q, h, 128), generator=g).float()
+    k = torch.randint(-3, 4, (s_kv, 128), generator=g).float()
+    w = torch.randint(-4, 5, (s_q, h), generator=g).float() * 0.25
+    if dtype == "fp8":
+        ksc = torch.pow(2.0, torch.randint(-3, 4, (s_kv,), generator=g).float())
+        return q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), ksc, w
+    return q.bfloat16(), k.bfloat16(), None, w
+
+
+# Windows that leave whole tiles between them unneeded (empty ring groups), start and end off
+# the 4-key scale groups, and one empty row.
+RING_WINDOWS = [(0, 70), (1901, 2000), (3, 67), (130, 131), (700, 700), (2590, 2600), (255, 1290)]
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("h,stages,sms", [(16, 2, 1), (16, 3, 132), (64, 4, 1), (12, 3, 1), (48, 0, 132)])
+def test_indexer_ring_bit_exact(dtype, h, stages, sms):
+    """The aligned (cp.async ring) instantiations at every ring depth, on windows that skip
+    tiles: logits bit-identical to reference.py (exact inputs), the fused op's selection equal
+    to the reference's, and both equal to the synchronous misaligned path."""
+    s_kv = 2600
+    q, k, ksc, w = exact_indexer_inputs(len(RING_WINDOWS), s_kv, h, dtype, seed=h + stages)
+    ks = torch.tensor([a for a, _ in RING_WINDOWS], dtype=torch.int32)
+    ke = torch.tensor([b for _, b in RING_WINDOWS], dtype=torch.int32)
+    expect = ref.indexer_logits(q, k, ksc, w, ks, ke)
+    was = ring_stages(stages)
+    try:
+        got = run_logits(q, k, ksc, w, ks, ke, sms=sms)
+        fused = run_fused(q, k, ksc, w, ks, ke, 16, sms=sms)
+    finally:
+        ring_stages(was)
+    assert torch.equal(got, expect)
+    assert torch.equal(fused, ref.indexer_topk(q, k, ksc, w, ks, ke, 16))
+    raw = (lambda t: t.view(torch.uint8)) if dtype == "fp8" else (lambda t: t)
+    back = (lambda t: t.view(torch.float8_e4m3fn)) if dtype == "fp8" else (lambda t: t)
+    qm, km = back(misaligned(raw(q))), back(misaligned(raw(k)))
+    assert torch.equal(run_logits(qm, km, ksc, w, ks, ke, sms=sms), expect)
+    assert torch.equal(run_fused(qm, km, ksc, w, ks, ke, 16, sms=sms), fused)
+
+
+def test_indexer_ring_misaligned_scales_take_the_sync_path():
+    """A key-scale pointer off 16 bytes (the rest aligned) selects the synchronous staging;
+    same bits."""
+    q, k, ksc, w = exact_indexer_inputs(3, 700, 16, "fp8", seed=2)
+    ks, ke = causal_windows(3, 700)
+    flat = torch.empty(701)
+    kscm = flat[1:]
+    kscm.copy_(ksc)
+    assert kscm.data_ptr() % 16 != 0
+    expect = ref.indexer_logits(q, k, ksc, w, ks, ke)
+    assert torch.equal(run_logits(q, k, kscm, w, ks, ke), expect)
+    assert torch.equal(run_logits(q, k, ksc, w, ks, ke), expect)
+
+
+def exact_paged_inputs(batch, next_n, h, bs, max_len, seed):
+    """A paged index-K cache of exact values (small integers, power-of-two scales) for requests
+    of 7, 1000 and 258 keys (cut to batch), q and weights as exact_indexer_inputs."""
+    seq_lens = torch.tensor([7, 1000, 258][:batch], dtype=torch.int32)
+    max_blocks = (max_len + bs - 1) // bs
+    blocks = batch * max_blocks + 3
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(blocks, generator=g, dtype=torch.int32)[: batch * max_blocks].reshape(batch, max_blocks)
+    vals = torch.randint(-3, 4, (blocks, bs, 128), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = torch.pow(2.0, torch.randint(-3, 4, (blocks, bs), generator=g).float())
+    cache = torch.cat([vals.reshape(blocks, -1), scales.view(torch.uint8).reshape(blocks, -1)], 1).contiguous()
+    qv = torch.randint(-3, 4, (batch * next_n, h, 128), generator=g).float().to(torch.float8_e4m3fn)
+    w = torch.randint(-4, 5, (batch * next_n, h), generator=g).float() * 0.25
+    table = table.contiguous()
+    args = [P(qv), P(w), P(cache), P(table), P(seq_lens), I(batch), I(next_n), I(h), I(bs), I(max_blocks), I(blocks)]
+    return seq_lens, qv, w, cache, table, args
+
+
+@pytest.mark.parametrize("bs,stages", [(64, 2), (16, 4), (4, 3), (5, 0)])  # 5: rows off 16 bytes (sync)
+def test_indexer_paged_ring_bit_exact(bs, stages):
+    """Paged decode through the ring: 132-byte cache rows (128 e4m3 values, then the block's
+    fp32 scales), requests of several tiles with windows off the scale groups; exact values,
+    so logits equal reference.py bit for bit and top-k equals its selection."""
+    batch, next_n, h, max_len = 3, 2, 32, 1024
+    seq_lens, qv, w, cache, table, args = exact_paged_inputs(batch, next_n, h, bs, max_len, seed=bs)
+    out = torch.full((batch * next_n, max_len), float("nan"))
+    topk = 24
+    buf = torch.full((batch * next_n, topk), POISON_I, dtype=torch.int32)
+    was = ring_stages(stages)
+    try:
+        call("emu_indexer_logits_paged", *args, I(max_len), P(out), I(max_len), I(max_len), sms=4)
+        call("emu_indexer_topk_paged", *args, I(max_len), P(buf), I(topk), I(topk), I(topk), sms=4)
+    finally:
+        ring_stages(was)
+    expect = ref.indexer_logits_paged(qv, w, cache, table, seq_lens, next_n, max_len)
+    assert torch.equal(out, expect)
+    windows = ref.decode_windows(seq_lens, next_n).int()
+    assert torch.equal(buf, ref.topk_indices(expect, torch.zeros_like(windows), windows, topk))
+
+
+def wgmma_path(on):
+    """1: the fp8 indexer may take the sm_90a wgmma kernels (as on an H200); 0: mma.sync only."""
+    return lib().emu_set_wgmma(ctypes.c_int(1 if on else 0))
+
+
+@pytest.mark.parametrize("h,stages", [(64, 2), (128, 3), (64, 4)])
+def test_indexer_wgmma_bit_exact(h, stages):
+    """The fp8 warpgroup-MMA kernels (h % 64 == 0: 64 heads are one M = 64 tile, 128 two):
+    wgmma descriptors, 128-byte swizzled q and key tiles, fences, commit / wait groups, as the
+    emulator runs them. On exact inputs their logits equal reference.py bit for bit, dense and
+    paged, at every ring depth, and so do the mma.sync kernels' (the switch off)."""
+    s_kv = 2600
+    q, k, ksc, w = exact_indexer_inputs(len(RING_WINDOWS), s_kv, h, "fp8", seed=h + stages)
+    ks = torch.tensor([a for a, _ in RING_WINDOWS], dtype=torch.int32)
+    ke = torch.tensor([b for _, b in RING_WINDOWS], dtype=torch.int32)
+    expect = ref.indexer_logits(q, k, ksc, w, ks, ke)
+    expect_topk = ref.indexer_topk(q, k, ksc, w, ks, ke, 16)
+    batch, next_n, max_len = 2, 2, 1024
+    seq_lens, qv, wp, cache, table, args = exact_paged_inputs(batch, next_n, h, 64, max_len, seed=h)
+    expect_paged = ref.indexer_logits_paged(qv, wp, cache, table, seq_lens, next_n, max_len)
+    was_stages, was_wg = ring_stages(stages), wgmma_path(True)
+    try:
+        for on in (True, False):
+            wgmma_path(on)
+            assert torch.equal(run_logits(q, k, ksc, w, ks, ke, sms=1), expect), on
+            assert torch.equal(run_fused(q, k, ksc, w, ks, ke, 16, sms=1), expect_topk), on
+            out = torch.full((batch * next_n, max_len), float("nan"))
+            call("emu_indexer_logits_paged", *args, I(max_len), P(out), I(max_len), I(max_len), sms=4)
+            assert torch.equal(out, expect_paged), on
+    finally:
+        ring_stages(was_stages)
+        wgmma_path(was_wg)
+
+
+def test_indexer_wgmma_random_inputs():
+    """Quantized random inputs (not exact): the wgmma kernels within the ops' 1e-5 bar of the
+    reference, the same -inf pattern, and the fused op selecting exactly what topk_indices
+    selects on their logits."""
+    q, k, ksc, w = indexer_inputs(6, 900, 64, "fp8", seed=9)
+    ks, ke = causal_windows(6, 900)
+    expect = ref.indexer_logits(q, k, ksc, w, ks, ke)
+    was = wgmma_path(True)
+    try:
+        got = run_logits(q, k, ksc, w, ks, ke)
+        fused = run_fused(q, k, ksc, w, ks, ke, 40)
+    finally:
+        wgmma_path(was)
+    assert torch.equal(torch.isinf(got), torch.isinf(expect)) and not got.isnan().any()
+    fin = torch.isfinite(expect)
+    assert rel_err(got[fin], expect[fin]) < 1e-5
+    assert torch.equal(fused, ref.topk_indices(got, ks, ke, 40))
 
 
 def test_quantize_misaligned():
