@@ -432,38 +432,23 @@ int64_t filter_at_least_avx2(const float* x, int64_t n, uint32_t floor, uint32_t
     if (ma) w = compress8(a, ma, i, keys, pos, w);
     if (mb) w = compress8(b, mb, i + 8, keys, pos, w);
   }
-  for (; i < n; ++i) {
-    const uint32_t kk = cpu::order_key(x[i]);
-    if (kk >= floor) {
-      keys[w] = kk;
-      pos[w++] = static_cast<int32_t>(i);
-    }
-  }
-  return w;
+  return cpu::keep_at_least(x, i, n, floor, keys, pos, w);
 }
 
 int64_t select_survivors_avx2(const uint32_t* keys, const int32_t* pos, int64_t c, int64_t k, int32_t* out,
                               uint32_t* scratch) {
   // The threshold: select.h's three radix levels (11, 11, 10 bits), with the narrowing passes
   // branch-free (a survivor set's keys are close together, so "in the chosen bin" is a coin toss).
-  static constexpr int kShift[3] = {21, 10, 0};
-  static constexpr uint32_t kBins[3] = {2048, 2048, 1024};
   uint32_t hist[2048];
   uint32_t prefix = 0, mask = 0;
   int64_t need = k, cnt = c;
   const uint32_t* src = keys;
   for (int level = 0; level < 3; ++level) {
-    const uint32_t bins = kBins[level];
-    const int shift = kShift[level];
+    const uint32_t bins = cpu::kRadixBins[level];
+    const int shift = cpu::kRadixShift[level];
     std::memset(hist, 0, sizeof(uint32_t) * bins);
     for (int64_t i = 0; i < cnt; ++i) ++hist[(src[i] >> shift) & (bins - 1)];
-    int64_t above = 0;
-    uint32_t b = bins - 1;
-    for (;; --b) {
-      if (above + hist[b] >= static_cast<uint64_t>(need)) break;
-      above += hist[b];
-    }
-    need -= above;
+    const uint32_t b = cpu::pick_bin(hist, bins, need);
     prefix |= b << shift;
     mask |= (bins - 1) << shift;
     if (level == 2) break;

@@ -321,14 +321,7 @@ __attribute__((target("avx512f"))) int64_t filter_at_least_avx512(const float* x
       w += __builtin_popcount(keep);
     }
   }
-  for (; i < n; ++i) {
-    const uint32_t kk = cpu::order_key(x[i]);
-    if (kk >= floor) {
-      keys[w] = kk;
-      pos[w++] = static_cast<int32_t>(i);
-    }
-  }
-  return w;
+  return cpu::keep_at_least(x, i, n, floor, keys, pos, w);
 }
 
 // Top-k of one long row (n > k) through a sampled floor: a strided sample estimates a key

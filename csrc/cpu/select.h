@@ -21,6 +21,37 @@ inline uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The scalar tail of a vectorised floor filter: appends the keys of x[i:n) that are >= floor, with
+// their positions, at keys[w:) / pos[w:); returns the new count.
+inline int64_t keep_at_least(const float* x, int64_t i, int64_t n, uint32_t floor, uint32_t* keys, int32_t* pos,
+                             int64_t w) {
+  for (; i < n; ++i) {
+    const uint32_t kk = order_key(x[i]);
+    if (kk >= floor) {
+      keys[w] = kk;
+      pos[w++] = static_cast<int32_t>(i);
+    }
+  }
+  return w;
+}
+
+// The radix levels every selector here uses: 11, 11 and 10 bits of the 32-bit key.
+inline constexpr int kRadixShift[3] = {21, 10, 0};
+inline constexpr uint32_t kRadixBins[3] = {2048, 2048, 1024};
+
+// The bin that holds the need-th largest key of a histogram (counting from the top); lowers
+// `need` by the keys in the bins above it.
+inline uint32_t pick_bin(const uint32_t* hist, uint32_t bins, int64_t& need) {
+  int64_t above = 0;
+  uint32_t b = bins - 1;
+  for (;; --b) {
+    if (above + hist[b] >= static_cast<uint64_t>(need)) break;
+    above += hist[b];
+  }
+  need -= above;
+  return b;
+}
+
 struct Threshold {
   uint32_t key;     // the k-th largest key
   int64_t take_eq;  // how many elements equal to `key` belong to the top k (lowest positions first)
@@ -30,29 +61,21 @@ struct Threshold {
 // Three histogram levels of 11, 11 and 10 bits; only the first reads all n keys.
 template <typename KeyAt>
 Threshold select_threshold(int64_t n, int64_t k, KeyAt key_at, std::vector<uint32_t>& scratch) {
-  static constexpr int kShift[3] = {21, 10, 0};
-  static constexpr uint32_t kBins[3] = {2048, 2048, 1024};
   uint32_t hist[2048];
   uint32_t prefix = 0;  // the bits fixed so far
   uint32_t prefix_mask = 0;
   int64_t need = k;
   scratch.clear();
   for (int level = 0; level < 3; ++level) {
-    const uint32_t bins = kBins[level];
-    const int shift = kShift[level];
+    const uint32_t bins = kRadixBins[level];
+    const int shift = kRadixShift[level];
     std::memset(hist, 0, sizeof(uint32_t) * bins);
     if (level == 0) {
       for (int64_t i = 0; i < n; ++i) ++hist[key_at(i) >> shift];
     } else {
       for (uint32_t kk : scratch) ++hist[(kk >> shift) & (bins - 1)];
     }
-    int64_t above = 0;
-    uint32_t b = bins - 1;
-    for (;; --b) {
-      if (above + hist[b] >= static_cast<uint64_t>(need)) break;
-      above += hist[b];
-    }
-    need -= above;
+    const uint32_t b = pick_bin(hist, bins, need);
     prefix |= b << shift;
     prefix_mask |= (bins - 1) << shift;
     if (level == 2) break;
