@@ -90,19 +90,22 @@ def _targets(model) -> list:
     """(parameter name, checkpoint name, module, attribute) for each parameter this rank holds once."""
     out, seen = [], set()
     tied_head = model.args.tie_word_embeddings
+    rename = getattr(model, "checkpoint_name", lambda n: n)
     for mod_name, mod in model.named_modules():
         for attr, p in mod.named_parameters(recurse=False):
             if id(p) in seen or attr == "weight_scale_inv":  # scales are read with their weight
                 continue
             seen.add(id(p))
             name = f"{mod_name}.{attr}" if mod_name else attr
-            ckpt = "model.embed_tokens.weight" if tied_head and name == "lm_head.weight" else name
+            ckpt = "model.embed_tokens.weight" if tied_head and name == "lm_head.weight" else rename(name)
             out.append((name, ckpt, mod, attr))
     return out
 
 
 def _slice_of(mod, attr: str):
     """(dim, (start, stop)) of the checkpoint tensor this parameter holds, or (None, None): whole."""
+    if hasattr(mod, "param_slice"):  # blocks with sliced parameters of their own (sinks, fused experts)
+        return mod.param_slice(attr)
     if attr == "weight" and hasattr(mod, "checkpoint_slice"):
         return mod.checkpoint_slice()
     return None, None
@@ -112,6 +115,8 @@ def _full_shape(mod, attr: str, p: torch.Tensor) -> tuple:
     dim, shard = _slice_of(mod, attr)
     if dim is None:
         return tuple(p.shape)
+    if hasattr(mod, "param_full_shape"):
+        return tuple(mod.param_full_shape(attr))
     shape = list(p.shape)
     shape[dim] = getattr(mod, "full_shape", None)[dim] if hasattr(mod, "full_shape") else getattr(mod, "vocab")
     return tuple(shape)
@@ -295,6 +300,8 @@ def save_pretrained(model, path: Union[str, Path], *, fp8: bool = False, max_sha
                                          "weight_block_size": list(FP8_BLOCK)}
     else:
         config.pop("quantization_config", None)
+    rename = getattr(model, "checkpoint_name", lambda n: n)  # the family's own tensor names
+    tensors = {rename(name): t for name, t in tensors.items()}
     shards = [{}]
     size = 0
     for name, t in tensors.items():
