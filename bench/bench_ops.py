@@ -1,7 +1,7 @@
 """Op benchmarks: ours vs the reference.py path vs torch built-ins, side by side in one run.
 
     python bench/bench_ops.py [--quick] [--device cpu|cuda] [--json PATH] [--threads N]
-                              [--isa auto|portable|avx2|avx512bf16|blas[,...]] [--repeat N]
+                              [--isa auto|portable|avx2|avx512bf16|blas[,...]] [--repeat N] [--sinks]
 
 Prints one table and, with --json, a list of records
 {"op", "shape", "s_kv", "impl", "ms", "ms_min", "ms_max", "baseline", "baseline_ms", "speedup",
@@ -17,6 +17,9 @@ With several --isa values each op runs on every CPU path in turn, interleaved an
 repeats, "ms_min"/"ms_max" their spread.
 Shapes are DeepSeek-V3.2's (64 indexer heads x 128, k 2048; 128 MLA heads, 576/512),
 with the number of query rows scaled to fit.
+--sinks adds sparse MLA with attention sinks (fp32 [h_q], HY-V4) as impl "indexcache+sinks",
+timed interleaved with the sink-free call on each path (same inputs, same repeats); its
+"baseline" is the sink-free median, so "speedup" near 1.0 means the sinks cost nothing.
 """
 
 from __future__ import annotations
@@ -54,12 +57,19 @@ def timeit(fn, device, min_time=0.3, max_iters=50):
 ISAS = ["auto"]   # CPU paths to run ours on (--isa)
 BF16_FAST = True  # torch's bf16 matmul is at least a quarter of its fp32 rate here (else bf16 baselines are skipped)
 REPEAT = 1        # interleaved repeats per path (--repeat)
+SINKS = False     # --sinks: sparse MLA also with attention sinks, interleaved with the sink-free call
 
 
 def time_ours(fn, device, op="", **kw):
     """Times fn on every path in ISAS, interleaved REPEAT times: {isa: (median, min, max, path)};
     path is the one op's kernels took (op="sparse_mla" for sparse MLA, which may differ)."""
-    runs = {isa: [] for isa in ISAS}
+    return {isa: t for (isa, _), t in time_variants({"": fn}, device, op, **kw).items()}
+
+
+def time_variants(fns, device, op="", **kw):
+    """Like time_ours for several functions {name: fn}, interleaved within each repeat and path
+    (so they meet the same machine load): {(isa, name): (median, min, max, path)}."""
+    runs = {(isa, name): [] for isa in ISAS for name in fns}
     paths = {}
     for _ in range(REPEAT):
         for isa in ISAS:
@@ -67,13 +77,14 @@ def time_ours(fn, device, op="", **kw):
                 _C._set_cpu_isa(isa)
                 paths[isa] = _C._cpu_isa(op)
             try:
-                runs[isa].append(timeit(fn, device, **kw))
+                for name, fn in fns.items():
+                    runs[(isa, name)].append(timeit(fn, device, **kw))
             finally:
                 _C._set_cpu_isa("auto")
     out = {}
-    for isa, t in runs.items():
+    for (isa, name), t in runs.items():
         t = sorted(t)
-        out[isa] = (t[len(t) // 2], t[0], t[-1], paths.get(isa, device))
+        out[(isa, name)] = (t[len(t) // 2], t[0], t[-1], paths.get(isa, device))
     return out
 
 
@@ -240,16 +251,22 @@ def bench_mla(records, device, quick):
         scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
         out = torch.empty(s_q, h, 512, device=device, dtype=torch.bfloat16)
         lse = torch.empty(s_q, h, device=device)
-        ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse), device, op="sparse_mla",
-                         min_time=0.5, max_iters=10)
+        fns = {"indexcache": lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse)}
+        if SINKS:
+            sinks = torch.randn(h, device=device) * 3
+            fns["indexcache+sinks"] = lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse, sinks=sinks)
+        ours = time_variants(fns, device, op="sparse_mla", min_time=0.5, max_iters=10)
         base = timeit(lambda: reference_bf16_mla(q, cache, idx, scale), device, min_time=0.3, max_iters=5)
         base_name = "reference_bf16" if BF16_FAST else "reference_fp32"
         n_valid = int((idx >= 0).sum())
         flops = 2 * h * n_valid * (576 + 512)
-        for t in ours.values():
+        for (isa, name), t in ours.items():
             gf = flops / (t[0] * 1e-3) / 1e9
-            record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, "indexcache", t, base_name, base,
-                   gflop_per_s=gf)
+            if name == "indexcache":
+                record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, name, t, base_name, base, gflop_per_s=gf)
+            else:  # against the sink-free call of the same path and repeats: ~1.0x when sinks are free
+                record(records, op, f"{s_q}q x {h}h x k{topk} bf16", s_kv, name, t, "no sinks",
+                       ours[(isa, "indexcache")][0], gflop_per_s=gf)
 
 
 def bench_k_cache(records, device, quick):
@@ -281,12 +298,15 @@ def main():
                     help="CPU path(s) for our ops, comma-separated: auto, portable, avx2, avx512bf16, blas")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats per path (median, min, max)")
     ap.add_argument("--ops", default="topk,k_cache,indexer,mla", help="which groups to run")
+    ap.add_argument("--sinks", action="store_true",
+                    help="sparse MLA also with attention sinks, interleaved with the sink-free call")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time CPU seconds of the process (all threads) instead of wall time: on a machine "
                          "shared with other work this compares paths' cost more steadily; it counts idle "
                          "OpenMP spinning, so it overstates ops that leave threads waiting")
     args = ap.parse_args()
-    global ISAS, REPEAT, CLOCK, BF16_FAST
+    global ISAS, REPEAT, CLOCK, BF16_FAST, SINKS
+    SINKS = args.sinks
     if args.cpu_time:
         CLOCK = time.process_time
     ISAS = [s.strip() for s in args.isa.split(",") if s.strip()] if args.device == "cpu" else ["auto"]
@@ -318,7 +338,7 @@ def main():
             r["matmul_fraction"] = r["gflop_per_s"] / ceiling.best
     print(f"matmul ceiling: fp32 {ceiling.rates['fp32']:.0f}, bf16 {ceiling.rates['bf16']:.1f} GFLOP/s "
           f"(torch.mm, best of start and end); shares below are of the {ceiling.dtype} rate")
-    head = (f"{'op':<20} {'shape':<26} {'path':<11} {'ms':>9} {'min-max':>17} {'baseline':<15} {'base ms':>9} "
+    head = (f"{'op':<24} {'shape':<26} {'path':<11} {'ms':>9} {'min-max':>17} {'baseline':<15} {'base ms':>9} "
             f"{'speedup':>8}  rate")
     print(head)
     print("-" * len(head))
@@ -329,7 +349,8 @@ def main():
         elif "gb_per_s" in r:
             rate = f"{r['gb_per_s']:.1f} GB/s"
         spread = f"{r.get('ms_min', r['ms']):.2f}-{r.get('ms_max', r['ms']):.2f}"
-        print(f"{r['op']:<20} {r['shape']:<26} {r.get('isa_path', ''):<11} {r['ms']:>9.3f} {spread:>17} "
+        op = r["op"] + ("+sinks" if r["impl"].endswith("+sinks") else "")
+        print(f"{op:<24} {r['shape']:<26} {r.get('isa_path', ''):<11} {r['ms']:>9.3f} {spread:>17} "
               f"{r['baseline']:<15} {r['baseline_ms']:>9.3f} {r['speedup']:>7.2f}x  {rate}")
     if args.json:
         meta = {"device": args.device, "threads": torch.get_num_threads(),
@@ -337,7 +358,7 @@ def main():
                 "matmul_gflop_per_s": ceiling.best, "matmul_dtype": ceiling.dtype,
                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "cpu_model": model,
                 "cpu_flags": isa_flags, "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
-                "repeat": REPEAT, "clock": "cpu" if args.cpu_time else "wall"}
+                "repeat": REPEAT, "clock": "cpu" if args.cpu_time else "wall", "sinks": SINKS}
         for r in records:
             r.update(meta)
         with open(args.json, "w") as f:

@@ -75,7 +75,7 @@ fi
 
 # 3. Sanitizers on small shapes. No caching allocator, so that every tensor is its own
 #    allocation and memcheck sees an access one past its end.
-SMALL='cuda and not portable and (test_quantize_fp8 or test_index_k_cache_insert or test_mla_kv_cache_insert or test_positions_to_slots or (test_indexer_logits and 7-300 and fp8) or test_indexer_logits_paged or test_topk_windows_and_ties or (test_topk_tie_free and 5-1000) or (test_indexer_topk_fused and 6-200 and fp8) or test_indexer_topk_paged or (test_sparse_mla and 3-16-64) or test_fill_topk_buffer or (test_topk_long_rows and 65536) or test_sparse_mla_few_rows_split_keys)'
+SMALL='cuda and not portable and (test_quantize_fp8 or test_index_k_cache_insert or test_mla_kv_cache_insert or test_positions_to_slots or (test_indexer_logits and 7-300 and fp8) or test_indexer_logits_paged or test_topk_windows_and_ties or (test_topk_tie_free and 5-1000) or (test_indexer_topk_fused and 6-200 and fp8) or test_indexer_topk_paged or (test_sparse_mla and 3-16-64) or test_fill_topk_buffer or (test_topk_long_rows and 65536) or test_sparse_mla_few_rows_split_keys or (test_sparse_mla_sinks and 3-16-64) or test_sparse_mla_sinks_few_rows_split_keys or (test_sparse_mla_nonfinite_sinks and 1100))'
 if [ $BUILD_OK -eq 0 ] && command -v compute-sanitizer >/dev/null 2>&1; then
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
   stage memcheck 100 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 30 \
@@ -121,6 +121,11 @@ if [ $BUILD_OK -eq 0 ]; then
   stage bench 150 bench.log "$PY" bench/bench_ops.py --device cuda --json "$OUT/bench_cuda.json"
   # The decode step: eager vs sync-free static vs the replayed CUDA graph (table in bench.log).
   stage decode 60 bench.log "$PY" bench/bench_decode_step.py --device cuda --repeat 3
+  # Sparse MLA with attention sinks (HY-V4, issue 19): its tests on the GPU (the mma kernel with
+  # and without the split merge, the FMA kernel, NaN / +-inf sinks, -inf = no sink to the bit),
+  # then its cost against the sink-free call, interleaved (table in bench.log; expect ~1.0x).
+  stage sinks 60 test.log "$PY" -m pytest -q -rfE -p no:cacheprovider tests/test_ops.py -k "cuda and sinks"
+  stage sinks_bench 50 bench.log "$PY" bench/bench_ops.py --device cuda --ops mla --sinks --repeat 5
 fi
 rm -f "$OUT/.ceilings.py"
 

@@ -327,7 +327,8 @@ inline TopkOut make_topk_out(at::Tensor& out, int64_t rows, int64_t topk, const 
 
 inline SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Tensor& kv_cache,
                                               const at::Tensor& indices, double sm_scale, int64_t d_v,
-                                              at::Tensor& out, at::Tensor& lse) {
+                                              at::Tensor& out, at::Tensor& lse,
+                                              const std::optional<at::Tensor>& sinks = std::nullopt) {
   check_float_input(q, "q");
   IC_CHECK_DIM(q, 3, "q");
   IC_CHECK_CONTIG(q, "q");
@@ -364,10 +365,21 @@ inline SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Ten
   IC_CHECK_SAME_DEVICE(lse, q, "lse", "q");
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse must be [", q.size(0),
               ", ", q.size(1), "], got ", lse.sizes());
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    const at::Tensor& sk = *sinks;
+    IC_CHECK_DTYPE(sk, at::kFloat, "sinks");
+    IC_CHECK_DIM(sk, 1, "sinks");
+    IC_CHECK_CONTIG(sk, "sinks");
+    IC_CHECK_SAME_DEVICE(sk, q, "sinks", "q");
+    TORCH_CHECK(sk.size(0) == q.size(1), "sinks must be [h_q] = [", q.size(1), "] (one logit per query head), got ",
+                sk.sizes());
+    sink_ptr = sk.data_ptr<float>();
+  }
   return SparseMlaParams{q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr<int32_t>(), out.data_ptr(),
                          lse.data_ptr<float>(), q.size(0), q.size(1), indices.size(1),
                          kv_cache.numel() / kv_cache.size(-1), d_v, static_cast<float>(sm_scale),
-                         to_dtype(q.scalar_type(), "q"), kv_dtype};
+                         to_dtype(q.scalar_type(), "q"), kv_dtype, sink_ptr};
 }
 
 inline TopkParams make_topk_params(const at::Tensor& logits, const at::Tensor& ks, const at::Tensor& ke,

@@ -33,10 +33,11 @@ TORCH_LIBRARY(indexcache, m) {
       "int num_blocks, Tensor(a!) slots) -> ()");
   // MLA KV cache insert (bf16/fp32 [.., 576] or fp8_ds_mla uint8 [.., 656]).
   m.def("mla_kv_cache_insert(Tensor kv_c, Tensor k_pe, Tensor slot_mapping, Tensor(a!) cache) -> ()");
-  // Absorbed sparse MLA over selected slots -> out [s_q, h_q, d_v], lse [s_q, h_q].
+  // Absorbed sparse MLA over selected slots -> out [s_q, h_q, d_v], lse [s_q, h_q]; sinks: fp32
+  // [h_q] attention-sink logits joining each row's softmax denominator (DESIGN.md §5), or None.
   m.def(
       "sparse_mla(Tensor q, Tensor kv_cache, Tensor indices, float sm_scale, int d_v, Tensor(a!) out, "
-      "Tensor(a!) lse) -> ()");
+      "Tensor(a!) lse, Tensor? sinks=None) -> ()");
   // The int32 [1] error word of like's CUDA device: counts the out-of-range index entries the
   // CUDA ops met and treated as invalid (no host check unless INDEXCACHE_CHECK=1). CUDA only.
   m.def("cuda_error_word(Tensor like) -> Tensor");

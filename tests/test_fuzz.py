@@ -554,6 +554,63 @@ def test_fuzz_sparse_mla(data, seed, isa):
     assert same_bits(o2, out) and same_bits(l2, lse)
 
 
+def sinks_for(draw, h, seed):
+    """fp32 [h] sinks: the scores' scale up to far above them, maybe NaN / ±inf / ±1e30 heads."""
+    sinks = rand((h,), seed + 3, magnitude(draw, -6, 6))
+    for _ in range(draw(st.integers(0, 3))):
+        sinks[draw(st.integers(0, h - 1))] = draw(st.sampled_from([*NONFINITE, 1e30, -1e30, 0.0]))
+    return sinks
+
+
+@given(data=st.data(), seed=seeds, isa=isas)
+def test_fuzz_sparse_mla_sinks(data, seed, isa):
+    """Sinks on every CPU path: the reference's NaN / ±inf pattern in out and lse (docs/ops.md:
+    NaN or +inf sink -> NaN on the head's rows with a valid slot; rows with none -> 0 and
+    lse = the sink), the bars elsewhere, every element written, deterministic."""
+    set_isa(isa)
+    q, cache, idx, sm_scale, d_v = mla_case(data.draw, seed)
+    s_q, h = q.shape[0], q.shape[1]
+    sinks = sinks_for(data.draw, h, seed)
+    out = poisoned((s_q, h, d_v), q.dtype)
+    lse = poisoned((s_q, h), torch.float32)
+    ops.sparse_mla(q, cache, idx, sm_scale, d_v, out=out, lse=lse, sinks=sinks)
+    assert_written(out)
+    assert_written(lse)
+    ro, rl = ref.sparse_mla(q, cache, idx, sm_scale, d_v, sinks=sinks)
+    assert torch.equal(torch.isnan(out.float()), torch.isnan(ro.float()))
+    for pred in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(pred(lse), pred(rl)), pred.__name__
+    assert not torch.isinf(out.float()).any()
+    empty = (idx < 0).all(dim=-1)
+    if empty.any():  # no valid slot: 0, and lse is the sink itself
+        assert (out[empty].float() == 0).all()
+        assert nan_equal(lse[empty], sinks.expand(s_q, h)[empty])
+    exact32 = q.dtype == torch.float32 and cache.dtype == torch.float32
+    bar = 1e-5 if exact32 or (q.dtype == torch.float32 and cache.dtype != torch.uint8) else 1e-2
+    ok = ~torch.isnan(rl)
+    if ok.any():
+        assert rel_err(out.float()[ok], ro.float()[ok]) < bar
+        fin = torch.isfinite(rl)
+        if fin.any():  # as test_fuzz_sparse_mla: lse moves by at most the largest score error
+            kv = ref.mla_kv_cache_dequant(cache)[idx.long().clamp(min=0)]
+            mag = torch.einsum("thd,tkd->thk", q.float().abs(), kv.abs().nan_to_num(0.0, 0.0, 0.0)) * sm_scale
+            mag = mag.masked_fill((idx < 0).unsqueeze(1), 0.0).amax(dim=-1)
+            tol = 1e-4 * (1 + rl[fin].abs()) if bar < 1e-2 else 1e-3 * (1 + rl[fin].abs()) + 2.0 ** -8 * mag[fin]
+            assert ((lse[fin] - rl[fin]).abs() <= tol).all()
+    o2, l2 = ops.sparse_mla(q, cache, idx, sm_scale, d_v, sinks=sinks)
+    assert same_bits(o2, out) and same_bits(l2, lse)
+
+
+@given(data=st.data(), seed=seeds, isa=isas)
+def test_fuzz_sparse_mla_minus_inf_sinks_are_no_sinks(data, seed, isa):
+    """-inf sinks: the sink-free result to the bit, whatever else the inputs hold."""
+    set_isa(isa)
+    q, cache, idx, sm_scale, d_v = mla_case(data.draw, seed)
+    plain = ops.sparse_mla(q, cache, idx, sm_scale, d_v)
+    minus = ops.sparse_mla(q, cache, idx, sm_scale, d_v, sinks=torch.full((q.shape[1],), -math.inf))
+    assert same_bits(plain[0], minus[0]) and same_bits(plain[1], minus[1])
+
+
 def test_sparse_mla_nan_in_one_head_propagates():
     """The issue's probe: one NaN in q[0, 1] makes out/lse of (0, 1) NaN and nothing else,
     on every CPU path and in the reference."""
@@ -578,6 +635,7 @@ def test_sparse_mla_nan_in_one_head_propagates():
 
 ERROR_CASES = [
     "mla_slot_past_cache", "mla_index_below_minus_one", "mla_out_dtype", "mla_q_noncontig", "mla_d_v",
+    "mla_sinks_dtype", "mla_sinks_shape", "mla_sinks_noncontig",
     "logits_window_past", "logits_window_reversed", "logits_k_dtype", "logits_out_narrow",
     "topk_above_width", "topk_rows_above_buffer", "topk_zero", "topk_logits_dtype",
     "slots_pos_past_table", "slots_block_outside_cache", "slots_req_outside", "slots_pos_below_minus_one",
@@ -600,6 +658,7 @@ def test_fuzz_invalid_inputs_raise(case, seed, data):
         idx = torch.randint(0, n, (2, 8), generator=g, dtype=torch.int32)
         out, lse = poisoned((2, 3, 512), torch.bfloat16), poisoned((2, 3), torch.float32)
         d_v = 512
+        sinks = None
         if case == "mla_slot_past_cache":
             idx[1, 3] = n + extra
             msg = f"indices holds slot {n + extra} but the cache has {n} slots"
@@ -612,13 +671,23 @@ def test_fuzz_invalid_inputs_raise(case, seed, data):
         elif case == "mla_q_noncontig":
             q = torch.randn(3, 2, 576).bfloat16().transpose(0, 1)
             msg = "q must be contiguous"
+        elif case == "mla_sinks_dtype":
+            sinks = torch.zeros(3, dtype=draw(st.sampled_from([torch.float64, torch.bfloat16, torch.float16])))
+            msg = "sinks must be Float"
+        elif case == "mla_sinks_shape":
+            sinks = torch.zeros(draw(st.sampled_from([(0,), (2,), (4 + extra,), (1, 3), (3, 1)])))
+            msg = "sinks must have 1 dims" if sinks.dim() == 2 else "sinks must be \\[h_q\\] = \\[3\\]"
+        elif case == "mla_sinks_noncontig":
+            step = 2 + draw(st.integers(0, 3))
+            sinks = torch.zeros(3 * step)[::step]
+            msg = "sinks must be contiguous"
         else:
             d_v = draw(st.sampled_from([0, 100, 576, 640]))
             out = poisoned((2, 3, d_v), torch.bfloat16)
             msg = "d_v must be a multiple of 64"
         before = (bits(out).clone(), bits(lse).clone())
         with pytest.raises(RuntimeError, match=msg):
-            torch.ops.indexcache.sparse_mla(q, cache, idx, 0.1, d_v, out, lse)
+            torch.ops.indexcache.sparse_mla(q, cache, idx, 0.1, d_v, out, lse, sinks)
         assert torch.equal(bits(out), before[0]) and torch.equal(bits(lse), before[1])
     elif case.startswith("logits"):
         q, k, ksc, w = (torch.randn(3, 4, 128), torch.randn(20, 128), None, torch.randn(3, 4))

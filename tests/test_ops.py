@@ -410,6 +410,154 @@ def test_sparse_mla_few_rows_split_keys(device, cpu_isa, cache_kind):
     assert torch.equal(again[0].view(torch.int16), out.view(torch.int16)) and torch.equal(again[1].isnan(), lse.isnan())
 
 
+# ------------------------------------------------------------------ sparse MLA with attention sinks
+
+def make_sinks(h, device, seed=None):
+    """Sinks at the scale of the scores (DSA scale: |s| ~ 3), one far above them (its head's
+    output nearly vanishes) and one far below (nearly no sink)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())) if seed is None else seed)
+    sinks = torch.randn(h, generator=g) * 3
+    if h > 2:
+        sinks[1], sinks[2] = 40.0, -60.0
+    return sinks.to(device)
+
+
+def test_sparse_mla_sinks_reference_by_hand():
+    """reference.py against the formula written out for two keys and one head, and an empty
+    row: out = Σ e^(s_i) v_i / (e^sink + Σ e^(s_i)), lse = log(e^sink + Σ e^(s_i)); empty: 0, sink."""
+    cache = torch.zeros(1, 4, 576)
+    cache[0, :, :] = torch.randn(4, 576)
+    q = torch.randn(2, 1, 576)
+    idx = torch.tensor([[2, -1, 0], [-1, -1, -1]], dtype=torch.int32)
+    sink = torch.tensor([0.7])
+    out, lse = ref.sparse_mla(q, cache, idx, 0.05, 512, sinks=sink)
+    k = cache[0]
+    s = torch.stack([(q[0, 0] * k[2]).sum(), (q[0, 0] * k[0]).sum()]).double() * 0.05
+    den = math.exp(0.7) + s.exp().sum().item()
+    expect = (s.exp()[0] * k[2, :512].double() + s.exp()[1] * k[0, :512].double()) / den
+    assert torch.allclose(out[0, 0].double(), expect, rtol=1e-5, atol=1e-6)
+    assert abs(lse[0, 0].item() - math.log(den)) < 1e-5
+    assert (out[1] == 0).all() and lse[1, 0].item() == pytest.approx(0.7)
+    # d lse / d sink = e^sink / denominator: the reference is differentiable in the sinks.
+    sk = sink.clone().requires_grad_(True)
+    ref.sparse_mla(q[:1], cache, idx[:1], 0.05, 512, sinks=sk)[1].sum().backward()
+    assert sk.grad.item() == pytest.approx(math.exp(0.7) / den, rel=1e-5)
+
+
+@pytest.mark.parametrize("cache_kind,q_dtype,bar", [("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2),
+                                                     ("fp8", torch.bfloat16, 1e-2), ("bf16", torch.float32, 1e-5)])
+@pytest.mark.parametrize("s_q,h,topk", [(3, 16, 64), (2, 128, 200), (4, 5, 7)])
+def test_sparse_mla_sinks(device, cpu_isa, cache_kind, q_dtype, bar, s_q, h, topk):
+    cache, idx = make_mla(device, cache_kind, s_q, h, topk)
+    idx[1 % s_q] = -1  # a row with no valid slot: 0, and lse = the sink
+    q = torch.randn(s_q, h, 576, device=device).to(q_dtype)
+    sinks = make_sinks(h, device)
+    out = torch.full((s_q, h, 512), POISON_F, dtype=q_dtype, device=device)
+    lse = torch.full((s_q, h), POISON_F, device=device)
+    scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
+    ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse, sinks=sinks)
+    ro, rl = ref.sparse_mla(q.cpu(), cache.cpu(), idx.cpu(), scale, sinks=sinks.cpu())
+    got, gl = out.cpu().float(), lse.cpu()
+    assert torch.isfinite(got).all() and torch.isfinite(gl).all()
+    assert (got[1 % s_q] == 0).all() and torch.equal(gl[1 % s_q], sinks.cpu())
+    assert rel_err(got, ro.float()) < bar
+    assert (gl - rl).abs().max() < (1e-4 if bar < 1e-2 else 2e-2)
+    # The sinks matter: without them the result is well outside the bar.
+    plain = ops.sparse_mla(q, cache, idx, scale)[0].cpu().float()
+    assert rel_err(plain, ro.float()) > 3 * bar
+    again = ops.sparse_mla(q, cache, idx, scale, sinks=sinks)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+@pytest.mark.parametrize("cache_kind,q_dtype", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
+                                                ("fp32", torch.float32)])
+@pytest.mark.parametrize("s_q,topk", [(3, 64), (2, 1100)])
+def test_sparse_mla_minus_inf_sinks_are_no_sinks(device, cpu_isa, cache_kind, q_dtype, s_q, topk):
+    """-inf sinks give the sink-free result to the bit on every path (the 2 x 1100 shape takes
+    the key-split + merge paths on CPU), and so do the sinks of rows with no valid slot."""
+    h = 20
+    cache, idx = make_mla(device, cache_kind, s_q, h, topk, blocks=20)
+    idx[1, topk // 2:] = -1
+    q = torch.randn(s_q, h, 576, device=device).to(q_dtype)
+    plain = ops.sparse_mla(q, cache, idx, 0.1)
+    minus = ops.sparse_mla(q, cache, idx, 0.1, sinks=torch.full((h,), -math.inf, device=device))
+    assert torch.equal(plain[0], minus[0]) and torch.equal(plain[1], minus[1])
+
+
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
+def test_sparse_mla_sinks_few_rows_split_keys(device, cpu_isa, cache_kind):
+    # The key-split paths merge partial softmaxes; the sink must join once, in the merge.
+    s_q, h, topk = 2, 16, 1100
+    cache, idx = make_mla(device, cache_kind, s_q, h, topk, blocks=20)
+    idx[1, 700:] = -1
+    q = torch.randn(s_q, h, 576, device=device).bfloat16()
+    sinks = make_sinks(h, device)
+    scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
+    out, lse = ops.sparse_mla(q, cache, idx, scale, sinks=sinks)
+    ro, rl = ref.sparse_mla(q.cpu(), cache.cpu(), idx.cpu(), scale, sinks=sinks.cpu())
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out.cpu().float(), ro.float()) < 1e-2
+    assert (lse.cpu() - rl).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("cache_kind,q_dtype", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
+                                                ("fp32", torch.float32), ("bf16", torch.float32)])
+@pytest.mark.parametrize("topk", [40, 1100])
+def test_sparse_mla_nonfinite_sinks(device, cpu_isa, cache_kind, q_dtype, topk):
+    """docs/ops.md's rows for sinks: NaN or +inf -> out and lse NaN on the head's rows with a
+    valid slot; -inf -> as without a sink; rows with no valid slot -> out 0, lse = the sink
+    (NaN, +inf or -inf). Other heads keep their finite results."""
+    s_q, h = 3, 6
+    cache, idx = make_mla(device, cache_kind, s_q, h, topk, blocks=20)
+    idx[2] = -1
+    q = torch.randn(s_q, h, 576, device=device).to(q_dtype)
+    sinks = torch.tensor([0.5, math.nan, math.inf, -math.inf, -1.0, -math.nan], device=device)
+    out = torch.full((s_q, h, 512), POISON_F, dtype=q_dtype, device=device)
+    lse = torch.full((s_q, h), 1234.5, device=device)
+    ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse, sinks=sinks)
+    ro, rl = ref.sparse_mla(q.cpu(), cache.cpu(), idx.cpu(), 0.1, sinks=sinks.cpu())
+    got, gl = out.cpu().float(), lse.cpu()
+    bad = torch.tensor([False, True, True, False, False, True])
+    for r in (0, 1):
+        assert torch.equal(torch.isnan(gl[r]), bad) and torch.equal(torch.isnan(rl[r]), bad)
+        assert torch.isnan(got[r][bad]).all() and torch.isfinite(got[r][~bad]).all()
+        assert torch.isnan(ro[r][bad].float()).all()
+    assert (got[2] == 0).all() and (ro[2] == 0).all()
+    for g in (gl[2], rl[2]):
+        assert g[0] == 0.5 and g[4] == -1.0 and g[1].isnan() and g[5].isnan()
+        assert g[2] == math.inf and g[3] == -math.inf
+    keep = ~bad
+    bar = 1e-5 if q_dtype == torch.float32 else 1e-2
+    assert rel_err(got[:2][:, keep], ro[:2][:, keep].float()) < bar
+    plain_o, plain_l = ops.sparse_mla(q, cache, idx, 0.1)
+    assert torch.equal(out[:, 3], plain_o[:, 3]) and torch.equal(lse[:, 3], plain_l[:, 3])  # -inf sink: no sink
+
+
+def test_sparse_mla_sinks_errors(device):
+    mcache, idx = make_mla(device, "bf16", 2, 4, 8, blocks=1)
+    qm = torch.randn(2, 4, 576, device=device).bfloat16()
+    out = torch.empty(2, 4, 512, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(2, 4, device=device)
+    bad = [
+        (torch.zeros(4, dtype=torch.float64, device=device), "sinks must be float32", "sinks must be Float"),
+        (torch.zeros(4, dtype=torch.bfloat16, device=device), "sinks must be float32", "sinks must be Float"),
+        (torch.zeros(5, device=device), r"sinks must be \[h_q\] = \[4\]", r"sinks must be \[h_q\] = \[4\]"),
+        (torch.zeros(1, 4, device=device), r"sinks must be \[h_q\] = \[4\]", "sinks must have 1 dims"),
+        (torch.zeros(8, device=device)[::2], "sinks must be contiguous", "sinks must be contiguous"),
+    ]
+    if device == "cpu" and torch.cuda.is_available():
+        bad.append((torch.zeros(4, device="cuda"), "sinks and q must be on one device", "sinks and q must be on one device"))
+    for sinks, py_msg, cpp_msg in bad:
+        with pytest.raises(ValueError, match=py_msg):
+            ops.sparse_mla(qm, mcache, idx, 0.1, sinks=sinks)
+        before = (out.clone(), lse.clone())
+        with pytest.raises(RuntimeError, match=cpp_msg):
+            torch.ops.indexcache.sparse_mla(qm, mcache, idx, 0.1, 512, out, lse, sinks)
+        assert torch.equal(out.view(torch.int16), before[0].view(torch.int16)) and torch.equal(lse.isnan(), before[1].isnan())
+    with pytest.raises(ValueError, match="sinks must be a float32 tensor"):
+        ops.sparse_mla(qm, mcache, idx, 0.1, sinks=[0.0] * 4)
+
+
 def test_indexer_topk_paged_long_split(device, cpu_isa):
     # One decode row over a long request: the fused op splits its keys across threads and must
     # still select exactly what the plain op's logits give.
@@ -606,6 +754,8 @@ def test_opcheck_all_ops():
         (o.mla_kv_cache_insert.default, (torch.randn(2, 512), torch.randn(2, 64), torch.tensor([0, 3]), mcache.clone())),
         (o.sparse_mla.default, (torch.randn(2, 4, 576).bfloat16(), mcache, idx, 0.1, 512,
                                 torch.empty(2, 4, 512, dtype=torch.bfloat16), torch.empty(2, 4))),
+        (o.sparse_mla.default, (torch.randn(2, 4, 576).bfloat16(), mcache, idx, 0.1, 512,
+                                torch.empty(2, 4, 512, dtype=torch.bfloat16), torch.empty(2, 4), torch.randn(4))),
     ]
     for op, args in cases:
         has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
@@ -636,6 +786,20 @@ def test_torch_compile_attention_step():
     q_mla = torch.randn(2, 4, 576).bfloat16()
     eager = step(logits_q, kf, ksf, wf, q_mla, buf.clone())
     compiled = torch.compile(step, fullgraph=True)(logits_q, kf, ksf, wf, q_mla, buf.clone())
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_torch_compile_sparse_mla_sinks():
+    """sparse_mla with sinks (the wrapper's checks included) compiles with fullgraph=True."""
+    cache, idx = make_mla("cpu", "bf16", 2, 4, 8, blocks=1)
+    sinks = torch.randn(4)
+
+    def attend(q, sinks):
+        return ops.sparse_mla(q, cache, idx, 0.1, sinks=sinks)
+
+    q = torch.randn(2, 4, 576).bfloat16()
+    eager = attend(q, sinks)
+    compiled = torch.compile(attend, fullgraph=True)(q, sinks)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 

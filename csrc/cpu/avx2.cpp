@@ -272,7 +272,7 @@ void merge_splits(const SparseMlaParams& p, int64_t th, int64_t splits, const fl
     for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, quiet_nan());
     return;
   }
-  float sum = 0.f;
+  float sum = 0.f;  // > 0: the caller merges rows with a valid slot only
   std::fill(acc, acc + p.d_v, 0.f);
   for (int64_t sp = 0; sp < splits; ++sp) {
     const int64_t part = part0 + sp;
@@ -282,9 +282,10 @@ void merge_splits(const SparseMlaParams& p, int64_t th, int64_t splits, const fl
     const float* o = po + part * p.d_v;
     for (int64_t c = 0; c < p.d_v; ++c) acc[c] += o[c] * w;
   }
-  p.lse[th] = mx + std::log(sum);
-  const float inv = 1.0f / sum;
-  for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, acc[c] * inv);
+  // The sink joins once, here (not per split).
+  const MlaFinish f = mla_finish(mx, sum, false, mla_sink(p, th % p.h_q));
+  p.lse[th] = f.lse;
+  for (int64_t c = 0; c < p.d_v; ++c) store_out(p, th * p.d_v + c, acc[c] * f.scale);
 }
 
 }  // namespace
@@ -332,10 +333,10 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
       const int64_t sp = task % splits, t = task / splits / hblocks, hb = task / splits % hblocks;
       const int64_t h0 = hb * hblock, nh = std::min(hblock, p.h_q - h0);
       const int64_t n = count[t];
-      if (n == 0) {  // a row with no valid slot: zeros and lse -inf (once, from split 0)
+      if (n == 0) {  // a row with no valid slot: zeros and lse = sink or -inf (once, from split 0)
         if (sp == 0)
           for (int64_t h = h0; h < h0 + nh; ++h) {
-            p.lse[t * p.h_q + h] = -std::numeric_limits<float>::infinity();
+            p.lse[t * p.h_q + h] = mla_sink(p, h);
             for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, 0.f);
           }
         continue;
@@ -361,14 +362,10 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
           for (int64_t c = 0; c < p.d_v; ++c) po[part * p.d_v + c] = s.ot[c * hp + hh];
           continue;
         }
-        if (s.z[hh] != s.z[hh]) {
-          p.lse[t * p.h_q + h] = quiet_nan();
-          for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, quiet_nan());
-          continue;
-        }
-        p.lse[t * p.h_q + h] = s.m[hh] + std::log(s.l[hh]);
-        const float inv = 1.0f / s.l[hh];
-        for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, s.ot[c * hp + hh] * inv);
+        // The sink only changes this normalisation (mla_finish; bit-identical without one).
+        const MlaFinish f = mla_finish(s.m[hh], s.l[hh], s.z[hh] != s.z[hh], mla_sink(p, h));
+        p.lse[t * p.h_q + h] = f.lse;
+        for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, s.ot[c * hp + hh] * f.scale);
       }
       if (splits > 1 && left[t * hblocks + hb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         s.alpha.resize(std::max<size_t>(s.alpha.size(), p.d_v));  // scratch for the merge

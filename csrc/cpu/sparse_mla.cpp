@@ -82,21 +82,24 @@ void store_out(const SparseMlaParams& p, int64_t i, float v) {
 }
 
 // Softmax over scores [nh][n] in place -> probabilities; writes lse per head, NaN for a
-// head with a non-finite score (the caller then writes NaN out; docs/ops.md).
-void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse) {
+// head with a non-finite score or a NaN / +inf sink (the caller then writes NaN out;
+// docs/ops.md). sinks [nh] or nullptr: each head's sink joins its denominator (and its max).
+void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse, const float* sinks) {
   for (int64_t hh = 0; hh < nh; ++hh) {
     float* row = s + hh * ld;
+    const float sink = sinks != nullptr ? sinks[hh] : -std::numeric_limits<float>::infinity();
     float m = -std::numeric_limits<float>::infinity();
     float z = 0.f;  // 0, or NaN once a score is NaN or +-inf (x - x)
     for (int64_t j = 0; j < n; ++j) {
       m = std::max(m, row[j]);
       z += row[j] - row[j];
     }
-    if (z != z) {
+    if (z != z || !(sink < std::numeric_limits<float>::infinity())) {
       lse[hh] = quiet_nan();
       continue;
     }
-    double sum = 0.0;
+    m = std::max(m, sink);
+    double sum = std::exp(sink - m);  // 0 for no sink (-inf)
     for (int64_t j = 0; j < n; ++j) {
       row[j] = std::exp(row[j] - m);
       sum += row[j];
@@ -233,6 +236,25 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
       z1 = _mm512_add_ps(z1, _mm512_sub_ps(v1, v1));
     }
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    if (p.sinks != nullptr) {
+      // The sinks join max and sum (exp(-inf) would come out ~1e-38 from exp_ps: masked to 0);
+      // a NaN / +inf sink flags its head like a non-finite score.
+      alignas(64) float sk[kLaneHeads], skbad[kLaneHeads];
+      for (int64_t hh = 0; hh < kLaneHeads; ++hh) {
+        const float v = h0 + hh < p.h_q ? p.sinks[h0 + hh] : -std::numeric_limits<float>::infinity();
+        const bool ok = v < std::numeric_limits<float>::infinity();
+        sk[hh] = ok ? v : -std::numeric_limits<float>::infinity();
+        skbad[hh] = ok ? 0.f : quiet_nan();
+      }
+      const __m512 k0 = _mm512_load_ps(sk), k1 = _mm512_load_ps(sk + 16);
+      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      m0 = _mm512_max_ps(m0, k0);
+      m1 = _mm512_max_ps(m1, k1);
+      z0 = _mm512_add_ps(z0, _mm512_load_ps(skbad));
+      z1 = _mm512_add_ps(z1, _mm512_load_ps(skbad + 16));
+      s0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k0, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k0, m0)));
+      s1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k1, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k1, m1)));
+    }
     for (int64_t k = 0; k < n; ++k) {
       const __m512 e0 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads), m0));
       const __m512 e1 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads + 16), m1));
@@ -301,7 +323,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
       for (int c = 0; c < kMlaDim; ++c) acc += qr[c] * kr[c];
       s[hh * n + j] = acc * p.sm_scale;
     }
-  softmax_rows(s.data(), nh, n, n, lse.data());
+  softmax_rows(s.data(), nh, n, n, lse.data(), p.sinks != nullptr ? p.sinks + h0 : nullptr);
   for (int64_t hh = 0; hh < nh; ++hh)
     for (int64_t j = 0; j < n; ++j) {
       const float w = s[hh * n + j];
@@ -339,9 +361,9 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
         const int32_t s = p.indices[t * p.topk + j];
         if (s >= 0) slots.push_back(s);
       }
-      if (slots.empty()) {
+      if (slots.empty()) {  // out 0; lse log(exp(sink)), -inf without sinks
         for (int64_t i = 0; i < nh; ++i) {
-          p.lse[t * p.h_q + h0 + i] = -std::numeric_limits<float>::infinity();
+          p.lse[t * p.h_q + h0 + i] = mla_sink(p, h0 + i);
           for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h0 + i) * p.d_v + c, 0.f);
         }
         continue;
@@ -358,8 +380,8 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
 namespace {
 
 void sparse_mla_op(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices, double sm_scale,
-                   int64_t d_v, at::Tensor& out, at::Tensor& lse) {
-  const SparseMlaParams p = make_sparse_mla_params(q, kv_cache, indices, sm_scale, d_v, out, lse);
+                   int64_t d_v, at::Tensor& out, at::Tensor& lse, const std::optional<at::Tensor>& sinks) {
+  const SparseMlaParams p = make_sparse_mla_params(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks);
   check_slots_in_range(indices, p.num_slots, "indices");
   sparse_mla_cpu(p);
 }

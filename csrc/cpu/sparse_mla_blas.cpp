@@ -8,7 +8,8 @@
 // do not depend on timing and the op needs one parallel region (waking the other threads
 // twice cost more than the merge on a busy machine).
 // Non-finite scores follow docs/ops.md: any NaN / ±inf score of (row, head) makes that
-// head's out and lse NaN; a row with no valid index gives 0 and -inf.
+// head's out and lse NaN; a row with no valid index gives 0 and -inf. Attention sinks
+// (SparseMlaParams::sinks) join only the final normalisation (store_row, mla_finish).
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
@@ -156,16 +157,15 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
 void store_row(const SparseMlaParams& p, int64_t t, int64_t hh, const float* o, float m, float l, bool bad) {
   uint16_t* out = static_cast<uint16_t*>(p.out) + (t * p.h_q + hh) * p.d_v;
   float& lse = p.lse[t * p.h_q + hh];
-  if (bad) {
-    lse = quiet_nan();
+  // The sink only changes this normalisation (mla_finish; bit-identical without one).
+  const MlaFinish f = mla_finish(m, l, bad, mla_sink(p, hh));
+  lse = f.lse;
+  if (f.scale != f.scale) {
     std::fill_n(out, p.d_v, float_to_bf16(quiet_nan()));
-  } else if (l == 0.f) {
-    lse = -std::numeric_limits<float>::infinity();
+  } else if (f.scale == 0.f) {  // no valid slot (o was not written)
     std::fill_n(out, p.d_v, uint16_t{0});
   } else {
-    lse = m + std::log(l);
-    const float inv = 1.0f / l;
-    for (int64_t c = 0; c < p.d_v; ++c) out[c] = float_to_bf16(o[c] * inv);
+    for (int64_t c = 0; c < p.d_v; ++c) out[c] = float_to_bf16(o[c] * f.scale);
   }
 }
 

@@ -3,7 +3,8 @@
 //
 // The row's indices are compacted (stable, -1 and out-of-range entries dropped), the valid
 // slots are read in tiles, and an online softmax in fp32 folds each tile in; a row with no
-// valid slot writes 0 and lse -inf.
+// valid slot writes 0 and lse -inf (the sink with sinks). An attention sink (p.sinks) only
+// changes the final normalisation (mla_finish in ops.h: after the last tile, or in the merge).
 //   - q bf16 with a bf16 or fp8_ds_mla cache (sparse_mla_mma_kernel<NG, Vec>): a CTA serves
 //     one query row and NG groups of 16 heads (up to 64) sharing one staged tile of 32 keys,
 //     dequantized to bf16 in shared memory (fp8 values times their fp32 scale, rounded to bf16,
@@ -383,21 +384,18 @@ __global__ void __launch_bounds__(NG * kGroupThreads, 1)
     }
   }
   __syncthreads();
-  const float ninf = -__int_as_float(0x7f800000);
   if (sp.o_part == nullptr) {
     if (threadIdx.x < nh) {
-      const float l = sm.l[threadIdx.x];
-      p.lse[t * p.h_q + h0 + threadIdx.x] =
-          sm.bad[threadIdx.x] ? quiet_nan() : (l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf);
+      const int hh = threadIdx.x;
+      p.lse[t * p.h_q + h0 + hh] = mla_finish(sm.m[hh], sm.l[hh], sm.bad[hh] != 0, mla_sink(p, h0 + hh)).lse;
     }
     uint16_t* out = static_cast<uint16_t*>(p.out);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int hh = hg + g + 8 * half;
       if (hh >= nh) continue;
-      const float l = sm.l[hh];
       // NaN times anything is NaN: a bad head's whole row comes out NaN.
-      const float inv = sm.bad[hh] ? quiet_nan() : (l > 0.f ? 1.0f / l : 0.f);
+      const float inv = mla_finish(sm.m[hh], sm.l[hh], sm.bad[hh] != 0, mla_sink(p, h0 + hh)).scale;
       uint16_t* orow = out + (t * p.h_q + h0 + hh) * p.d_v;
 #pragma unroll
       for (int nt = 0; nt < 16; ++nt) {
@@ -455,8 +453,10 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(SparseM
       w[s] = ws;
       sum += l * ws;
     }
-    p.lse[row] = bad ? quiet_nan() : (sum > 0.f ? mx + logf(sum) : ninf);
-    inv_s = bad ? quiet_nan() : (sum > 0.f ? 1.0f / sum : 0.f);
+    // The sink joins once, here (the splits' partials leave it out).
+    const MlaFinish f = mla_finish(mx, sum, bad, mla_sink(p, row % p.h_q));
+    p.lse[row] = f.lse;
+    inv_s = f.scale;
   }
   __syncthreads();
   const float inv = inv_s;
@@ -555,12 +555,14 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
     sm.bad[hh] = bad_run;
   }
   __syncthreads();
-  const float ninf = -__int_as_float(0x7f800000);
   if (threadIdx.x < nh) {
-    const float l = sm.l[threadIdx.x];
-    p.lse[t * p.h_q + h0 + threadIdx.x] =
-        sm.bad[threadIdx.x] ? quiet_nan() : (l > 0.f ? sm.m[threadIdx.x] + logf(l) : ninf);
+    const int h = threadIdx.x;
+    const MlaFinish f = mla_finish(sm.m[h], sm.l[h], sm.bad[h] != 0, mla_sink(p, h0 + h));
+    p.lse[t * p.h_q + h0 + h] = f.lse;
+    sm.alpha[h] = f.num;  // free after the last tile: out = acc * num / den
+    sm.l[h] = f.den;
   }
+  __syncthreads();
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = threadIdx.x + i * kFmaThreads;
@@ -568,8 +570,8 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
 #pragma unroll
     for (int h = 0; h < kMlaHeads; ++h) {
       if (h >= nh) continue;
-      const float l = sm.l[h];
-      const float v = sm.bad[h] ? quiet_nan() : (l > 0.f ? acc[h][i] / l : 0.f);
+      // (acc * 1) / l without a sink, as before sinks existed; NaN for a bad head, 0 for none.
+      const float v = acc[h][i] * sm.alpha[h] / sm.l[h];
       const int64_t at = (t * p.h_q + h0 + h) * p.d_v + c;
       if (q32) {
         static_cast<float*>(p.out)[at] = v;

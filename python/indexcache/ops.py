@@ -150,18 +150,39 @@ def mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache) -> None:
     _ops.mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache)
 
 
-def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, lse=None):
+def _check_sinks(sinks, q) -> None:
+    """ValueError naming the problem (the C++ op checks the same with TORCH_CHECK)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks must be a float32 tensor [h_q] or None, got {type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise ValueError(f"sinks must be float32 (one fp32 logit per query head), got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks and q must be on one device, got {sinks.device} and {q.device}")
+    if sinks.dim() != 1 or (q.dim() >= 2 and sinks.shape[0] != q.shape[1]):
+        raise ValueError(f"sinks must be [h_q] = [{q.shape[1] if q.dim() >= 2 else '?'}], got {tuple(sinks.shape)}")
+    if not sinks.is_contiguous():
+        raise ValueError(f"sinks must be contiguous, got strides {sinks.stride()}")
+
+
+def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, lse=None, sinks=None):
     """Absorbed sparse MLA over selected slots (DESIGN.md §5).
 
     q bf16/fp32 ``[s_q, h_q, 576]``; kv_cache as :func:`mla_kv_cache_insert`; indices int32
     ``[s_q, topk]`` physical slots, -1 = none. Returns ``(out [s_q, h_q, d_v] in q's dtype,
     lse fp32 [s_q, h_q])``; rows with no valid slot give 0 and -inf.
+
+    sinks: fp32 ``[h_q]`` (contiguous, q's device) or None: one attention-sink logit per head
+    that joins every row's softmax denominator with no value row (HY-V4). lse includes it; a
+    row with no valid slot still gives 0, with lse = the sink. -inf is no sink; NaN / +inf make
+    the head's out and lse NaN on rows with a valid slot (docs/ops.md).
     """
+    if sinks is not None:
+        _check_sinks(sinks, q)
     if out is None:
         out = q.new_empty((q.shape[0], q.shape[1], d_v))
     if lse is None:
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-    _ops.sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse)
+    _ops.sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks)
     return out, lse
 
 

@@ -9,7 +9,8 @@ Written for clarity, not speed. Conventions (DESIGN.md §3–§5):
 - Non-finite inputs (docs/ops.md has the table): a quantization group holding a NaN or
   +-inf gets a NaN scale and NaN values; indexer scores follow IEEE fp32 arithmetic with a
   ReLU that keeps NaN; top-k sorts every NaN above +inf (as ``torch.sort``); sparse MLA makes
-  ``out``/``lse`` of a (row, head) NaN when one of its valid keys' scores is NaN or +-inf.
+  ``out``/``lse`` of a (row, head) NaN when one of its valid keys' scores is NaN or +-inf,
+  or when its head's attention sink is NaN or +inf (a -inf sink is no sink).
 """
 
 from __future__ import annotations
@@ -347,7 +348,7 @@ def mla_softmax_scale(qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64, m
 
 
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-               d_v: int = MLA_LATENT) -> tuple[torch.Tensor, torch.Tensor]:
+               d_v: int = MLA_LATENT, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed sparse MLA over the selected cache slots (DESIGN.md §5).
 
     q ``[s_q, h_q, 576]`` (bf16/fp32); kv_cache as :func:`mla_kv_cache_insert`; indices int32
@@ -356,6 +357,13 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     scores); a row with no valid slot gives out 0 and lse -inf. A (row, head) with a valid
     slot whose score is NaN or +-inf (a NaN/inf in q[t, h] or in a selected cache row, or an
     fp32 overflow) gets NaN in all of out[t, h] and in lse[t, h].
+
+    sinks: fp32 ``[h_q]`` or None, one attention-sink logit per head (HY-V4, DeepSeek-V4). It
+    joins every row's softmax denominator and has no value row:
+    ``out = Σ_i exp(s_i - m) v_i / (exp(sink_h - m) + Σ_i exp(s_i - m))``, ``m`` the max of the
+    scores and the sink, and lse includes it. A row with no valid slot still gives out 0, and
+    lse = sink_h (log exp(sink_h)). A sink of -inf is exactly no sink; a NaN or +inf sink makes
+    out and lse NaN on every row of that head with a valid slot (docs/ops.md).
     """
     kv = mla_kv_cache_dequant(kv_cache)
     idx = indices.long()
@@ -364,8 +372,16 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     gathered = torch.where(valid.unsqueeze(-1), kv[idx.clamp(min=0)], torch.zeros(()))  # [s_q, topk, 576]
     scores = torch.einsum("thd,tkd->thk", q.float(), gathered) * sm_scale
     bad = (~torch.isfinite(scores) & valid.unsqueeze(1)).any(dim=-1)  # [s_q, h_q]
+    if sinks is not None:
+        sink_bad = ~(sinks.float() < math.inf)  # NaN or +inf
+        bad = bad | (sink_bad.unsqueeze(0) & valid.any(dim=-1, keepdim=True))
     scores = scores.masked_fill(~valid.unsqueeze(1) | bad.unsqueeze(-1), -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
+    if sinks is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        # The sink as one more logit of the denominator (its max is the max with the sink).
+        sink_col = sinks.float().reshape(1, -1, 1).expand(scores.shape[0], -1, 1)
+        lse = torch.logsumexp(torch.cat((scores, sink_col), dim=-1), dim=-1)
     probs = torch.nan_to_num(torch.exp(scores - lse.unsqueeze(-1)), nan=0.0)  # all -inf: exp(-inf - -inf)
     out = torch.einsum("thk,tkd->thd", probs, gathered[..., :d_v])
     out = torch.where(bad.unsqueeze(-1), torch.full_like(out, math.nan), out)

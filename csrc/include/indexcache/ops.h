@@ -3,7 +3,9 @@
 // Shape names (DESIGN.md §7): s_q query rows, s_kv keys, h heads, d head dim.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace indexcache {
 
@@ -118,7 +120,46 @@ struct SparseMlaParams {
   float sm_scale;
   DType q_dtype;
   DType kv_dtype;            // kFp8E4M3 means the 656-byte fp8_ds_mla layout
+  // [h_q] fp32 attention-sink logit per head, or nullptr (none). Joins each row's softmax
+  // denominator with no value row; lse includes it; a NaN / +inf sink makes its head's out and
+  // lse NaN on rows with a valid slot, -inf is no sink (docs/ops.md). Last, so the initialisers
+  // written before sinks existed still mean "no sinks".
+  const float* sinks = nullptr;
 };
+
+// Finishes one (row, head) of sparse MLA from its softmax state over the valid keys: m the
+// max score, l = Σ exp(s - m) (0: no valid key), bad: a score was NaN or ±inf. sink is the
+// head's sink logit (-inf without sinks): m and l are extended by it (the max includes it).
+// Returns lse and the factor of Σ exp(s - m) v, scale = num / den: NaN for a bad head, 0
+// without a valid key (kernels that divide use (x * num) / den). Without a sink (-inf) the
+// arithmetic is the sink-free one exactly: max(m, -inf) = m, exp(0) = 1 and exp(-inf) = 0, so
+// num = 1, den = l, scale = 1 / l and lse = m + log(l) to the bit.
+#if defined(__CUDACC__)
+#define INDEXCACHE_HD __host__ __device__
+#else
+#define INDEXCACHE_HD
+#endif
+struct MlaFinish {
+  float lse;
+  float scale;
+  float num;
+  float den;
+};
+INDEXCACHE_HD inline MlaFinish mla_finish(float m, float l, bool bad, float sink) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (bad) return {nan, nan, nan, 1.f};
+  if (!(l > 0.f)) return {sink, 0.f, 0.f, 1.f};  // no valid key: out 0, lse log(exp(sink)) (-inf without one)
+  if (!(sink < std::numeric_limits<float>::infinity())) return {nan, nan, nan, 1.f};  // NaN or +inf sink
+  const float mn = sink > m ? sink : m;
+  const float a = expf(m - mn);
+  const float ls = l * a + expf(sink - mn);
+  return {mn + logf(ls), a / ls, a, ls};
+}
+
+// Head h's sink logit, -inf (no sink) when the op has none.
+INDEXCACHE_HD inline float mla_sink(const SparseMlaParams& p, int64_t h) {
+  return p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<float>::infinity();
+}
 
 // MLA KV cache insert.
 struct MlaInsertParams {

@@ -208,4 +208,17 @@ int emu_sparse_mla(const void* q, const void* kv, const int32_t* indices, void* 
   });
 }
 
+// emu_sparse_mla with attention sinks: fp32 [h_q] (nullptr: none).
+int emu_sparse_mla_sinks(const void* q, const void* kv, const int32_t* indices, void* out, float* lse, int64_t s_q,
+                         int64_t h_q, int64_t topk, int64_t num_slots, int64_t d_v, float sm_scale, int q_dtype,
+                         int kv_dtype, const float* sinks) {
+  return guarded([&] {
+    Scratch s;
+    SparseMlaParams p{q, kv, indices, out, lse, s_q, h_q, topk, num_slots, d_v, sm_scale,
+                      static_cast<DType>(q_dtype), static_cast<DType>(kv_dtype)};
+    p.sinks = sinks;
+    sparse_mla_cuda(p, env(s));
+  });
+}
+
 }  // extern "C"
