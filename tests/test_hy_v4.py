@@ -8,7 +8,6 @@ break them toward the lower position, so the reference runs with a stable top-k
 """
 
 import json
-import math
 import warnings
 
 import pytest
@@ -17,7 +16,7 @@ from hf_weights import randomize_
 from test_model import run_paged
 
 from indexcache.models import BatchMeta, HYV4ForCausalLM, from_pretrained
-from indexcache.models.blocks.mla import sink_attention, with_sink
+from indexcache.models.blocks.mla import sink_attention
 from indexcache.runtime.generation import generate
 
 transformers = pytest.importorskip("transformers")
@@ -88,6 +87,11 @@ def test_shipped_indexer_types_equal_transformers(shipped, ids, monkeypatch):
     model = ours(path)
     assert type(model) is HYV4ForCausalLM and model.plan.pattern == "FFSSSF"
     assert model.ic_config.shipped_by_checkpoint and "shipped" in model.plan_summary()
+    # the --hf-overrides that reproduce the plan name the shipped list (not a freq)
+    from indexcache.config import IndexCacheConfig
+    again = json.loads(model.ic_config.hf_overrides_json())
+    assert again["indexer_types"] == cfg["indexer_types"] and "index_topk_freq" not in again
+    assert IndexCacheConfig.from_config({"num_hidden_layers": 6}, again).plan().pattern == "FFSSSF"
     assert model.indexer_param_count()[2:5] == [0, 0, 0] and model.indexer_param_count()[0] > 0
     assert model.args.native_mla and model.args.native_indexer and model.args.hc_mult == 4
     want = hf_logits(ref, ids, monkeypatch)
@@ -195,24 +199,6 @@ def test_fp8_ds_mla_cache_bf16_and_generate(shipped):
 
 
 # ============================================================================ the blocks
-
-def test_sink_rescale_is_the_softmax_with_a_sink():
-    g = torch.Generator().manual_seed(0)
-    scores = torch.randn(3, 2, 5, generator=g)
-    scores[2, 0] = -math.inf  # a row with no valid entry
-    v = torch.randn(3, 5, 7, generator=g)
-    sinks = torch.tensor([0.7, -1.3])
-    lse = torch.logsumexp(scores, -1)
-    out = torch.einsum("thk,tkd->thd", torch.nan_to_num(torch.softmax(scores, -1)), v)
-    sink = sinks.view(1, 2, 1).expand(3, 2, 1)
-    want = torch.einsum("thk,tkd->thd", torch.softmax(torch.cat((scores, sink), -1), -1)[..., :-1], v)
-    got = with_sink(out, lse, sinks)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(got[2, 0], torch.zeros(7))
-    edge = with_sink(out, lse, torch.tensor([math.inf, -math.inf]))
-    assert torch.equal(edge[:, 0], torch.zeros(3, 7)) and torch.equal(edge[:, 1], out[:, 1])
-    assert torch.isnan(with_sink(out, lse, torch.tensor([math.nan, 0.0]))[:, 0]).all()
-
 
 def test_sink_attention_torch_form():
     g = torch.Generator().manual_seed(1)
@@ -324,3 +310,66 @@ def test_tensor_and_pipeline_parallel(shipped, tmp_path):
     assert tp[0]["model.layers.0.attn_hc.fn"] == (8, 4 * 48)
     pp = [set(o["pp2"]["params"]) for o in outs]
     assert "model.hc_head.hc_fn" in pp[1] and "model.hc_head.hc_fn" not in pp[0]
+
+
+# ============================================================================ pattern tools
+
+def test_pattern_tools_take_hy_v4(tmp_path, capsys):
+    from indexcache.cli import main
+
+    path = tmp_path / "all_full"
+    hf_checkpoint(path, seed=5, vocab_size=256, indexer_types=["full"] * 6)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, indexcache_tokenizer="bytes")))
+    text = tmp_path / "text.txt"
+    text.write_text("for line in open('settings.ini'):\n    key, _, value = line.partition('=')\n" * 20)
+    common = ["--model", str(path), "--text", str(text), "--context", "24", "--windows", "2", "--json"]
+    assert main(["overlap"] + common) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 24
+    assert main(["search"] + common) == 0
+    assert json.loads(capsys.readouterr().out)["steps"][0]["pattern"] == "FFFFFF"
+    assert main(["eval"] + common) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["perplexity"] > 1
+    # training-aware distillation of the indexers under a freq-2 plan writes an HY-V4 checkpoint
+    # (its own tensor names, S layers without indexers) that transformers loads
+    ov = json.dumps({"use_index_cache": True, "index_topk_freq": 2})
+    assert main(["train", "--out", str(tmp_path / "run"), "--init", str(path), "--hf-overrides", ov,
+                 "--mode", "indexers", "--warmup-steps", "1", "--sparse-steps", "1", "--batch", "1",
+                 "--context-len", "24", "--eval-every", "2", "--text", str(text), "--heldout-text", str(text)]) == 0
+    out = tmp_path / "run" / "checkpoint"
+    names = _names(out)
+    assert "model.layers.2.self_attn.learnable_sink_param" in names
+    assert not any(n.startswith("model.layers.2.self_attn.indexer.") for n in names)
+    assert json.loads((out / "config.json").read_text())["indexer_types"][:3] == ["full", "full", "shared"]
+    model = ours(out)
+    assert model.plan.pattern == "FFSFSF" and model.ic_config.shipped_by_checkpoint
+    # eval takes a checkpoint whose S layers ship no indexer; overlap / search need them all
+    assert main(["eval", "--model", str(out), "--text", str(text), "--context", "24", "--windows", "1"]) == 0
+    assert main(["search", "--model", str(out), "--text", str(text), "--context", "24", "--windows", "1"]) == 2
+    assert "overlap and search need every layer's indexer" in capsys.readouterr().err
+
+
+# ============================================================================ transformers made sparse
+
+def test_transformers_enable_takes_hy_v4(shipped, ids, monkeypatch):
+    from indexcache.integrations.transformers import enable
+
+    path, _ = shipped
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = transformers.HYV4ForCausalLM.from_pretrained(path).float().eval()
+        model = transformers.HYV4ForCausalLM.from_pretrained(path).float().eval()
+    want = hf_logits(ref, ids, monkeypatch)
+    enable(model, indexer_fp8=False)
+    assert model.indexcache_plan.pattern == "FFSSSF"
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+    assert rel(got, want) < 1e-4
+    assert rel(got, ours(path)(ids)) < 1e-4
+    # cached decode through transformers' generate: the greedy tokens of our paged model
+    prompt = ids[:1, :12]
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                             do_sample=False, pad_token_id=0)
+    res = generate(ours(path), [prompt[0].tolist()], 5, stop_tokens=[])
+    assert out[0, 12:].tolist() == res.tokens[0]

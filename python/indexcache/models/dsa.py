@@ -51,7 +51,18 @@ class DSAModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if par.last_stage else None
         # hyper-connections (HY-V4): the streams collapse before the final norm
+        self.hc_mult = args.hc_mult
         self.hc_head = HyperHead(args) if args.hc_mult and par.last_stage else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[N]`` -> the residual stream the first layer reads: ``[N, hidden]``, or with
+        hyper-connections ``[N, hc_mult, hidden]``, every stream the embedding."""
+        x = self.embed_tokens(input_ids)
+        return x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous() if self.hc_mult else x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream -> the normed hidden states ``[N, hidden]`` (streams collapsed first)."""
+        return self.norm(x if self.hc_head is None else self.hc_head(x))
 
 
 
@@ -323,9 +334,7 @@ class DSAForCausalLM(nn.Module):
         hc = self.args.hc_mult
         stream = (n, hc, self.args.hidden_size) if hc else (n, self.args.hidden_size)
         if par.first_stage:
-            x = self.model.embed_tokens(input_ids)
-            if hc:  # hyper-connections: every stream starts as the embedding
-                x = x.unsqueeze(1).expand(stream).contiguous()
+            x = self.model.embed(input_ids)
         else:  # the previous stage's residual stream and, if this stage begins on an S layer, its top-k rows
             x = torch.empty(stream, dtype=self.compute_dtype, device=self.device)
             ctx.topk_valid = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank) else None)
@@ -336,7 +345,7 @@ class DSAForCausalLM(nn.Module):
             par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1) else None, ctx.topk_valid)
             h = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
         else:
-            h = self.model.norm(x if self.model.hc_head is None else self.model.hc_head(x))
+            h = self.model.final_norm(x)
         if par.pp_size > 1:  # every rank returns the same hidden states and holds the same top-k rows
             par.broadcast_from_last(h)
             par.broadcast_from_last(ctx.topk_rows)

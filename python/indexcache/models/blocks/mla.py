@@ -42,17 +42,8 @@ class SparseAttention(nn.Module):
         attend = ops.sparse_mla if q.shape[-1] == MLA_LATENT + MLA_ROPE else reference.sparse_mla
         out = q.new_empty(n, h, self.kv_lora_rank)
         for r0, r1 in row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS):
-            o, lse = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank)
-            out[r0:r1] = o if sinks is None else with_sink(o, lse, sinks)
+            out[r0:r1] = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank, sinks=sinks)[0]
         return out
-
-
-def with_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Sparse MLA's ``out [N, H, d]`` with ``lse [N, H]`` (log of the softmax denominator) redone with
-    ``exp(sinks[h])`` added to the denominator: ``out * e^lse / (e^lse + e^sink) = out *
-    sigmoid(lse - sink)``, exact. A row with no valid entry (out 0, lse -inf) stays 0; a sink of
-    +inf zeroes the row, -inf leaves it as it was; NaN in lse or sink gives NaN."""
-    return (out.float() * torch.sigmoid(lse - sinks.float()).unsqueeze(-1)).to(out.dtype)
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor,
@@ -153,11 +144,8 @@ class MLA(nn.Module):
         elif not ctx.topk_valid:
             raise RuntimeError(f"layer {self.layer_id} reuses top-k indices but no F layer wrote them in this forward")
         with ctx.stage(self.layer_id, "attention"):
-            if self.sinks is None:
-                out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size)
-            else:
-                out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table,
-                                       meta.block_size, sinks=self.sinks)
+            out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size,
+                                   sinks=self.sinks)
             o = self._gated(torch.einsum("thc,hdc->thd", out, w_kv[:, self.nope:]), x)
             return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
 
