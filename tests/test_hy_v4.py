@@ -163,6 +163,23 @@ def test_fp8_block_checkpoint(shipped, tmp_path, ids):
     # the same e4m3 weights, held FP8 or dequantized at load
     assert rel(held(ids), deq(ids)) < 1e-5
     assert torch.isfinite(deq(ids)).all()
+    # the fused 3-D expert tensors block-quantized expert by expert (scale_inv [E, rows/128, cols/128])
+    from safetensors.torch import load_file, save_file
+
+    from indexcache.fp8_blocks import dequantize_fp8_blocks, quantize_fp8_blocks
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    q, s = zip(*(quantize_fp8_blocks(w) for w in tensors[name]))
+    tensors[name], tensors[name + "_scale_inv"] = torch.stack(q), torch.stack(s)
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    want = torch.stack([dequantize_fp8_blocks(a, b, name) for a, b in zip(q, s)])
+    for weights in ("fp8", "bf16"):
+        m = ours(tmp_path / "fp8", weights=weights)
+        assert torch.equal(m.model.layers[1].mlp.experts.gate_up_proj, want)
+    tensors.pop(name + "_scale_inv")
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(ValueError, match="gate_up_proj is stored in fp8 but .*_scale_inv is missing"):
+        ours(tmp_path / "fp8")
 
 
 # ============================================================================ serving paths

@@ -176,6 +176,8 @@ def _copy_param(reader: _Reader, ckpt: str, mod, attr: str, used: set) -> None:
     t = reader.read(ckpt, dim, lo, hi)
     used.add(ckpt)
     fp8_param = p.dtype == torch.float8_e4m3fn
+    if t.dim() == 3 and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = _dequantize_stacked(reader, ckpt, t, dim, lo, hi, used)
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         s, off = reader.read_scale(ckpt, dim, lo, hi)
         used.add(ckpt + "_scale_inv")
@@ -191,6 +193,19 @@ def _copy_param(reader: _Reader, ckpt: str, mod, attr: str, used: set) -> None:
         mod.set_dense(t)  # a bf16 checkpoint held FP8 (weights="fp8"): quantized in aligned blocks
     else:
         p.copy_(t)
+
+
+def _dequantize_stacked(reader: _Reader, ckpt: str, t: torch.Tensor, dim, lo: int, hi: int, used: set) -> torch.Tensor:
+    """A stacked FP8 tensor ``[E, out, in]`` (HY-V4's fused experts, sliced along E) with its
+    ``_scale_inv [E, ceil(out/b0), ceil(in/b1)]``: dequantized expert by expert (held in the model dtype)."""
+    sname = ckpt + "_scale_inv"
+    if sname not in reader.files:
+        raise ValueError(f"{ckpt} is stored in fp8 but {sname} is missing")
+    s = reader.read(sname, dim, lo, hi)
+    used.add(sname)
+    if s.dim() != 3 or s.shape[0] != t.shape[0]:
+        raise ValueError(f"{sname} has shape {tuple(s.shape)}, expected one block grid per expert of {tuple(t.shape)}")
+    return torch.stack([dequantize_fp8_blocks(t[e], s[e], f"{ckpt}[{e}]", reader.block) for e in range(t.shape[0])])
 
 
 @torch.no_grad()
