@@ -254,8 +254,11 @@ def test_torch_form_equals_kernel_form(shipped):
 def test_errors(shipped, tmp_path):
     path, _ = shipped
     cfg = json.loads((path / "config.json").read_text())
+    # MTP layers are not run (transformers does not either): built without them whatever the config says
+    assert HYV4ForCausalLM.from_config(dict(cfg, num_nextn_predict_layers=1)).mtp_layers == []
+    from indexcache.models import ModelArgs
     with pytest.raises(ValueError, match="MTP layers with hyper-connections"):
-        HYV4ForCausalLM.from_config(dict(cfg, num_nextn_predict_layers=1))
+        ModelArgs.from_config(dict(cfg, num_nextn_predict_layers=1), "hy_v4", HYV4ForCausalLM.config_defaults)
     with pytest.raises(ValueError, match="hc_mult -1"):
         HYV4ForCausalLM.from_config(dict(cfg, hc_mult=-1))
     # a missing tensor is named by the checkpoint's own name
@@ -267,6 +270,12 @@ def test_errors(shipped, tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="model.layers.1.self_attn.learnable_sink_param is missing"):
         ours(tmp_path / "bad")
+    # a checkpoint's MTP tensors are passed over without a warning (ours() turns warnings into errors)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.mtp_layers.0.eh_proj.weight"] = torch.zeros(48, 96)
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
+    assert ours(tmp_path / "bad").plan.pattern == "FFSSSF"
     # a shared layer asked to be F in a forward has no indexer to run
     model = ours(path)
     ctx = model.forward_context(BatchMeta.dense(1, 3, "cpu"), full=[True] * 6)

@@ -75,7 +75,7 @@ def _should_drop(name: str, model) -> bool:
     """Checkpoint tensors the model knowingly does not build."""
     m = _LAYER.match(name)
     if not m:
-        return False
+        return name.startswith("model.mtp_layers.") and not model.args.num_nextn_predict_layers  # HY-V4's, not run
     layer, rest = int(m.group(1)), m.group(2)
     layers = model.model.layers
     if layer >= len(layers):

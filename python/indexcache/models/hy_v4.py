@@ -18,7 +18,8 @@ The DeepSeek-V3.2 block with these departures, each a switch of the generic bloc
 Checkpoints are read by their own tensor names (``checkpoint_renames``: transformers renames
 them at load, e.g. ``hc_pre.hc_attn_layer.hc_fn`` -> ``attn_hc.fn``, ``linear_gate`` ->
 ``gate_proj``, ``learnable_sink_param`` -> ``sinks``); the blocks use transformers' in-memory
-names. MTP layers (``model.mtp_layers``, which transformers ignores too) are not run.
+names. MTP layers (``model.mtp_layers``, which transformers ignores too) are neither built nor
+read, whatever ``num_nextn_predict_layers`` says.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ class HYV4ForCausalLM(DSAForCausalLM):
 
     @classmethod
     def family_config(cls, config: dict) -> dict:
-        # transformers' HYV4Indexer builds its key LayerNorm with the model's rms_norm_eps
         c = dict(config)
+        # transformers' HYV4Indexer builds its key LayerNorm with the model's rms_norm_eps
         if c.get("index_k_norm_eps") is None:
             c["index_k_norm_eps"] = c.get("rms_norm_eps") or cls.config_defaults["rms_norm_eps"]
+        # MTP layers (model.mtp_layers.*) are not run, as transformers does not run them: the main
+        # model is built without them and the loader passes over their tensors
+        c["num_nextn_predict_layers"] = 0
         return c
