@@ -66,7 +66,7 @@ if [ $BUILD_OK -eq 0 ]; then
 fi
 
 # 2. The device-parametrized tests, cuda cases only.
-TESTS="tests/test_ops.py tests/test_buffer.py tests/test_cuda_graph.py tests/test_cuda_checks.py"
+TESTS="tests/test_ops.py tests/test_buffer.py tests/test_cuda_graph.py tests/test_cuda_checks.py tests/test_hy_v4_device.py"
 if [ $BUILD_OK -eq 0 ]; then
   stage tests 110 test.log "$PY" -m pytest -q -rfE -p no:cacheprovider $TESTS -k cuda
 else

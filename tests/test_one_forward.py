@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from indexcache.models import BatchMeta
 from indexcache.models.blocks import MLA, DecoderLayer, Indexer
+from indexcache.models.blocks.hyper import HyperDecoderLayer
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.hy_v4 import HYV4ForCausalLM
 from indexcache.models.tiny import tiny_config
 from indexcache.tools.aware import aware_forward
 from indexcache.tools.aware_loss import serving_groups
@@ -22,6 +24,12 @@ SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num
              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
              n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1, index_n_heads=2, index_topk=8,
              max_position_embeddings=256, num_nextn_predict_layers=1)
+# HY-V4's block: sinks, output gate, hyper-connections, fused clamped experts (its defaults)
+HY_SMALL = dict(model_type="hy_v4", vocab_size=256, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                num_hidden_layers=4, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=2, n_shared_experts=1, num_experts_per_tok=1,
+                index_n_heads=2, index_head_dim=16, index_topk=8, max_position_embeddings=256,
+                mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
 
 
 def _model(pattern=None, seed=0):
@@ -34,7 +42,8 @@ def _model(pattern=None, seed=0):
 def calls(monkeypatch):
     """Counts of each block method called, by layer id."""
     seen = {"decoder": [], "mla": [], "indexer": [], "select": []}
-    for cls, name, key in ((DecoderLayer, "forward", "decoder"), (MLA, "forward", "mla"),
+    for cls, name, key in ((DecoderLayer, "forward", "decoder"), (HyperDecoderLayer, "forward", "decoder"),
+                           (MLA, "forward", "mla"),
                            (Indexer, "forward", "indexer"), (Indexer, "select", "select")):
         orig = getattr(cls, name)
 
@@ -103,6 +112,29 @@ def test_torch_form_equals_kernel_form(pattern):
         dense, _, _ = train_forward(model, ids, "dense", mtp_weight=0)
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     assert float(dense) == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.parametrize("pattern", [None, "FSFS"])
+def test_hy_v4_torch_form_equals_kernel_form(pattern, calls):
+    """The same for HY-V4's block: the torch form handles sinks, the gate and the hyper-connections."""
+    ov = {"use_index_cache": True, "index_topk_pattern": pattern} if pattern else None
+    model = HYV4ForCausalLM.from_config(HY_SMALL, ov, dtype=torch.float32, seed=3, indexer_fp8=False)
+    assert model.model.layers[0].self_attn.sinks is not None and model.model.hc_head is not None
+    ids = torch.randint(0, 256, (2, 9))
+    logits = model(ids[:, :-1])
+    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    for key in calls:
+        calls[key].clear()
+    with torch.no_grad():
+        got, _, _ = train_forward(model, ids, "sparse", mtp_weight=0, with_kl=False)
+    assert calls["decoder"] == [0, 1, 2, 3] and calls["mla"] == [0, 1, 2, 3]
+    assert calls["select"] == ([0, 2] if pattern else [0, 1, 2, 3])
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    runner = PatternRunner(HYV4ForCausalLM.from_config(HY_SMALL, dtype=torch.float32, seed=3, indexer_fp8=False),
+                           torch.randint(0, 256, (2, 13)))
+    calls["indexer"].clear()
+    runner.run("FSSF")
+    assert calls["indexer"] == [0, 3]
 
 
 def test_mtp_reuse_is_data_not_a_flip():

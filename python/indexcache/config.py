@@ -173,6 +173,8 @@ class IndexCacheConfig:
         out: dict[str, Any] = {"use_index_cache": self.use_index_cache}
         if self.index_topk_pattern:
             out["index_topk_pattern"] = self.index_topk_pattern
+        elif self.indexer_types is not None:  # the per-layer list the plan was built from (GLM-5.2, HY-V4)
+            out["indexer_types"] = list(self.indexer_types)
         else:
             out["index_topk_freq"] = self.index_topk_freq
             if self.index_skip_topk_offset != 2:

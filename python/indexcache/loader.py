@@ -75,7 +75,7 @@ def _should_drop(name: str, model) -> bool:
     """Checkpoint tensors the model knowingly does not build."""
     m = _LAYER.match(name)
     if not m:
-        return False
+        return name.startswith("model.mtp_layers.") and not model.args.num_nextn_predict_layers  # HY-V4's, not run
     layer, rest = int(m.group(1)), m.group(2)
     layers = model.model.layers
     if layer >= len(layers):
@@ -90,19 +90,22 @@ def _targets(model) -> list:
     """(parameter name, checkpoint name, module, attribute) for each parameter this rank holds once."""
     out, seen = [], set()
     tied_head = model.args.tie_word_embeddings
+    rename = getattr(model, "checkpoint_name", lambda n: n)
     for mod_name, mod in model.named_modules():
         for attr, p in mod.named_parameters(recurse=False):
             if id(p) in seen or attr == "weight_scale_inv":  # scales are read with their weight
                 continue
             seen.add(id(p))
             name = f"{mod_name}.{attr}" if mod_name else attr
-            ckpt = "model.embed_tokens.weight" if tied_head and name == "lm_head.weight" else name
+            ckpt = "model.embed_tokens.weight" if tied_head and name == "lm_head.weight" else rename(name)
             out.append((name, ckpt, mod, attr))
     return out
 
 
 def _slice_of(mod, attr: str):
     """(dim, (start, stop)) of the checkpoint tensor this parameter holds, or (None, None): whole."""
+    if hasattr(mod, "param_slice"):  # blocks with sliced parameters of their own (sinks, fused experts)
+        return mod.param_slice(attr)
     if attr == "weight" and hasattr(mod, "checkpoint_slice"):
         return mod.checkpoint_slice()
     return None, None
@@ -112,6 +115,8 @@ def _full_shape(mod, attr: str, p: torch.Tensor) -> tuple:
     dim, shard = _slice_of(mod, attr)
     if dim is None:
         return tuple(p.shape)
+    if hasattr(mod, "param_full_shape"):
+        return tuple(mod.param_full_shape(attr))
     shape = list(p.shape)
     shape[dim] = getattr(mod, "full_shape", None)[dim] if hasattr(mod, "full_shape") else getattr(mod, "vocab")
     return tuple(shape)
@@ -171,6 +176,8 @@ def _copy_param(reader: _Reader, ckpt: str, mod, attr: str, used: set) -> None:
     t = reader.read(ckpt, dim, lo, hi)
     used.add(ckpt)
     fp8_param = p.dtype == torch.float8_e4m3fn
+    if t.dim() == 3 and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = _dequantize_stacked(reader, ckpt, t, dim, lo, hi, used)
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         s, off = reader.read_scale(ckpt, dim, lo, hi)
         used.add(ckpt + "_scale_inv")
@@ -186,6 +193,19 @@ def _copy_param(reader: _Reader, ckpt: str, mod, attr: str, used: set) -> None:
         mod.set_dense(t)  # a bf16 checkpoint held FP8 (weights="fp8"): quantized in aligned blocks
     else:
         p.copy_(t)
+
+
+def _dequantize_stacked(reader: _Reader, ckpt: str, t: torch.Tensor, dim, lo: int, hi: int, used: set) -> torch.Tensor:
+    """A stacked FP8 tensor ``[E, out, in]`` (HY-V4's fused experts, sliced along E) with its
+    ``_scale_inv [E, ceil(out/b0), ceil(in/b1)]``: dequantized expert by expert (held in the model dtype)."""
+    sname = ckpt + "_scale_inv"
+    if sname not in reader.files:
+        raise ValueError(f"{ckpt} is stored in fp8 but {sname} is missing")
+    s = reader.read(sname, dim, lo, hi)
+    used.add(sname)
+    if s.dim() != 3 or s.shape[0] != t.shape[0]:
+        raise ValueError(f"{sname} has shape {tuple(s.shape)}, expected one block grid per expert of {tuple(t.shape)}")
+    return torch.stack([dequantize_fp8_blocks(t[e], s[e], f"{ckpt}[{e}]", reader.block) for e in range(t.shape[0])])
 
 
 @torch.no_grad()
@@ -295,6 +315,8 @@ def save_pretrained(model, path: Union[str, Path], *, fp8: bool = False, max_sha
                                          "weight_block_size": list(FP8_BLOCK)}
     else:
         config.pop("quantization_config", None)
+    rename = getattr(model, "checkpoint_name", lambda n: n)  # the family's own tensor names
+    tensors = {rename(name): t for name, t in tensors.items()}
     shards = [{}]
     size = 0
     for name, t in tensors.items():

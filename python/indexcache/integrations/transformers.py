@@ -1,6 +1,6 @@
 """Make a transformers DSA model truly sparse: ``enable(model)`` (DESIGN.md §10, §12).
 
-transformers' ``DeepseekV32ForCausalLM`` and ``GlmMoeDsaForCausalLM`` score every key with an
+transformers' ``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM`` and ``HYV4ForCausalLM`` score every key with an
 fp32 matmul, expand K and V of every cached token through ``kv_b_proj`` and then run dense
 attention under a top-k mask, so prefill and decode stay quadratic in context. ``enable``
 replaces, in place, the ``forward`` of each layer's attention module with absorbed sparse MLA
@@ -65,6 +65,8 @@ class _Family:
     # product does not care, but the Hadamard rotation before fp8 does: the checkpoints (and vLLM, and
     # this project's model) rotate in place, so the fp8 path restores the interleaved layout
     indexer_rope_deinterleaved: bool
+    mla_rope: str = "apply_rotary_pos_emb_interleave"  # name of the RoPE function MLA uses in that module
+    indexer_rope_tail: bool = False  # HY-V4's indexer rotates its last qk_rope_head_dim dims, not its first
 
 
 FAMILIES = {
@@ -72,6 +74,10 @@ FAMILIES = {
                                       "apply_rotary_pos_emb", False, False),
     "GlmMoeDsaForCausalLM": _Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaForCausalLM", "GlmMoeDsaAttention",
                                     "apply_rotary_pos_emb_interleave", True, True),
+    # HY-V4: NeoX RoPE on MLA and on the indexer's last 64 dims; sinks and the output gate (read
+    # from the attention module when it has them)
+    "HYV4ForCausalLM": _Family("hy_v4", "hy_v4", "HYV4ForCausalLM", "HYV4Attention", "apply_rotary_pos_emb", True,
+                               False, mla_rope="apply_rotary_pos_emb", indexer_rope_tail=True),
 }
 
 
@@ -173,16 +179,19 @@ def _indexer_topk(attn, state: _State, hidden_states, q_resid, cos, sin, cache, 
     idx = attn.indexer
     b, s, _ = hidden_states.shape
     h, d, r = idx.n_heads, idx.head_dim, idx.qk_rope_head_dim
+    tail = state.family.indexer_rope_tail
     q = idx.wq_b(q_resid).view(b, s, h, d)
-    q_rot, q_pass = torch.split(q, [r, d - r], dim=-1)
-    k = idx.k_norm(idx.wk(hidden_states)).unsqueeze(2)
-    k_rot, k_pass = torch.split(k, [r, d - r], dim=-1)
+    k = idx.k_norm(idx.wk(hidden_states).to(idx.k_norm.weight.dtype)).to(hidden_states.dtype).unsqueeze(2)
+    if tail:
+        (q_pass, q_rot), (k_pass, k_rot) = torch.split(q, [d - r, r], dim=-1), torch.split(k, [d - r, r], dim=-1)
+    else:
+        (q_rot, q_pass), (k_rot, k_pass) = torch.split(q, [r, d - r], dim=-1), torch.split(k, [r, d - r], dim=-1)
     q_rot, k_rot = state.rope_indexer(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     if state.fp8 and state.family.indexer_rope_deinterleaved:
         q_rot = torch.stack(q_rot.chunk(2, dim=-1), dim=-1).flatten(-2)
         k_rot = torch.stack(k_rot.chunk(2, dim=-1), dim=-1).flatten(-2)
-    q = torch.cat([q_rot, q_pass], dim=-1).reshape(b * s, h, d)
-    k = torch.cat([k_rot, k_pass], dim=-1).reshape(b * s, d)
+    q = torch.cat([q_pass, q_rot] if tail else [q_rot, q_pass], dim=-1).reshape(b * s, h, d)
+    k = torch.cat([k_pass, k_rot] if tail else [k_rot, k_pass], dim=-1).reshape(b * s, d)
     w = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float().reshape(b * s, h)
     if state.fp8:
         eps = ops.INDEX_K_EPS if state.hadamard else ops.INDEX_Q_EPS  # DeepSeek floors q's amax at 1e-4 too
@@ -266,8 +275,12 @@ def _make_forward(state: _State, layer_pos: int):
         kv_flat = kv.reshape(b * s_kv, 1, latent + rope)
         if not kv_flat.is_contiguous():  # after transformers' crop() of a batch
             kv_flat = kv_flat.contiguous()
-        out, _ = ops.sparse_mla(q_abs.to(kv_flat.dtype), kv_flat, state.slots, attn.scaling, d_v=latent)
+        sinks = getattr(attn, "sinks", None)  # HY-V4: one fp32 softmax logit per head
+        sinks = None if sinks is None else sinks.detach().float().contiguous()
+        out, _ = ops.sparse_mla(q_abs.to(kv_flat.dtype), kv_flat, state.slots, attn.scaling, d_v=latent, sinks=sinks)
         o = torch.einsum("nhc,hvc->nhv", out.to(hidden_states.dtype), w_uv.to(hidden_states.dtype))
+        if getattr(attn, "gate_proj", None) is not None:  # HY-V4: sigmoid output gate per head and value dim
+            o = o * torch.sigmoid(attn.gate_proj(hidden_states)).view(o.shape)
         return attn.o_proj(o.reshape(b, s, h * o.shape[-1]))
 
     return forward
@@ -285,13 +298,13 @@ def _family_of(model) -> _Family:
             return fam
     raise ValueError(f"indexcache.integrations.transformers.enable: {type(model).__module__}.{type(model).__name__} "
                      f"is not supported; supported transformers classes: {', '.join(sorted(FAMILIES))} "
-                     "(HY-V4, MiniMax-M3 and DeepSeek-V4 join when their blocks are served)")
+                     "(MiniMax-M3 and DeepSeek-V4 join when their blocks are served)")
 
 
 def enable(model, *, hf_overrides: Union[None, str, Mapping[str, Any]] = None, indexer_fp8: Optional[bool] = None):
     """Make a loaded transformers DSA model truly sparse, in place; returns it.
 
-    model: a transformers ``DeepseekV32ForCausalLM`` or ``GlmMoeDsaForCausalLM`` (CPU or CUDA,
+    model: a transformers ``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM`` or ``HYV4ForCausalLM`` (CPU or CUDA,
     fp32 or bf16) with the kernels' widths (kv_lora_rank 512, qk_rope_head_dim 64,
     index_head_dim 128). hf_overrides: vLLM's ``--hf-overrides`` JSON (object or string):
     IndexCache keys with DESIGN §2's precedence over the config, plus ``index_topk`` and
@@ -347,7 +360,7 @@ def enable(model, *, hf_overrides: Union[None, str, Mapping[str, Any]] = None, i
                              f"indexer there (config.indexer_types says 'shared'); reload the model with the indexer "
                              "weights, e.g. from_pretrained(..., indexer_types=[...]) with that layer 'full'")
     state = _State(fam, plan, ic, fp8=indexer_fp8 is not False, hadamard=hadamard, index_topk=index_topk,
-                   rope_mla=mod.apply_rotary_pos_emb_interleave, rope_indexer=getattr(mod, fam.indexer_rope))
+                   rope_mla=getattr(mod, fam.mla_rope), rope_indexer=getattr(mod, fam.indexer_rope))
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         if plan.skip_topk[i]:

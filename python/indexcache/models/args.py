@@ -13,8 +13,8 @@ from indexcache.config import INDEX_CACHE_KEYS, parse_overrides
 
 # The kernels' fixed widths, the cache layouts and the quantization floors (indexcache.formats),
 # under the names this module has always exported.
-from indexcache.formats import (BLOCK_SIZE, FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS,  # noqa: F401
-                                LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE)
+from indexcache.formats import (BLOCK_SIZE, FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_K_NORM_EPS,  # noqa: F401
+                                INDEX_Q_EPS, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE)
 
 # Per-call working-set caps (elements: rows x keys x heads for scoring, rows x topk x (576 + heads)
 # for attention) so that long prefills run in row chunks of bounded memory.
@@ -32,6 +32,7 @@ _OTHER_KNOWN_KEYS = {
     "attention_bias", "attention_dropout", "initializer_range", "pretraining_tp", "ep_size", "auto_map",
     "num_key_value_heads", "aux_loss_alpha", "seq_aux", "indexcache_tokenizer", "pad_token_id",
     "head_dim", "layer_types", "mlp_bias", "output_router_logits", "qk_head_dim", "num_local_experts",
+    "learnable_sink_init",
 }
 
 @dataclass
@@ -67,6 +68,17 @@ class ModelArgs:
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # normalised YaRN parameters, or None
     indexer_rope_interleave: bool = False
+    # HY-V4's departures from the DeepSeek-V3.2 block (the defaults keep V3.2 / GLM as they are):
+    mla_rope_interleave: bool = True     # MLA RoPE pairs (2i, 2i+1); False: NeoX split-half (HY-V4)
+    indexer_rope_tail: bool = False      # the indexer rotates its last qk_rope_head_dim dims (HY-V4), not its first
+    index_k_norm_eps: float = INDEX_K_NORM_EPS  # the indexer's key LayerNorm (HY-V4: rms_norm_eps)
+    attn_sinks: bool = False             # a learned fp32 logit per head joins the attention softmax (``self_attn.sinks``)
+    attn_gate: bool = False              # sigmoid output gate per head and value dim (``self_attn.gate_proj``)
+    hc_mult: int = 0                     # independent hyper-connections: residual streams (0: a single residual)
+    hc_magnitude: float = 2.0
+    hc_eps: float = 1e-6
+    fused_experts: bool = False          # routed experts stored as experts.gate_up_proj [E, 2I, D] / down_proj [E, D, I]
+    swiglu_limit: float = 0.0            # routed-expert SwiGLU clamp (<= 0: none)
     tie_word_embeddings: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None
@@ -105,7 +117,10 @@ class ModelArgs:
              f"kv_lora_rank {self.kv_lora_rank} must be >= 1 and qk_rope_head_dim {self.qk_rope_head_dim} even and >= 2")
         need(self.index_head_dim >= self.qk_rope_head_dim,
              f"index_head_dim {self.index_head_dim} must be >= qk_rope_head_dim {self.qk_rope_head_dim} "
-             "(the indexer rotates its first qk_rope_head_dim dims)")
+             "(the indexer rotates qk_rope_head_dim of its dims)")
+        need(self.hc_mult >= 0, f"hc_mult {self.hc_mult} must be >= 0")
+        need(not (self.hc_mult and self.num_nextn_predict_layers),
+             "MTP layers with hyper-connections are not supported (set num_nextn_predict_layers to 0)")
         need(self.index_topk >= 1 and self.index_n_heads >= 1, "index_topk and index_n_heads must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         if self.mlp_layer_types is not None:

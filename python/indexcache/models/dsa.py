@@ -15,6 +15,7 @@ reuse for later draft steps; nothing is flipped on the blocks.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -29,6 +30,7 @@ from indexcache.plan import LayerPlan, build_layer_plan
 
 from .args import BLOCK_SIZE, ModelArgs, _dtype, split_overrides
 from .blocks import AbsentLayer, DecoderLayer, MTPLayer, RMSNorm, rope_inv_freq
+from .blocks.hyper import HyperDecoderLayer, HyperHead
 from .state import BatchMeta, ForwardContext, PagedKVCache, StageTimer, TorchPass
 
 
@@ -41,12 +43,26 @@ class DSAModel(nn.Module):
         par = par or ParallelContext()
         L = args.num_hidden_layers
         self.embed_tokens = make_embedding(args.vocab_size, args.hidden_size, par) if par.first_stage else None
-        layers = [DecoderLayer(args, i, not plan.skip_topk[i], indexer_fp8, par) if par.owns_layer(i, L)
+        layer_cls = HyperDecoderLayer if args.hc_mult else DecoderLayer
+        layers = [layer_cls(args, i, not plan.skip_topk[i], indexer_fp8, par) if par.owns_layer(i, L)
                   else AbsentLayer(i) for i in range(L)]
         layers += [MTPLayer(args, L + j, indexer_fp8, par) if par.owns_layer(L + j, L) else AbsentLayer(L + j)
                    for j in range(args.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if par.last_stage else None
+        # hyper-connections (HY-V4): the streams collapse before the final norm
+        self.hc_mult = args.hc_mult
+        self.hc_head = HyperHead(args) if args.hc_mult and par.last_stage else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[N]`` -> the residual stream the first layer reads: ``[N, hidden]``, or with
+        hyper-connections ``[N, hc_mult, hidden]``, every stream the embedding."""
+        x = self.embed_tokens(input_ids)
+        return x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous() if self.hc_mult else x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream -> the normed hidden states ``[N, hidden]`` (streams collapsed first)."""
+        return self.norm(x if self.hc_head is None else self.hc_head(x))
 
 
 
@@ -73,6 +89,21 @@ class DSAForCausalLM(nn.Module):
     model_type = ""
     architecture = ""
     config_defaults: dict = {}
+    # parameter-name suffixes the family keeps in fp32 whatever the model dtype (beside FP32_PARAMS)
+    fp32_params: tuple = ()
+    # (regex, replacement) from a parameter's name to its checkpoint tensor's name, in order
+    checkpoint_renames: tuple = ()
+
+    @classmethod
+    def family_config(cls, config: dict) -> dict:
+        """The family's reading of its config.json before ``ModelArgs`` is built (default: as is)."""
+        return config
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint tensor name of parameter ``name`` (the loader and ``save_pretrained``)."""
+        for pattern, repl in self.checkpoint_renames:
+            name = re.sub(pattern, repl, name)
+        return name
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -125,7 +156,7 @@ class DSAForCausalLM(nn.Module):
         if found != cls.model_type:
             raise ValueError(f"config.json's model_type is {found!r} but {cls.__name__} runs "
                              f"{cls.model_type!r}: load it with indexcache.models.from_pretrained")
-        args = ModelArgs.from_config(merged, cls.model_type, cls.config_defaults)
+        args = ModelArgs.from_config(cls.family_config(merged), cls.model_type, cls.config_defaults)
         if torch.device(device).type == "cuda" and not (args.native_mla and args.native_indexer):
             raise ValueError(f"the CUDA kernels take the 512 + 64 latent and 128-wide indexer of every production "
                              f"DSA model; this checkpoint has kv_lora_rank {args.kv_lora_rank}, qk_rope_head_dim "
@@ -182,7 +213,7 @@ class DSAForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             if p.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv"):
                 continue  # FP8 weights and their fp32 block scales stay as they are
-            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS) else dtype)
+            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS + self.fp32_params) else dtype)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> "DSAForCausalLM":
@@ -300,10 +331,12 @@ class DSAForCausalLM(nn.Module):
         """Embedding, the main layers and the final norm under ``ctx`` (gradients follow the caller's
         grad mode: training calls this under a ``TorchPass``): ``[N]`` token ids -> ``[N, hidden]``."""
         par, n, L = self.par, ctx.meta.num_tokens, self.args.num_hidden_layers
+        hc = self.args.hc_mult
+        stream = (n, hc, self.args.hidden_size) if hc else (n, self.args.hidden_size)
         if par.first_stage:
-            x = self.model.embed_tokens(input_ids)
+            x = self.model.embed(input_ids)
         else:  # the previous stage's residual stream and, if this stage begins on an S layer, its top-k rows
-            x = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
+            x = torch.empty(stream, dtype=self.compute_dtype, device=self.device)
             ctx.topk_valid = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank) else None)
         for layer in self.model.layers[:L]:
             if not isinstance(layer, AbsentLayer):
@@ -312,7 +345,7 @@ class DSAForCausalLM(nn.Module):
             par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1) else None, ctx.topk_valid)
             h = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
         else:
-            h = self.model.norm(x)
+            h = self.model.final_norm(x)
         if par.pp_size > 1:  # every rank returns the same hidden states and holds the same top-k rows
             par.broadcast_from_last(h)
             par.broadcast_from_last(ctx.topk_rows)

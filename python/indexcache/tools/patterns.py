@@ -126,7 +126,7 @@ class PatternRunner:
         agrees with this one below ``start``) for the hidden input and the reused rows."""
         ctx = self.model.forward_context(self.meta, full=pattern_full(self.model, pattern))
         if start == 0:
-            x = self.model.model.embed_tokens(self.inputs)
+            x = self.model.model.embed(self.inputs)
             inputs, rows = [], {}
         else:
             x = state.inputs[start]
@@ -144,7 +144,7 @@ class PatternRunner:
     @torch.no_grad()
     def loss(self, state: RunState) -> float:
         """Mean next-byte cross-entropy (nats) of a run."""
-        return cross_entropy(self.model, self.model.model.norm(state.final), self.targets)
+        return cross_entropy(self.model, self.model.model.final_norm(state.final), self.targets)
 
     def pattern_loss(self, pattern: str) -> float:
         return self.loss(self.run(pattern))

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from indexcache import ops, reference
-from indexcache.formats import INDEX_K_NORM_EPS
 from indexcache.parallel import ParallelContext
 
 from ..args import INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, ModelArgs
@@ -31,14 +30,18 @@ class Indexer(nn.Module):
         self.layer_id, self.fp8, self.hadamard = layer_id, fp8 and args.native_indexer, args.indexer_hadamard
         self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.qk_rope_head_dim
         self.topk, self.rope_interleave = args.index_topk, args.indexer_rope_interleave
+        self.rope_tail = args.indexer_rope_tail  # HY-V4 rotates the last rope_dim dims
         # replicated on every tensor-parallel rank (DESIGN §11): identical inputs, identical top-k rows
         self.wq_b = par.linear(args.q_lora_rank, self.n_heads * self.head_dim, "wq_b")
         self.wk = par.linear(args.hidden_size, self.head_dim, "wk")
-        self.k_norm = LayerNorm(self.head_dim, eps=INDEX_K_NORM_EPS)
+        self.k_norm = LayerNorm(self.head_dim, eps=args.index_k_norm_eps)
         self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)  # kept in fp32
 
     def _rope(self, t, cos, sin):
         r = self.rope_dim
+        if self.rope_tail:
+            p = t.shape[-1] - r
+            return torch.cat((t[..., :p], apply_rope(t[..., p:], cos, sin, self.rope_interleave)), dim=-1)
         return torch.cat((apply_rope(t[..., :r], cos, sin, self.rope_interleave), t[..., r:]), dim=-1)
 
     def project(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

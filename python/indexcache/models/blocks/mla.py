@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -24,22 +26,46 @@ from .rope import apply_rope
 
 class SparseAttention(nn.Module):
     """Absorbed sparse MLA over the positions in the top-k rows (no parameters; a hook point:
-    its forward receives exactly the position rows this layer attends over)."""
+    its forward receives exactly the position rows this layer attends over). ``sinks`` fp32
+    ``[H]`` (HY-V4): a learned logit per head that joins each row's softmax denominator."""
 
     def __init__(self, layer_id: int, softmax_scale: float, kv_lora_rank: int = MLA_LATENT):
         super().__init__()
         self.layer_id, self.softmax_scale, self.kv_lora_rank = layer_id, softmax_scale, kv_lora_rank
 
     def forward(self, q: torch.Tensor, topk_positions: torch.Tensor, kv_cache: torch.Tensor,
-                req_of_row: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+                req_of_row: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         slots = ops.positions_to_slots(topk_positions, req_of_row, block_table, block_size)
         n, h = q.shape[0], q.shape[1]
         # widths other than 512 + 64: the op's definition (gather, softmax, weighted sum in fp32)
         attend = ops.sparse_mla if q.shape[-1] == MLA_LATENT + MLA_ROPE else reference.sparse_mla
         out = q.new_empty(n, h, self.kv_lora_rank)
         for r0, r1 in row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS):
-            out[r0:r1] = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank)[0]
+            out[r0:r1] = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank, sinks=sinks)[0]
         return out
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor,
+                   selection: torch.Tensor | None, chunks: list, recompute: bool = False) -> torch.Tensor:
+    """``reference.masked_attention`` with a learned logit per head in every row's softmax (the
+    differentiable form of sparse MLA with sinks): q/k ``[B, H, T, d]``, v ``[B, H, T, v_dim]``,
+    sinks fp32 ``[H]`` -> ``[B, H, T, v_dim]``, chunk by chunk over the query rows."""
+    from torch.utils.checkpoint import checkpoint
+
+    b, outs = q.shape[0], []
+    for r0, r1 in chunks:
+        args = (q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], scale, reference.allowed_keys(selection, r0, r1, b, q.device),
+                sinks)
+        outs.append(checkpoint(_sink_rows, *args, use_reentrant=False) if recompute else _sink_rows(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _sink_rows(q, k, v, scale, allowed, sinks):
+    s = ((q @ k.transpose(-1, -2)).float() * scale).masked_fill(~allowed.unsqueeze(1), -math.inf)
+    sink = sinks.float().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+    probs = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 class MLA(nn.Module):
@@ -67,6 +93,13 @@ class MLA(nn.Module):
         self.o_proj = par.linear(args.num_attention_heads * self.v_dim, args.hidden_size, "o_proj", "row",
                                  (h0 * self.v_dim, h1 * self.v_dim))
         self.indexer = Indexer(args, layer_id, indexer_fp8, par) if build_indexer else None
+        self.rope_interleave = args.mla_rope_interleave
+        # HY-V4: a sigmoid gate on each head's output (gate_proj, split with the heads) and a
+        # learned softmax sink per head (sinks, fp32, split with the heads)
+        self.gate_proj = par.linear(args.hidden_size, args.num_attention_heads * self.v_dim, "gate_proj", "col",
+                                    (h0 * self.v_dim, h1 * self.v_dim)) if args.attn_gate else None
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if args.attn_sinks else None
+        self._head_range, self._num_heads = (h0, h1), args.num_attention_heads
         ys = args.rope_scaling or {}
         scale = ops.mla_softmax_scale(self.nope, self.rope, ys.get("mscale_all_dim", 0.0), ys.get("factor", 1.0))
         self.sparse_attn = SparseAttention(layer_id, scale, self.latent)
@@ -79,8 +112,24 @@ class MLA(nn.Module):
         q_nope, q_pe = self.q_b_proj(qr).view(n, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
         kv = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv[:, :self.latent])
-        k_pe = apply_rope(kv[:, self.latent:], ctx.cos, ctx.sin, interleaved=True)
-        return qr, q_nope, apply_rope(q_pe, ctx.cos, ctx.sin, interleaved=True), kv_c, k_pe
+        k_pe = apply_rope(kv[:, self.latent:], ctx.cos, ctx.sin, interleaved=self.rope_interleave)
+        return qr, q_nope, apply_rope(q_pe, ctx.cos, ctx.sin, interleaved=self.rope_interleave), kv_c, k_pe
+
+    def param_slice(self, attr: str):
+        """The checkpoint slice of this block's own parameter ``attr`` (the loader's hook): the
+        sinks of this rank's heads."""
+        if attr == "sinks" and self._num_heads != self.n_heads:
+            return 0, self._head_range
+        return None, None
+
+    def param_full_shape(self, attr: str) -> tuple:
+        return (self._num_heads,)
+
+    def _gated(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Heads' outputs ``[N, H, v]`` times the sigmoid gate of the block's input (HY-V4), else as they are."""
+        if self.gate_proj is None:
+            return o
+        return o * torch.sigmoid(self.gate_proj(x)).view(o.shape)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h, meta = x.shape[0], self.n_heads, ctx.meta
@@ -95,8 +144,9 @@ class MLA(nn.Module):
         elif not ctx.topk_valid:
             raise RuntimeError(f"layer {self.layer_id} reuses top-k indices but no F layer wrote them in this forward")
         with ctx.stage(self.layer_id, "attention"):
-            out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size)
-            o = torch.einsum("thc,hdc->thd", out, w_kv[:, self.nope:])
+            out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size,
+                                   sinks=self.sinks)
+            o = self._gated(torch.einsum("thc,hdc->thd", out, w_kv[:, self.nope:]), x)
             return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
 
     def _absorb(self, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext):
@@ -145,5 +195,9 @@ class MLA(nn.Module):
         if tp.observe is not None:
             tp.observe(LayerRecord(self.layer_id, full, x.detach().view(b, t, -1), qr.detach().view(b, t, -1),
                                    q.detach(), k.detach(), scale, sel))
-        out = reference.masked_attention(q, k, v, scale, sel, tp.chunks, tp.recompute)
-        return self.par.all_reduce(self.o_proj(out.transpose(1, 2).reshape(n, h * self.v_dim)), "attn_all_reduce")
+        if self.sinks is None:
+            out = reference.masked_attention(q, k, v, scale, sel, tp.chunks, tp.recompute)
+        else:
+            out = sink_attention(q, k, v, scale, self.sinks, sel, tp.chunks, tp.recompute)
+        o = self._gated(out.transpose(1, 2).reshape(n, h, self.v_dim), x)
+        return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")

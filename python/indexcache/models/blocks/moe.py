@@ -3,6 +3,7 @@ sigmoid router with group-limited top-k (noaux_tc) and the MoE that combines the
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,6 +34,32 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedExperts(nn.Module):
+    """This rank's routed experts ``[e0, e1)`` stored fused (HY-V4's tensors): ``gate_up_proj
+    [E, 2 I, D]`` (gate rows first) and ``down_proj [E, D, I]``, with the SwiGLU clamp of
+    ``swiglu_limit`` (gate at most ``limit``, up within ``±limit``; <= 0: no clamp)."""
+
+    def __init__(self, args: ModelArgs, e0: int, e1: int):
+        super().__init__()
+        self.e0, self.e1, self.n_experts, self.limit = e0, e1, args.n_routed_experts, args.swiglu_limit
+        d, i = args.hidden_size, args.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e1 - e0, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e1 - e0, d, i))
+
+    def param_slice(self, attr: str):
+        """The loader's hook: this rank's experts of the checkpoint's ``[E, ...]`` tensors."""
+        return (0, (self.e0, self.e1)) if self.e1 - self.e0 != self.n_experts else (None, None)
+
+    def param_full_shape(self, attr: str) -> tuple:
+        return (self.n_experts,) + tuple(getattr(self, attr).shape[1:])
+
+    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e - self.e0]).chunk(2, dim=-1)
+        if self.limit > 0:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return F.linear(F.silu(gate) * up, self.down_proj[e - self.e0])
 
 
 class Gate(nn.Module):
@@ -72,7 +99,9 @@ class MoE(nn.Module):
         self.gate = Gate(args)
         self.n_experts = args.n_routed_experts
         self.e0, self.e1 = par.split(args.n_routed_experts, "n_routed_experts")
-        if par.tp_size == 1:
+        if args.fused_experts:
+            self.experts = FusedExperts(args, self.e0, self.e1)
+        elif par.tp_size == 1:
             self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size, par)
                                          for _ in range(args.n_routed_experts))
         else:
@@ -81,7 +110,10 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, par, shard=True)
                                if args.n_shared_experts else None)
 
-    def expert(self, e: int) -> nn.Module:
+    def expert(self, e: int):
+        """Routed expert ``e`` (global id) as a callable ``[n, D] -> [n, D]``."""
+        if isinstance(self.experts, FusedExperts):
+            return functools.partial(self.experts.run, e)
         return self.experts[e] if isinstance(self.experts, nn.ModuleList) else self.experts[str(e)]
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
