@@ -337,12 +337,12 @@ class DSAForCausalLM(nn.Module):
             x = self.model.embed(input_ids)
         else:  # the previous stage's residual stream and, if this stage begins on an S layer, its top-k rows
             x = torch.empty(stream, dtype=self.compute_dtype, device=self.device)
-            ctx.topk_valid = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank) else None)
+            ctx.topk_valid = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank, ctx) else None)
         for layer in self.model.layers[:L]:
             if not isinstance(layer, AbsentLayer):
                 x = layer(x, ctx)
         if not par.last_stage:
-            par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1) else None, ctx.topk_valid)
+            par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1, ctx) else None, ctx.topk_valid)
             h = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
         else:
             h = self.model.final_norm(x)
@@ -358,10 +358,11 @@ class DSAForCausalLM(nn.Module):
         meta = BatchMeta.dense(torch_pass.batch, torch_pass.seq, self.device)
         return self.forward_context(meta, full=full, torch_pass=torch_pass)
 
-    def _stage_needs_rows(self, stage: int) -> bool:
-        """Whether pipeline stage ``stage`` begins on an S layer (and so needs the previous top-k rows)."""
+    def _stage_needs_rows(self, stage: int, ctx: ForwardContext) -> bool:
+        """Whether pipeline stage ``stage`` begins on a layer that is S in this forward (and so needs
+        the previous stage's top-k rows)."""
         b = stage_bounds(self.args.num_hidden_layers, self.par.pp_size)[stage]
-        return stage > 0 and bool(self.plan.skip_topk[b])
+        return stage > 0 and not ctx.is_full(b)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
