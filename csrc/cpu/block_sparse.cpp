@@ -68,54 +68,75 @@ void select_row(const float* bs, int64_t nb, int64_t qb, int64_t topk, int64_t l
   for (int64_t i = k; i < topk; ++i) out[i] = -1;
 }
 
+// Rows scored together share their request's keys (each key block is converted once per group).
+constexpr int64_t kGroupRows = 8;
+
+// Keys row t sees (its window length; <= 0: none).
+inline int64_t row_keys(const BlockTopkParams& p, int64_t t) {
+  if (p.ks != nullptr) return static_cast<int64_t>(p.ke[t]) - p.ks[t];
+  return static_cast<int64_t>(p.seq_lens[t / p.next_n]) - p.next_n + t % p.next_n + 1;
+}
+
+// Group starts (then s_q): runs of <= kGroupRows consecutive rows over the same keys (same ks in
+// prefill, same request in decode).
+inline void group_rows(const BlockTopkParams& p, std::vector<int64_t>& starts) {
+  starts.clear();
+  for (int64_t t = 0; t < p.s_q; ++t) {
+    const bool same = !starts.empty() && t - starts.back() < kGroupRows &&
+                      (p.ks != nullptr ? p.ks[t] == p.ks[starts.back()] : t / p.next_n == starts.back() / p.next_n);
+    if (!same) starts.push_back(t);
+  }
+  starts.push_back(p.s_q);
+}
+
 inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
 inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
 
 // ------------------------------------------------------------------ per-ISA kernel bodies
 
 #define IC_BLOCK_SPARSE_DRIVERS                                                                             \
-  void block_topk(const BlockTopkParams& p) {                                                              \
-    const int64_t es = elem_size(p.qk_dtype), dp = pad16(p.d), bsz = p.block_size;                         \
-    const char* kbase = static_cast<const char*>(p.k);                                                     \
-    at::parallel_for(0, p.s_q, 1, [&](int64_t r0, int64_t r1) {                                            \
-      std::vector<float> qf(p.h * dp, 0.0f), tile(bsz * dp, 0.0f), bs;                                     \
-      std::vector<std::pair<uint32_t, int32_t>> cand;                                                      \
-      for (int64_t t = r0; t < r1; ++t) {                                                                  \
-        int32_t* out = p.out + t * p.h * p.topk_blocks;                                                    \
-        int64_t n, lo = 0, b = 0;                                                                          \
-        if (p.ks != nullptr) {                                                                             \
-          lo = p.ks[t];                                                                                    \
-          n = p.ke[t] - lo;                                                                                \
-        } else {                                                                                           \
-          b = t / p.next_n;                                                                                \
-          n = static_cast<int64_t>(p.seq_lens[b]) - p.next_n + t % p.next_n + 1;                           \
-        }                                                                                                  \
-        if (n <= 0) {                                                                                      \
-          std::fill(out, out + p.h * p.topk_blocks, -1);                                                   \
-          continue;                                                                                        \
-        }                                                                                                  \
-        const char* qrow = static_cast<const char*>(p.q) + t * p.h * p.d * es;                             \
-        for (int64_t hh = 0; hh < p.h; ++hh) to_float(qrow + hh * p.d * es, p.qk_dtype, p.d, &qf[hh * dp]); \
-        const int64_t nb = (n + bsz - 1) / bsz;                                                            \
-        bs.assign(p.h * nb, 0.0f);                                                                         \
-        if (p.ks != nullptr) {                                                                             \
-          auto row = [&](int64_t i) { return kbase + (lo + i) * p.d * es; };                               \
-          score_blocks(qf.data(), p.h, p.d, dp, n, bsz, p.qk_dtype, row, tile.data(), bs.data());          \
-        } else {                                                                                           \
-          const int32_t* bt = p.block_table + b * p.max_pages;                                             \
-          auto row = [&](int64_t i) {                                                                      \
-            return kbase + (static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size) *  \
-                               p.d * es;                                                                   \
-          };                                                                                               \
-          score_blocks(qf.data(), p.h, p.d, dp, n, bsz, p.qk_dtype, row, tile.data(), bs.data());          \
-        }                                                                                                  \
-        for (int64_t hh = 0; hh < p.h; ++hh)                                                               \
-          select_row(&bs[hh * nb], nb, (n - 1) / bsz, p.topk_blocks, p.local_blocks, cand,                 \
-                     out + hh * p.topk_blocks);                                                            \
-      }                                                                                                    \
-    });                                                                                                    \
-  }                                                                                                        \
-                                                                                                           \
+  void block_topk(const BlockTopkParams& p) {                                                                 \
+    const int64_t es = elem_size(p.qk_dtype), bsz = p.block_size;                                             \
+    const char* kbase = static_cast<const char*>(p.k);                                                        \
+    std::vector<int64_t> groups;                                                                              \
+    group_rows(p, groups);                                                                                    \
+    at::parallel_for(0, static_cast<int64_t>(groups.size()) - 1, 1, [&](int64_t g0, int64_t g1) {             \
+      std::vector<float> qf(kGroupRows * p.h * p.d), tile((bsz + kChunk) * p.d, 0.0f), krow(p.d), bs;         \
+      std::vector<std::pair<uint32_t, int32_t>> cand;                                                         \
+      int64_t n[kGroupRows];                                                                                  \
+      for (int64_t gi = g0; gi < g1; ++gi) {                                                                  \
+        const int64_t t0 = groups[gi], rows = groups[gi + 1] - t0;                                            \
+        int64_t n_max = 0;                                                                                    \
+        for (int64_t r = 0; r < rows; ++r) n_max = std::max(n_max, n[r] = row_keys(p, t0 + r));               \
+        to_float(static_cast<const char*>(p.q) + t0 * p.h * p.d * es, p.qk_dtype, rows * p.h * p.d, qf.data());\
+        const int64_t nb = (n_max + bsz - 1) / bsz;                                                           \
+        bs.assign(std::max<int64_t>(1, rows * p.h * nb), 0.0f);                                               \
+        if (p.ks != nullptr) {                                                                                \
+          const int64_t lo = p.ks[t0];                                                                        \
+          auto row = [&](int64_t i) { return kbase + (lo + i) * p.d * es; };                                  \
+          score_blocks(qf.data(), n, rows, p.h, p.d, nb, bsz, p.qk_dtype, row, tile.data(), krow.data(), bs.data());\
+        } else {                                                                                              \
+          const int32_t* bt = p.block_table + (t0 / p.next_n) * p.max_pages;                                  \
+          auto row = [&](int64_t i) {                                                                         \
+            return kbase + (static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size) * p.d * es;\
+          };                                                                                                  \
+          score_blocks(qf.data(), n, rows, p.h, p.d, nb, bsz, p.qk_dtype, row, tile.data(), krow.data(), bs.data());\
+        }                                                                                                     \
+        for (int64_t r = 0; r < rows; ++r) {                                                                  \
+          int32_t* out = p.out + (t0 + r) * p.h * p.topk_blocks;                                              \
+          if (n[r] <= 0) {                                                                                    \
+            std::fill(out, out + p.h * p.topk_blocks, -1);                                                    \
+            continue;                                                                                         \
+          }                                                                                                   \
+          const int64_t nbr = (n[r] + bsz - 1) / bsz;                                                         \
+          for (int64_t hh = 0; hh < p.h; ++hh)                                                                \
+            select_row(&bs[(r * p.h + hh) * nb], nbr, (n[r] - 1) / bsz, p.topk_blocks, p.local_blocks, cand,  \
+                       out + hh * p.topk_blocks);                                                             \
+        }                                                                                                     \
+      }                                                                                                       \
+    });                                                                                                       \
+  }                                                                                                           \
+                                                                                                              \
   void attention(const BlockSparseAttnParams& p) {                                                         \
     const int64_t es = elem_size(p.dtype), dp = pad16(p.d), g = p.h_q / p.h_kv, bsz = p.block_size;        \
     const char* kc = static_cast<const char*>(p.k_cache);                                                  \

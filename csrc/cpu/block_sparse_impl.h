@@ -39,23 +39,72 @@ inline void axpy(float* __restrict y, float p, const float* __restrict x, int64_
 }
 
 // Block scores of one query row: bs[h][b] = max over block b's keys i < n of q[h] · key(i).
-// key_row(i) gives key i's row; qf [h][dp] fp32 (zero padded to dp), tile [block_size][dp] scratch.
+// key_row(i) gives key i's row; qf [h][d] fp32; tile scratch of block_size + kChunk keys x d.
+// The block's keys are converted once into chunks of kChunk keys stored [d][kChunk] (keys across
+// the lanes), then up to 4 heads x kChunk keys of scores accumulate in registers over d (one
+// key-vector load feeds 4 FMAs): a small GEMM per chunk, max-pooled as soon as it is done.
+constexpr int64_t kChunk = 16;
+
+// 16 fp32 lanes as a GCC generic vector: one zmm on AVX-512, two ymm on AVX2, four xmm otherwise.
+typedef float v16f __attribute__((vector_size(64)));
+
+template <int NH>
+inline void chunk_scores(const float* __restrict qf, int64_t d, const float* __restrict tt, float* __restrict s) {
+  v16f acc[NH];
+  for (int hh = 0; hh < NH; ++hh) acc[hh] = v16f{};
+  for (int64_t c = 0; c < d; ++c) {
+    v16f t;
+    std::memcpy(&t, tt + c * kChunk, sizeof t);
+    for (int hh = 0; hh < NH; ++hh) acc[hh] += qf[hh * d + c] * t;
+  }
+  for (int hh = 0; hh < NH; ++hh) std::memcpy(s + hh * kChunk, &acc[hh], sizeof acc[hh]);
+}
+
+// Block scores of a group of rows of one request: bs[r][h][b] = max over block b's keys i < n[r]
+// of q[r][h] · key(i) (-inf where the block has none). key_row(i) gives key i's row; qf [rows][h][d]
+// fp32; tile scratch of (block_size + kChunk) x d floats; row scratch of d; nb blocks per bs row.
+// Each key block is converted and transposed once for the whole group.
 template <class KeyRow>
-void score_blocks(const float* qf, int64_t h, int64_t d, int64_t dp, int64_t n, int64_t block_size, DType dt,
-                  KeyRow key_row, float* tile, float* bs) {
-  const int64_t nb = (n + block_size - 1) / block_size;
+void score_blocks(const float* qf, const int64_t* n, int64_t rows, int64_t h, int64_t d, int64_t nb,
+                  int64_t block_size, DType dt, KeyRow key_row, float* tile, float* row, float* bs) {
+  int64_t n_max = 0;
+  for (int64_t r = 0; r < rows; ++r) n_max = std::max(n_max, n[r]);
+  float s[4 * kChunk];
+  const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t i0 = b * block_size, i1 = std::min(n, i0 + block_size);
-    for (int64_t i = i0; i < i1; ++i) to_float(key_row(i), dt, d, tile + (i - i0) * dp);
-    for (int64_t hh = 0; hh < h; ++hh) {
-      float m = -std::numeric_limits<float>::infinity();
-      bool nan = false;
-      for (int64_t i = 0; i < i1 - i0; ++i) {
-        const float s = dot(qf + hh * dp, tile + i * dp, dp);
-        nan |= std::isnan(s);
-        m = s > m ? s : m;
+    const int64_t i0 = b * block_size, nk = std::max<int64_t>(0, std::min(n_max, i0 + block_size) - i0);
+    for (int64_t i = 0; i < nk; ++i) {
+      to_float(key_row(i0 + i), dt, d, row);
+      float* t = tile + (i / kChunk) * d * kChunk + i % kChunk;
+      for (int64_t c = 0; c < d; ++c) t[c * kChunk] = row[c];
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t nr = std::max<int64_t>(0, std::min(n[r], i0 + block_size) - i0);  // this row's keys here
+      const int64_t nch = (nr + kChunk - 1) / kChunk;
+      for (int64_t h0 = 0; h0 < h; h0 += 4) {
+        const int64_t nh = std::min<int64_t>(4, h - h0);
+        float m[4] = {ninf, ninf, ninf, ninf};
+        bool nan[4] = {false, false, false, false};
+        for (int64_t ch = 0; ch < nch; ++ch) {
+          const float* tt = tile + ch * d * kChunk;
+          const float* q0 = qf + (r * h + h0) * d;
+          switch (nh) {
+            case 4: chunk_scores<4>(q0, d, tt, s); break;
+            case 3: chunk_scores<3>(q0, d, tt, s); break;
+            case 2: chunk_scores<2>(q0, d, tt, s); break;
+            default: chunk_scores<1>(q0, d, tt, s); break;
+          }
+          const int64_t valid = std::min(kChunk, nr - ch * kChunk);
+          for (int64_t hh = 0; hh < nh; ++hh)
+            for (int64_t j = 0; j < valid; ++j) {
+              const float v = s[hh * kChunk + j];
+              nan[hh] = nan[hh] || std::isnan(v);
+              m[hh] = v > m[hh] ? v : m[hh];
+            }
+        }
+        for (int64_t hh = 0; hh < nh; ++hh)  // amax propagates NaN
+          bs[(r * h + h0 + hh) * nb + b] = nan[hh] ? std::numeric_limits<float>::quiet_NaN() : m[hh];
       }
-      bs[hh * nb + b] = nan ? std::numeric_limits<float>::quiet_NaN() : m;  // amax propagates NaN
     }
   }
 }
