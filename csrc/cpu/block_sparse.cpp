@@ -208,6 +208,7 @@ inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
     });                                                                                                    \
   }
 
+#define IC_VEC_BYTES 16
 namespace portable {
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS
@@ -216,6 +217,8 @@ IC_BLOCK_SPARSE_DRIVERS
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#undef IC_VEC_BYTES
+#define IC_VEC_BYTES 32
 namespace avx2 {
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS
@@ -224,6 +227,8 @@ IC_BLOCK_SPARSE_DRIVERS
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
+#undef IC_VEC_BYTES
+#define IC_VEC_BYTES 64
 namespace avx512 {
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS

@@ -45,19 +45,26 @@ inline void axpy(float* __restrict y, float p, const float* __restrict x, int64_
 // key-vector load feeds 4 FMAs): a small GEMM per chunk, max-pooled as soon as it is done.
 constexpr int64_t kChunk = 16;
 
-// 16 fp32 lanes as a GCC generic vector: one zmm on AVX-512, two ymm on AVX2, four xmm otherwise.
-typedef float v16f __attribute__((vector_size(64)));
+// The ISA's native fp32 vector as a GCC generic vector (the includer sets IC_VEC_BYTES: 64 for
+// AVX-512, 32 for AVX2, 16 otherwise); wider generic vectors would live in memory.
+typedef float vnf __attribute__((vector_size(IC_VEC_BYTES)));
+constexpr int64_t kVecLanes = IC_VEC_BYTES / 4;
+constexpr int64_t kChunkVecs = kChunk / kVecLanes;
 
 template <int NH>
 inline void chunk_scores(const float* __restrict qf, int64_t d, const float* __restrict tt, float* __restrict s) {
-  v16f acc[NH];
-  for (int hh = 0; hh < NH; ++hh) acc[hh] = v16f{};
+  vnf acc[NH][kChunkVecs];
+  for (int hh = 0; hh < NH; ++hh)
+    for (int64_t v = 0; v < kChunkVecs; ++v) acc[hh][v] = vnf{};
   for (int64_t c = 0; c < d; ++c) {
-    v16f t;
-    std::memcpy(&t, tt + c * kChunk, sizeof t);
-    for (int hh = 0; hh < NH; ++hh) acc[hh] += qf[hh * d + c] * t;
+    vnf t[kChunkVecs];
+    std::memcpy(t, tt + c * kChunk, sizeof t);
+    for (int hh = 0; hh < NH; ++hh) {
+      const float qv = qf[hh * d + c];
+      for (int64_t v = 0; v < kChunkVecs; ++v) acc[hh][v] += qv * t[v];
+    }
   }
-  for (int hh = 0; hh < NH; ++hh) std::memcpy(s + hh * kChunk, &acc[hh], sizeof acc[hh]);
+  for (int hh = 0; hh < NH; ++hh) std::memcpy(s + hh * kChunk, acc[hh], sizeof acc[hh]);
 }
 
 // Block scores of a group of rows of one request: bs[r][h][b] = max over block b's keys i < n[r]
