@@ -69,7 +69,7 @@ void select_row(const float* bs, int64_t nb, int64_t qb, int64_t topk, int64_t l
 }
 
 // Rows scored together share their request's keys (each key block is converted once per group).
-constexpr int64_t kGroupRows = 8;
+constexpr int64_t kGroupRows = 16;
 
 // Keys row t sees (its window length; <= 0: none).
 inline int64_t row_keys(const BlockTopkParams& p, int64_t t) {

@@ -4,10 +4,8 @@
 // vectorises the lane loops below for each (independent lanes: no fast-math needed, and the
 // summation order is fixed, so every path is deterministic). No includes: the includer has them.
 //
-// Vector lanes: dot products keep kLanes partial sums (lane j sums elements j, j + kLanes, ...),
-// reduced pairwise at the end; axpy loops (the attention's P·V) are element-wise.
-
-constexpr int64_t kLanes = 16;
+// Vectors: GCC generic vectors of the ISA's native width (below); axpy loops (the attention's
+// P·V) are element-wise and auto-vectorised.
 
 // x [n] (fp32 or bf16) -> fp32 dst [n].
 inline void to_float(const void* x, DType dt, int64_t n, float* dst) {
@@ -17,16 +15,6 @@ inline void to_float(const void* x, DType dt, int64_t n, float* dst) {
   }
   const uint16_t* b = static_cast<const uint16_t*>(x);
   for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(b[i]) << 16);
-}
-
-// Σ a[i] * b[i] for i < n (n a multiple of kLanes, the callers pad), fixed order.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc[kLanes] = {0};
-  for (int64_t i = 0; i < n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  for (int64_t w = kLanes / 2; w > 0; w /= 2)
-    for (int64_t j = 0; j < w; ++j) acc[j] += acc[j + w];
-  return acc[0];
 }
 
 // y[i] = y[i] * alpha + p * x[i].
@@ -51,6 +39,26 @@ typedef float vnf __attribute__((vector_size(IC_VEC_BYTES)));
 constexpr int64_t kVecLanes = IC_VEC_BYTES / 4;
 constexpr int64_t kChunkVecs = kChunk / kVecLanes;
 
+// Unaligned, aliasing-safe loads and stores of a vnf (plain vector loads; a memcpy through the
+// stack would cost store-forwarding stalls).
+typedef float vnf_u __attribute__((vector_size(IC_VEC_BYTES), aligned(4), may_alias));
+
+// Σ a[i] * b[i] for i < n (n a multiple of kChunk, the callers pad): kChunkVecs vector partial
+// sums, then the kChunk lanes reduced pairwise, in a fixed order.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  vnf acc[kChunkVecs];
+  for (int64_t v = 0; v < kChunkVecs; ++v) acc[v] = vnf{};
+  for (int64_t i = 0; i < n; i += kChunk)
+    for (int64_t v = 0; v < kChunkVecs; ++v)
+      acc[v] += *reinterpret_cast<const vnf_u*>(a + i + v * kVecLanes) *
+                *reinterpret_cast<const vnf_u*>(b + i + v * kVecLanes);
+  float lanes[kChunk];
+  for (int64_t v = 0; v < kChunkVecs; ++v) *reinterpret_cast<vnf_u*>(lanes + v * kVecLanes) = acc[v];
+  for (int64_t w = kChunk / 2; w > 0; w /= 2)
+    for (int64_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  return lanes[0];
+}
+
 template <int NH>
 inline void chunk_scores(const float* __restrict qf, int64_t d, const float* __restrict tt, float* __restrict s) {
   vnf acc[NH][kChunkVecs];
@@ -58,13 +66,14 @@ inline void chunk_scores(const float* __restrict qf, int64_t d, const float* __r
     for (int64_t v = 0; v < kChunkVecs; ++v) acc[hh][v] = vnf{};
   for (int64_t c = 0; c < d; ++c) {
     vnf t[kChunkVecs];
-    std::memcpy(t, tt + c * kChunk, sizeof t);
+    for (int64_t v = 0; v < kChunkVecs; ++v) t[v] = *reinterpret_cast<const vnf_u*>(tt + c * kChunk + v * kVecLanes);
     for (int hh = 0; hh < NH; ++hh) {
       const float qv = qf[hh * d + c];
       for (int64_t v = 0; v < kChunkVecs; ++v) acc[hh][v] += qv * t[v];
     }
   }
-  for (int hh = 0; hh < NH; ++hh) std::memcpy(s + hh * kChunk, acc[hh], sizeof acc[hh]);
+  for (int hh = 0; hh < NH; ++hh)
+    for (int64_t v = 0; v < kChunkVecs; ++v) *reinterpret_cast<vnf_u*>(s + hh * kChunk + v * kVecLanes) = acc[hh][v];
 }
 
 // Block scores of a group of rows of one request: bs[r][h][b] = max over block b's keys i < n[r]
