@@ -60,7 +60,8 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 }
 
 template <int NH>
-inline void chunk_scores(const float* __restrict qf, int64_t d, const float* __restrict tt, float* __restrict s) {
+inline void chunk_scores(const float* __restrict qf, int64_t d, const float* __restrict tt, float* __restrict s,
+                         int64_t ss = kChunk) {
   vnf acc[NH][kChunkVecs];
   for (int hh = 0; hh < NH; ++hh)
     for (int64_t v = 0; v < kChunkVecs; ++v) acc[hh][v] = vnf{};
@@ -73,7 +74,87 @@ inline void chunk_scores(const float* __restrict qf, int64_t d, const float* __r
     }
   }
   for (int hh = 0; hh < NH; ++hh)
-    for (int64_t v = 0; v < kChunkVecs; ++v) *reinterpret_cast<vnf_u*>(s + hh * kChunk + v * kVecLanes) = acc[hh][v];
+    for (int64_t v = 0; v < kChunkVecs; ++v) *reinterpret_cast<vnf_u*>(s + hh * ss + v * kVecLanes) = acc[hh][v];
+}
+
+typedef int32_t vni __attribute__((vector_size(IC_VEC_BYTES)));
+
+// exp(x) for x <= 0 (softmax numerators), lane-wise: 2^n · e^r with |r| <= ln2/2 (n rounded
+// half away from zero, r by a two-part ln2), degree-6 Taylor polynomial for e^r (relative error
+// ~2e-7); below -87 gives exp(-87) ~ 1.6e-38; NaN stays NaN.
+inline vnf exp_v(vnf x) {
+  const vnf lo = vnf{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vni ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vni);  // x <= 0: truncation = ceil
+  const vnf n = __builtin_convertvector(ni, vnf);
+  vnf r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  vnf q = vnf{} + 1.0f / 720;
+  q = q * r + 1.0f / 120;
+  q = q * r + 1.0f / 24;
+  q = q * r + 1.0f / 6;
+  q = q * r + 0.5f;
+  q = q * r + 1.0f;
+  q = q * r + 1.0f;
+  const vni bits = (ni + 127) << 23;
+  vnf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return q * scale;
+}
+
+// p[i] = exp(s[i] - mx) for i < n (s padded to a multiple of kVecLanes), returns Σ p[i], i < n, in order.
+inline float exp_sum(float* s, int64_t n, float mx) {
+  for (int64_t i = 0; i < n; i += kVecLanes) {
+    vnf v = *reinterpret_cast<const vnf_u*>(s + i);
+    *reinterpret_cast<vnf_u*>(s + i) = exp_v(v - mx);
+  }
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += s[i];
+  return sum;
+}
+
+// Transposed key tile: rows i < nk of key_row (d values) into chunks of kChunk keys stored
+// [dl][kChunk] (dl >= d; rows d..dl-1 are left as they are: zero).
+template <class KeyRow>
+inline void load_tile_t(KeyRow key_row, int64_t i0, int64_t nk, int64_t d, int64_t dl, DType dt, float* tile,
+                        float* row) {
+  for (int64_t i = 0; i < nk; ++i) {
+    to_float(key_row(i0 + i), dt, d, row);
+    float* t = tile + (i / kChunk) * dl * kChunk + i % kChunk;
+    for (int64_t c = 0; c < d; ++c) t[c * kChunk] = row[c];
+  }
+}
+
+// s[h][i] = qf[h] · key i for the nk keys of a transposed tile (d padded, pad rows zero); s rows
+// of stride ss (>= nk rounded up to kChunk).
+inline void tile_scores(const float* qf, int64_t h, int64_t d, int64_t nk, const float* tile, float* s, int64_t ss) {
+  for (int64_t ch = 0; ch * kChunk < nk; ++ch)
+    for (int64_t h0 = 0; h0 < h; h0 += 4) {
+      const float* q0 = qf + h0 * d;
+      const float* tt = tile + ch * d * kChunk;
+      float* so = s + h0 * ss + ch * kChunk;
+      switch (std::min<int64_t>(4, h - h0)) {
+        case 4: chunk_scores<4>(q0, d, tt, so, ss); break;
+        case 3: chunk_scores<3>(q0, d, tt, so, ss); break;
+        case 2: chunk_scores<2>(q0, d, tt, so, ss); break;
+        default: chunk_scores<1>(q0, d, tt, so, ss); break;
+      }
+    }
+}
+
+// acc[h][:] += Σ_i p[h][i] · v[i][:] over nk value rows v [nk][dp] (dp a multiple of kChunk); the
+// accumulator chunk stays in registers across the keys.
+inline void tile_pv(float* acc, const float* pr, int64_t ps, int64_t h, int64_t nk, const float* v, int64_t dp) {
+  for (int64_t hh = 0; hh < h; ++hh)
+    for (int64_t c = 0; c < dp; c += kChunk) {
+      vnf a[kChunkVecs];
+      for (int64_t u = 0; u < kChunkVecs; ++u) a[u] = *reinterpret_cast<const vnf_u*>(acc + hh * dp + c + u * kVecLanes);
+      for (int64_t i = 0; i < nk; ++i) {
+        const float pv = pr[hh * ps + i];
+        for (int64_t u = 0; u < kChunkVecs; ++u) a[u] += pv * *reinterpret_cast<const vnf_u*>(v + i * dp + c + u * kVecLanes);
+      }
+      for (int64_t u = 0; u < kChunkVecs; ++u) *reinterpret_cast<vnf_u*>(acc + hh * dp + c + u * kVecLanes) = a[u];
+    }
 }
 
 // Block scores of a group of rows of one request: bs[r][h][b] = max over block b's keys i < n[r]
