@@ -16,7 +16,8 @@ With several --isa values each op runs on every CPU path in turn, interleaved an
 (--repeat), so the paths compare under the same machine load; "ms" is the median of the
 repeats, "ms_min"/"ms_max" their spread.
 Shapes are DeepSeek-V3.2's (64 indexer heads x 128, k 2048; 128 MLA heads, 576/512),
-with the number of query rows scaled to fit.
+with the number of query rows scaled to fit; the block_sparse group is MiniMax-M3's (4 indexer
+heads x 128, blocks of 128, top 16; attention 64 query / 4 KV heads x 128).
 --sinks adds sparse MLA with attention sinks (fp32 [h_q], HY-V4) as impl "indexcache+sinks",
 timed interleaved with the sink-free call on each path (same inputs, same repeats); its
 "baseline" is the sink-free median, so "speedup" near 1.0 means the sinks cost nothing.
@@ -288,6 +289,82 @@ def bench_k_cache(records, device, quick):
         record(records, "k_quant_cache", f"{n} tokens x 128", n, "indexcache", t, "reference_fp32", base, gb_per_s=gbs)
 
 
+def dense_block_topk(q, k, n_ctx, block_size, topk, local):
+    """transformers' way for one request's last rows: all [s_q, h, s_kv] scores, mask, amax, topk."""
+    s_q = q.shape[0]
+    pos = torch.arange(n_ctx - s_q, n_ctx, device=q.device)
+    sc = torch.einsum("thd,sd->hts", q, k)
+    sc = sc.masked_fill(torch.arange(n_ctx, device=q.device).view(1, 1, -1) > pos.view(1, -1, 1), float("-inf"))
+    bs = sc.view(q.shape[1], s_q, -1, block_size).amax(-1)
+    for j in range(local):
+        bs.scatter_(-1, (pos // block_size - j).clamp(min=0).view(1, -1, 1).expand(q.shape[1], -1, 1), float("inf"))
+    return bs.topk(topk, dim=-1)
+
+
+def gather_block_attention(q, kc, vc, table, pos, blocks, block_size, scale):
+    """Gather the selected blocks' keys per (row, KV head), then matmul + masked softmax (one request)."""
+    s_q, h_q, d = q.shape
+    h_kv, g = kc.shape[2], h_q // kc.shape[2]
+    keys_pos = (blocks.long().unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(2)  # [s_q, h_kv, n]
+    ok = (blocks.long().unsqueeze(-1) >= 0).expand(-1, -1, -1, block_size).flatten(2) & (keys_pos <= pos.view(-1, 1, 1))
+    kp = keys_pos.clamp(min=0)
+    slot = table[0, kp // kc.shape[1]].long() * kc.shape[1] + kp % kc.shape[1]
+    heads = torch.arange(h_kv).view(1, -1, 1)
+    kk = kc.reshape(-1, h_kv, d)[slot, heads]  # [s_q, h_kv, n, d]
+    vv = vc.reshape(-1, h_kv, d)[slot, heads]
+    s = torch.matmul(q.view(s_q, h_kv, g, d), kk.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~ok.unsqueeze(2), float("-inf")), dim=-1)
+    return torch.matmul(p, vv).reshape(s_q, h_q, d)
+
+
+def bench_block_sparse(records, device, quick):
+    """MiniMax-M3's ops at its shapes: 4 indexer heads x 128, blocks of 128, top 16 blocks, 1 local;
+    attention 64 query heads over 4 KV heads x 128, fp32."""
+    h, d, bsz, topk = 4, 128, 128, 16
+    s_q = 64
+    for n_ctx in ([8192, 32768] if quick else [8192, 32768, 131072]):
+        q = torch.randn(s_q, h, d, device=device)
+        k = torch.randn(n_ctx, d, device=device)
+        ks = torch.zeros(s_q, dtype=torch.int32, device=device)
+        ke = torch.arange(n_ctx - s_q + 1, n_ctx + 1, dtype=torch.int32, device=device)
+        out = torch.empty(s_q, h, topk, dtype=torch.int32, device=device)
+        ours = time_ours(lambda: ops.block_topk(q, k, ks, ke, bsz, topk, 1, out=out), device, min_time=0.3, max_iters=10)
+        base = timeit(lambda: dense_block_topk(q, k, n_ctx, bsz, topk, 1), device, min_time=0.1, max_iters=3)
+        flops = 2 * h * d * int((ke - ks).sum())
+        for t in ours.values():
+            record(records, "block_topk", f"{s_q}q x {h}h x {n_ctx} fp32", n_ctx, "indexcache", t, "torch_dense", base,
+                   gflop_per_s=flops / (t[0] * 1e-3) / 1e9, scores_bytes_avoided=s_q * h * n_ctx * 4)
+    h_q, h_kv, page = 64, 4, 64
+    for op, rows, n_ctx in (("block_attn_decode", 1, 32768), ("block_attn_prefill", 64, 32768)):
+        reqs = 16 if op == "block_attn_decode" else 1
+        kc = torch.randn(reqs * n_ctx // page, page, h_kv, d, device=device)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(kc.shape[0], device=device).int().view(reqs, -1)
+        req = torch.arange(reqs, dtype=torch.int32, device=device).repeat_interleave(rows)
+        pos = torch.arange(n_ctx - rows, n_ctx, dtype=torch.int32, device=device).repeat(reqs)
+        qa = torch.randn(reqs * rows, h_q, d, device=device)
+        nb = n_ctx // bsz
+        blocks = torch.stack([torch.randperm(nb - 1)[:topk - 1] for _ in range(reqs * rows * h_kv)]).int()
+        blocks = torch.cat([blocks, torch.full((blocks.shape[0], 1), nb - 1, dtype=torch.int32)], 1)
+        blocks = blocks.view(reqs * rows, h_kv, topk).to(device)
+        res = (torch.empty_like(qa), torch.empty(qa.shape[0], h_q, device=device))
+        ours = time_ours(lambda: ops.block_sparse_attention(qa, kc, vc, table, req, pos, blocks, bsz, d ** -0.5, out=res),
+                         device, min_time=0.3, max_iters=10)
+        if reqs == 1:
+            base = timeit(lambda: gather_block_attention(qa, kc, vc, table, pos, blocks, bsz, d ** -0.5), device,
+                          min_time=0.1, max_iters=3)
+            base_name = "torch_gather"
+        else:
+            base = timeit(lambda: ref.block_sparse_attention(qa, kc, vc, table, req, pos, blocks, bsz, d ** -0.5),
+                          device, min_time=0.1, max_iters=3)
+            base_name = "reference"
+        keys = topk * bsz  # every selected block is whole (the query's own block is the last one, full)
+        flops = 2 * 2 * qa.shape[0] * h_q * keys * d
+        for t in ours.values():
+            record(records, op, f"{reqs * rows}q x {h_q}/{h_kv}h x {topk}blk fp32", n_ctx, "indexcache", t, base_name,
+                   base, gflop_per_s=flops / (t[0] * 1e-3) / 1e9)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller shapes; under 5 minutes on 2 CPU cores")
@@ -297,7 +374,7 @@ def main():
     ap.add_argument("--isa", default="auto",
                     help="CPU path(s) for our ops, comma-separated: auto, portable, avx2, avx512bf16, blas")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats per path (median, min, max)")
-    ap.add_argument("--ops", default="topk,k_cache,indexer,mla", help="which groups to run")
+    ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse", help="which groups to run")
     ap.add_argument("--sinks", action="store_true",
                     help="sparse MLA also with attention sinks, interleaved with the sink-free call")
     ap.add_argument("--cpu-time", action="store_true",
@@ -331,6 +408,8 @@ def main():
         bench_indexer(records, args.device, args.quick)
     if "mla" in groups:
         bench_mla(records, args.device, args.quick)
+    if "block_sparse" in groups:
+        bench_block_sparse(records, args.device, args.quick)
     if any("gflop_per_s" in r for r in records):
         ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
     for r in records:

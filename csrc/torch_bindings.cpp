@@ -41,4 +41,16 @@ TORCH_LIBRARY(indexcache, m) {
   // The int32 [1] error word of like's CUDA device: counts the out-of-range index entries the
   // CUDA ops met and treated as invalid (no host check unless INDEXCACHE_CHECK=1). CUDA only.
   m.def("cuda_error_word(Tensor like) -> Tensor");
+  // MiniMax-M3 indexer (DESIGN.md §6): block scoring + block top-k, prefill over per-row key
+  // windows [ks, ke) and paged decode -> out int32 [s_q, h, topk_blocks] block ids, -1 pad.
+  m.def(
+      "block_topk(Tensor q, Tensor k, Tensor ks, Tensor ke, int block_size, int local_blocks, "
+      "Tensor(a!) out) -> ()");
+  m.def(
+      "block_topk_paged(Tensor q, Tensor k_cache, Tensor block_table, Tensor seq_lens, int next_n, "
+      "int block_size, int local_blocks, Tensor(a!) out) -> ()");
+  // MiniMax-M3 block-sparse GQA attention over a paged KV cache -> out [s_q, h_q, d], lse [s_q, h_q].
+  m.def(
+      "block_sparse_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor req, "
+      "Tensor pos, Tensor blocks, int block_size, float scale, Tensor(a!) out, Tensor(a!) lse) -> ()");
 }

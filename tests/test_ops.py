@@ -722,11 +722,13 @@ def test_every_op_has_a_kernel_per_backend():
                     if str(op).startswith("indexcache::")})
     assert {"sparse_mla", "indexer_topk", "topk_indices", "quantize_fp8", "fill_topk_buffer_"} <= set(names)
     cuda = indexcache.build_info()["cuda_kernels"]
+    # MiniMax-M3's block-sparse ops (issue 20) have CPU kernels only so far (docs/ops.md).
+    cpu_only = {"block_topk", "block_topk_paged", "block_sparse_attention"}
     for name in names:
         dump = torch._C._dispatch_dump(f"indexcache::{name}")
         if name != "cuda_error_word":
             assert "\nCPU: registered" in dump, f"{name} has no CPU kernel"
-        if cuda:
+        if cuda and name not in cpu_only:
             assert "\nCUDA: registered" in dump, f"{name} has no CUDA kernel"
 
 

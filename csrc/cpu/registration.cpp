@@ -11,6 +11,7 @@ TORCH_LIBRARY_IMPL(indexcache, CPU, m) {
   register_cache_ops_cpu(m);
   register_indexer_cpu(m);
   register_sparse_mla_cpu(m);
+  register_block_sparse_cpu(m);
 }
 
 }  // namespace indexcache

@@ -10,5 +10,6 @@ void register_buffer_cpu(torch::Library& m);
 void register_cache_ops_cpu(torch::Library& m);
 void register_indexer_cpu(torch::Library& m);
 void register_sparse_mla_cpu(torch::Library& m);
+void register_block_sparse_cpu(torch::Library& m);
 
 }  // namespace indexcache

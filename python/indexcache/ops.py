@@ -186,6 +186,59 @@ def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, 
     return out, lse
 
 
+def block_topk(q, k, ks, ke, block_size: int, topk_blocks: int, local_blocks: int, out=None) -> torch.Tensor:
+    """MiniMax-M3 indexer, prefill: block scoring + block top-k (DESIGN.md §6).
+
+    q ``[s_q, h, d]`` and k ``[s_kv, d]`` (both bf16 or both fp32, contiguous; one key head
+    shared by the h indexer heads); ks, ke int32 ``[s_q]``: row t's request keys are
+    ``k[ks[t]:ke[t]]`` and its query sits at request position ``ke[t] - ks[t] - 1``. Scores are
+    fp32 dot products max-pooled over blocks of ``block_size`` keys; the ``local_blocks`` blocks
+    ending at the query are always kept, then the best blocks up to ``topk_blocks``.
+    Returns int32 ``[s_q, h, topk_blocks]``: request-relative block ids ascending, then -1.
+    out: that tensor, allocated when None. Never materialises ``[s_q, s_kv]`` scores.
+    """
+    if out is None:
+        out = torch.empty((q.shape[0], q.shape[1], topk_blocks), dtype=torch.int32, device=q.device)
+    elif out.dim() == 3 and out.shape[2] != topk_blocks:
+        raise ValueError(f"out has {out.shape[2]} columns but topk_blocks is {topk_blocks}")
+    _ops.block_topk(q, k, ks, ke, block_size, local_blocks, out)
+    return out
+
+
+def block_topk_paged(q, k_cache, block_table, seq_lens, next_n: int, block_size: int, topk_blocks: int,
+                     local_blocks: int, out=None) -> torch.Tensor:
+    """MiniMax-M3 indexer, paged decode: :func:`block_topk` with keys read from a paged cache.
+
+    q ``[B * next_n, h, d]`` (rows grouped by request); k_cache ``[num_pages, page_size, d]``
+    in q's dtype; block_table int32 ``[B, max_pages]``; seq_lens int32 ``[B]`` (tokens in the
+    cache, drafts included): row j of request b sees ``seq_len - next_n + j + 1`` keys.
+    """
+    if out is None:
+        out = torch.empty((q.shape[0], q.shape[1], topk_blocks), dtype=torch.int32, device=q.device)
+    elif out.dim() == 3 and out.shape[2] != topk_blocks:
+        raise ValueError(f"out has {out.shape[2]} columns but topk_blocks is {topk_blocks}")
+    _ops.block_topk_paged(q, k_cache, block_table, seq_lens, next_n, block_size, local_blocks, out)
+    return out
+
+
+def block_sparse_attention(q, k_cache, v_cache, block_table, req, pos, blocks, block_size: int, scale: float,
+                           out=None):
+    """MiniMax-M3 block-sparse GQA attention over a paged KV cache (prefill and decode).
+
+    q ``[s_q, h_q, d]`` bf16/fp32; k_cache, v_cache ``[num_pages, page_size, h_kv, d]`` in q's
+    dtype; block_table int32 ``[B, max_pages]``; req, pos int32 ``[s_q]`` (each row's request and
+    request position; keys ``[0, pos]`` are causal); blocks int32 ``[s_q, h_kv, topk]`` block ids
+    per KV head (:func:`block_topk`), -1 = none, duplicates count once. Query head h reads KV
+    head ``h // (h_q // h_kv)``. Returns ``(out [s_q, h_q, d] in q's dtype, lse fp32 [s_q, h_q])``;
+    a row with no key gives 0 and -inf. out: an ``(out, lse)`` pair to write, allocated when None.
+    """
+    if out is None:
+        out = (torch.empty_like(q), torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device))
+    out, lse = out
+    _ops.block_sparse_attention(q, k_cache, v_cache, block_table, req, pos, blocks, block_size, scale, out, lse)
+    return out, lse
+
+
 def _error_word(device) -> torch.Tensor | None:
     device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":
@@ -223,7 +276,8 @@ def _cuda_error_word_fake(like):
 
 def _register_mutating_fakes():
     for name in ("index_k_cache_insert", "indexer_logits", "indexer_logits_paged", "topk_indices", "indexer_topk",
-                 "indexer_topk_paged", "positions_to_slots", "mla_kv_cache_insert", "sparse_mla"):
+                 "indexer_topk_paged", "positions_to_slots", "mla_kv_cache_insert", "sparse_mla", "block_topk",
+                 "block_topk_paged", "block_sparse_attention"):
         torch.library.register_fake(f"indexcache::{name}")(lambda *args, **kwargs: None)
 
 

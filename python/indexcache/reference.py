@@ -387,3 +387,10 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     out = torch.where(bad.unsqueeze(-1), torch.full_like(out, math.nan), out)
     lse = torch.where(bad, torch.full_like(lse, math.nan), lse)
     return out.to(q.dtype), lse
+
+
+
+# ----------------------------------------------------------------------------- MiniMax-M3 block-sparse ops
+# Defined in reference_block_sparse.py (kept apart for size), part of this module's contract.
+from indexcache.reference_block_sparse import (block_scores, block_sparse_attention, block_topk,  # noqa: E402,F401
+                                               block_topk_paged, paged_rows, select_blocks)

@@ -1,0 +1,460 @@
+// MiniMax-M3's block-sparse ops on CPU (indexcache/block_sparse.h; reference.py's MiniMax-M3
+// section defines them).
+//
+// block_topk: one task per query row. The row's visible keys are walked one index block at a
+// time: the block's key rows are converted to fp32 once into a tile, every indexer head's dot
+// products with them are max-pooled on the spot, so only [h, num_blocks] scores ever exist (never
+// [s_q, s_kv]). The local blocks are then forced in and the top blocks kept under the order
+// (score desc, block id asc; NaN above +inf), written ascending, then -1.
+//
+// block_sparse_attention: one task per (query row, KV head). Its selected blocks are sorted and
+// deduplicated; each block's keys (<= the row's position) are scored for the KV head's group of
+// query heads at once, then an online softmax (running max, sum, fp32 accumulator per head)
+// folds in the block's P·V. Blocks go in ascending order, so results are bit-identical run to run.
+//
+// ISA paths: the kernel bodies (block_sparse_impl.h) are compiled three times: portable
+// (baseline x86-64 / any CPU), AVX2+FMA (the avx2 path) and AVX-512 (the avx512bf16 and blas
+// paths), auto-vectorised by the compiler from lane loops; isa.h's cpu_path() picks one at run time.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <initializer_list>
+#include <utility>
+#include <vector>
+
+#include "../checks.h"
+#include "indexcache/block_sparse.h"
+#include "isa.h"
+#include "registry.h"
+
+namespace indexcache {
+namespace {
+
+// ------------------------------------------------------------------ selection (scalar, shared)
+
+// Order key of a block score: larger float -> larger key; NaN above +inf (as torch.sort).
+inline uint32_t order_key(float v) {
+  if (std::isnan(v)) return 0xFFFFFFFFu;
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// bs [nb] block scores of one (row, head); qb the query's block. Writes out [topk] ascending, -1 pad.
+void select_row(const float* bs, int64_t nb, int64_t qb, int64_t topk, int64_t local,
+                std::vector<std::pair<uint32_t, int32_t>>& cand, int32_t* out) {
+  cand.clear();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < nb; ++b) {
+    float v = bs[b];
+    if (b <= qb && b > qb - local) v = inf;  // forced: a local block ending at the query (clamped at 0)
+    if (v == -inf) continue;                 // nothing visible: never selected
+    cand.emplace_back(order_key(v), static_cast<int32_t>(b));
+  }
+  const int64_t k = std::min<int64_t>(topk, static_cast<int64_t>(cand.size()));
+  auto better = [](const std::pair<uint32_t, int32_t>& a, const std::pair<uint32_t, int32_t>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), better);
+  for (int64_t i = 0; i < k; ++i) out[i] = cand[i].second;
+  std::sort(out, out + k);
+  for (int64_t i = k; i < topk; ++i) out[i] = -1;
+}
+
+// Rows scored together share their request's keys (each key block is converted once per group).
+constexpr int64_t kGroupRows = 16;
+
+// Keys row t sees (its window length; <= 0: none).
+inline int64_t row_keys(const BlockTopkParams& p, int64_t t) {
+  if (p.ks != nullptr) return static_cast<int64_t>(p.ke[t]) - p.ks[t];
+  return static_cast<int64_t>(p.seq_lens[t / p.next_n]) - p.next_n + t % p.next_n + 1;
+}
+
+// Group starts (then s_q): runs of <= kGroupRows consecutive rows over the same keys (same ks in
+// prefill, same request in decode).
+inline void group_rows(const BlockTopkParams& p, std::vector<int64_t>& starts) {
+  starts.clear();
+  for (int64_t t = 0; t < p.s_q; ++t) {
+    const bool same = !starts.empty() && t - starts.back() < kGroupRows &&
+                      (p.ks != nullptr ? p.ks[t] == p.ks[starts.back()] : t / p.next_n == starts.back() / p.next_n);
+    if (!same) starts.push_back(t);
+  }
+  starts.push_back(p.s_q);
+}
+
+inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
+inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
+// ------------------------------------------------------------------ per-ISA kernel bodies
+
+#define IC_BLOCK_SPARSE_DRIVERS                                                                             \
+  void block_topk(const BlockTopkParams& p) {                                                                 \
+    const int64_t es = elem_size(p.qk_dtype), bsz = p.block_size;                                             \
+    const char* kbase = static_cast<const char*>(p.k);                                                        \
+    std::vector<int64_t> groups;                                                                              \
+    group_rows(p, groups);                                                                                    \
+    at::parallel_for(0, static_cast<int64_t>(groups.size()) - 1, 1, [&](int64_t g0, int64_t g1) {             \
+      std::vector<float> qf(kGroupRows * p.h * p.d), tile((bsz + kChunk) * p.d, 0.0f), krow(p.d), bs;         \
+      std::vector<std::pair<uint32_t, int32_t>> cand;                                                         \
+      int64_t n[kGroupRows];                                                                                  \
+      for (int64_t gi = g0; gi < g1; ++gi) {                                                                  \
+        const int64_t t0 = groups[gi], rows = groups[gi + 1] - t0;                                            \
+        int64_t n_max = 0;                                                                                    \
+        for (int64_t r = 0; r < rows; ++r) n_max = std::max(n_max, n[r] = row_keys(p, t0 + r));               \
+        to_float(static_cast<const char*>(p.q) + t0 * p.h * p.d * es, p.qk_dtype, rows * p.h * p.d, qf.data());\
+        const int64_t nb = (n_max + bsz - 1) / bsz;                                                           \
+        bs.assign(std::max<int64_t>(1, rows * p.h * nb), 0.0f);                                               \
+        if (p.ks != nullptr) {                                                                                \
+          const int64_t lo = p.ks[t0];                                                                        \
+          auto row = [&](int64_t i) { return kbase + (lo + i) * p.d * es; };                                  \
+          score_blocks(qf.data(), n, rows, p.h, p.d, nb, bsz, p.qk_dtype, row, tile.data(), krow.data(), bs.data());\
+        } else {                                                                                              \
+          const int32_t* bt = p.block_table + (t0 / p.next_n) * p.max_pages;                                  \
+          auto row = [&](int64_t i) {                                                                         \
+            return kbase + (static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size) * p.d * es;\
+          };                                                                                                  \
+          score_blocks(qf.data(), n, rows, p.h, p.d, nb, bsz, p.qk_dtype, row, tile.data(), krow.data(), bs.data());\
+        }                                                                                                     \
+        for (int64_t r = 0; r < rows; ++r) {                                                                  \
+          int32_t* out = p.out + (t0 + r) * p.h * p.topk_blocks;                                              \
+          if (n[r] <= 0) {                                                                                    \
+            std::fill(out, out + p.h * p.topk_blocks, -1);                                                    \
+            continue;                                                                                         \
+          }                                                                                                   \
+          const int64_t nbr = (n[r] + bsz - 1) / bsz;                                                         \
+          for (int64_t hh = 0; hh < p.h; ++hh)                                                                \
+            select_row(&bs[(r * p.h + hh) * nb], nbr, (n[r] - 1) / bsz, p.topk_blocks, p.local_blocks, cand,  \
+                       out + hh * p.topk_blocks);                                                             \
+        }                                                                                                     \
+      }                                                                                                       \
+    });                                                                                                       \
+  }                                                                                                           \
+                                                                                                              \
+  void attention(const BlockSparseAttnParams& p) {                                                            \
+    const int64_t es = elem_size(p.dtype), dp = pad16(p.d), g = p.h_q / p.h_kv, bsz = p.block_size;           \
+    const int64_t ss = pad16(bsz);                                                                            \
+    const char* kc = static_cast<const char*>(p.k_cache);                                                     \
+    const char* vc = static_cast<const char*>(p.v_cache);                                                     \
+    const float ninf = -std::numeric_limits<float>::infinity();                                               \
+    at::parallel_for(0, p.s_q * p.h_kv, 1, [&](int64_t w0, int64_t w1) {                                      \
+      std::vector<float> qf(g * dp, 0.0f), ktile((ss + kChunk) * dp, 0.0f), vt(ss * dp, 0.0f), krow(p.d);     \
+      std::vector<float> acc(g * dp), s(g * ss), m(g), l(g);                                                  \
+      std::vector<int32_t> sel(p.topk);                                                                       \
+      for (int64_t w = w0; w < w1; ++w) {                                                                     \
+        const int64_t t = w / p.h_kv, kh = w % p.h_kv, pos = p.pos[t];                                        \
+        const int32_t* bt = p.block_table + static_cast<int64_t>(p.req[t]) * p.max_pages;                     \
+        int64_t ns = 0;                                                                                       \
+        for (int64_t j = 0; j < p.topk; ++j) {                                                                \
+          const int32_t blk = p.blocks[(t * p.h_kv + kh) * p.topk + j];                                       \
+          if (blk >= 0 && static_cast<int64_t>(blk) * bsz <= pos) sel[ns++] = blk;                            \
+        }                                                                                                     \
+        std::sort(sel.begin(), sel.begin() + ns);                                                             \
+        ns = std::unique(sel.begin(), sel.begin() + ns) - sel.begin();                                        \
+        const char* qrow = static_cast<const char*>(p.q) + ((t * p.h_q) + kh * g) * p.d * es;                 \
+        for (int64_t hh = 0; hh < g; ++hh) to_float(qrow + hh * p.d * es, p.dtype, p.d, &qf[hh * dp]);        \
+        std::fill(acc.begin(), acc.end(), 0.0f);                                                              \
+        std::fill(m.begin(), m.end(), ninf);                                                                  \
+        std::fill(l.begin(), l.end(), 0.0f);                                                                  \
+        auto krow_at = [&](int64_t i) {                                                                       \
+          const int64_t slot = static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;     \
+          return kc + ((slot * p.h_kv) + kh) * p.d * es;                                                      \
+        };                                                                                                    \
+        for (int64_t bi = 0; bi < ns; ++bi) {                                                                 \
+          const int64_t i0 = static_cast<int64_t>(sel[bi]) * bsz, nk = std::min(pos + 1, i0 + bsz) - i0;      \
+          load_tile_t(krow_at, i0, nk, p.d, dp, p.dtype, ktile.data(), krow.data());              \
+          for (int64_t i = 0; i < nk; ++i) {                                                                  \
+            const int64_t slot = static_cast<int64_t>(bt[(i0 + i) / p.page_size]) * p.page_size + (i0 + i) % p.page_size; \
+            to_float(vc + ((slot * p.h_kv) + kh) * p.d * es, p.dtype, p.d, &vt[i * dp]);                      \
+          }                                                                                                   \
+          tile_scores(qf.data(), g, dp, nk, ktile.data(), s.data(), ss);                                      \
+          for (int64_t hh = 0; hh < g; ++hh) {                                                                \
+            float* sh = &s[hh * ss];                                                                          \
+            float mx = m[hh];                                                                                 \
+            for (int64_t i = 0; i < nk; ++i) {                                                                \
+              sh[i] *= p.scale;                                                                               \
+              mx = std::fmax(mx, sh[i]);                                                                      \
+            }                                                                                                 \
+            const float alpha = std::exp(m[hh] - mx);                                                     \
+            const float sum = exp_sum(sh, nk, mx);                                                        \
+            l[hh] = l[hh] * alpha + sum;                                                                      \
+            m[hh] = mx;                                                                                       \
+            float* a = &acc[hh * dp];                                                                         \
+            for (int64_t i = 0; i < p.d; ++i) a[i] *= alpha;                                                  \
+          }                                                                                                   \
+          tile_pv(acc.data(), s.data(), ss, g, nk, vt.data(), dp);                                            \
+        }                                                                                                     \
+        for (int64_t hh = 0; hh < g; ++hh) {                                                                  \
+          const int64_t hq = t * p.h_q + kh * g + hh;                                                         \
+          const bool none = ns == 0;                                                                          \
+          p.lse[hq] = none ? ninf : m[hh] + std::log(l[hh]);                                                  \
+          const float inv = none ? 0.0f : 1.0f / l[hh];                                                       \
+          if (p.dtype == DType::kFloat32) {                                                                   \
+            float* o = static_cast<float*>(p.out) + hq * p.d;                                                 \
+            for (int64_t i = 0; i < p.d; ++i) o[i] = acc[hh * dp + i] * inv;                                  \
+          } else {                                                                                            \
+            at::BFloat16* o = static_cast<at::BFloat16*>(p.out) + hq * p.d;                                   \
+            for (int64_t i = 0; i < p.d; ++i) o[i] = at::BFloat16(acc[hh * dp + i] * inv);                    \
+          }                                                                                                   \
+        }                                                                                                     \
+      }                                                                                                       \
+    });                                                                                                       \
+  }
+
+#define IC_VEC_BYTES 16
+namespace portable {
+#include "block_sparse_impl.h"
+IC_BLOCK_SPARSE_DRIVERS
+}  // namespace portable
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#undef IC_VEC_BYTES
+#define IC_VEC_BYTES 32
+namespace avx2 {
+#include "block_sparse_impl.h"
+IC_BLOCK_SPARSE_DRIVERS
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
+#undef IC_VEC_BYTES
+#define IC_VEC_BYTES 64
+namespace avx512 {
+#include "block_sparse_impl.h"
+IC_BLOCK_SPARSE_DRIVERS
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+// ------------------------------------------------------------------ op impls: checks, params
+
+void check_qk_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_int_vec(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-d tensor, got shape ", t.sizes(),
+              " strides ", t.strides());
+  TORCH_CHECK(t.size(0) == n, name, " must have ", n, " entries, got ", t.size(0));
+}
+
+void check_out_blocks(const at::Tensor& out, const at::Tensor& q) {
+  IC_CHECK_DTYPE(out, at::kInt, "out");
+  IC_CHECK_DIM(out, 3, "out");
+  IC_CHECK_CONTIG(out, "out");
+  IC_CHECK_SAME_DEVICE(q, out, "q", "out");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1), "out must be [s_q, h, topk_blocks] = [",
+              q.size(0), ", ", q.size(1), ", topk_blocks], got ", out.sizes());
+}
+
+void check_block_args(int64_t block_size, int64_t local_blocks) {
+  TORCH_CHECK(block_size >= 1, "block_size must be >= 1, got ", block_size);
+  TORCH_CHECK(local_blocks >= 0, "local_blocks must be >= 0, got ", local_blocks);
+}
+
+// Every page of the first `used` positions of request b must be a page of the cache.
+void check_pages(const int32_t* bt, int64_t b, int64_t max_pages, int64_t page_size, int64_t used, int64_t num_pages) {
+  const int64_t np = (used + page_size - 1) / page_size;
+  for (int64_t j = 0; j < np; ++j) {
+    const int64_t pg = bt[b * max_pages + j];
+    TORCH_CHECK(pg >= 0 && pg < num_pages, "block_table[", b, ", ", j, "] = ", pg, " is outside the cache's ",
+                num_pages, " pages");
+  }
+}
+
+void block_topk_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ks, const at::Tensor& ke,
+                   int64_t block_size, int64_t local_blocks, at::Tensor& out) {
+  check_qk_dtype(q, "q");
+  IC_CHECK_DTYPE(k, q.scalar_type(), "k");
+  IC_CHECK_DIM(q, 3, "q");
+  IC_CHECK_DIM(k, 2, "k");
+  IC_CHECK_CONTIG(q, "q");
+  IC_CHECK_CONTIG(k, "k");
+  TORCH_CHECK(k.size(1) == q.size(2), "k must be [s_kv, d] with q's d = ", q.size(2), ", got ", k.sizes());
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &ks, &ke, &out}) IC_CHECK_SAME_DEVICE(q, (*t), "q", "every argument");
+  check_int_vec(ks, q.size(0), "ks");
+  check_int_vec(ke, q.size(0), "ke");
+  check_out_blocks(out, q);
+  check_block_args(block_size, local_blocks);
+  const int32_t* kss = ks.data_ptr<int32_t>();
+  const int32_t* kee = ke.data_ptr<int32_t>();
+  for (int64_t t = 0; t < q.size(0); ++t)
+    TORCH_CHECK(kss[t] >= 0 && kee[t] <= k.size(0), "key window [", kss[t], ", ", kee[t], ") of row ", t,
+                " is outside the ", k.size(0), " keys");
+  BlockTopkParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.ks = kss;
+  p.ke = kee;
+  p.out = out.data_ptr<int32_t>();
+  p.s_q = q.size(0);
+  p.h = q.size(1);
+  p.d = q.size(2);
+  p.s_kv = k.size(0);
+  p.block_size = block_size;
+  p.topk_blocks = out.size(2);
+  p.local_blocks = local_blocks;
+  p.qk_dtype = to_dtype(q.scalar_type(), "q");
+  block_topk_cpu(p);
+}
+
+void block_topk_paged_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table,
+                         const at::Tensor& seq_lens, int64_t next_n, int64_t block_size, int64_t local_blocks,
+                         at::Tensor& out) {
+  check_qk_dtype(q, "q");
+  IC_CHECK_DTYPE(k_cache, q.scalar_type(), "k_cache");
+  IC_CHECK_DIM(q, 3, "q");
+  IC_CHECK_DIM(k_cache, 3, "k_cache");
+  IC_CHECK_CONTIG(q, "q");
+  IC_CHECK_CONTIG(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.size(2) == q.size(2), "k_cache must be [num_pages, page_size, d] with q's d = ", q.size(2),
+              ", got ", k_cache.sizes());
+  IC_CHECK_DTYPE(block_table, at::kInt, "block_table");
+  IC_CHECK_DIM(block_table, 2, "block_table");
+  IC_CHECK_CONTIG(block_table, "block_table");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &block_table, &seq_lens, &out}) IC_CHECK_SAME_DEVICE(q, (*t), "q", "every argument");
+  TORCH_CHECK(next_n >= 1, "next_n must be >= 1, got ", next_n);
+  const int64_t batch = block_table.size(0);
+  check_int_vec(seq_lens, batch, "seq_lens");
+  TORCH_CHECK(q.size(0) == batch * next_n, "q must have batch * next_n = ", batch * next_n, " rows, got ",
+              q.size(0));
+  check_out_blocks(out, q);
+  check_block_args(block_size, local_blocks);
+  const int64_t page = k_cache.size(1), cap = block_table.size(1) * page;
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(sl[b] >= 0 && sl[b] <= cap, "seq_lens[", b, "] = ", sl[b], " is outside [0, ", cap,
+                "] (max_pages * page_size)");
+    check_pages(block_table.data_ptr<int32_t>(), b, block_table.size(1), page, sl[b], k_cache.size(0));
+  }
+  BlockTopkParams p{};
+  p.q = q.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.seq_lens = sl;
+  p.out = out.data_ptr<int32_t>();
+  p.s_q = q.size(0);
+  p.h = q.size(1);
+  p.d = q.size(2);
+  p.num_pages = k_cache.size(0);
+  p.page_size = page;
+  p.batch = batch;
+  p.max_pages = block_table.size(1);
+  p.next_n = next_n;
+  p.block_size = block_size;
+  p.topk_blocks = out.size(2);
+  p.local_blocks = local_blocks;
+  p.qk_dtype = to_dtype(q.scalar_type(), "q");
+  block_topk_cpu(p);
+}
+
+void block_sparse_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& block_table, const at::Tensor& req, const at::Tensor& pos,
+                               const at::Tensor& blocks, int64_t block_size, double scale, at::Tensor& out,
+                               at::Tensor& lse) {
+  check_qk_dtype(q, "q");
+  IC_CHECK_DIM(q, 3, "q");
+  IC_CHECK_CONTIG(q, "q");
+  for (const auto& [t, name] : {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have q's dtype ", q.scalar_type(), ", got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 4, name, " must be [num_pages, page_size, h_kv, d], got ", t->sizes());
+    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous, got strides ", t->strides());
+  }
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
+              v_cache.sizes());
+  const int64_t s_q = q.size(0), h_q = q.size(1), d = q.size(2), h_kv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d, "k_cache's head dim must be q's ", d, ", got ", k_cache.size(3));
+  TORCH_CHECK(h_kv >= 1 && h_q % h_kv == 0, "q's ", h_q, " heads must be a multiple of the cache's ", h_kv,
+              " KV heads");
+  IC_CHECK_DTYPE(block_table, at::kInt, "block_table");
+  IC_CHECK_DIM(block_table, 2, "block_table");
+  IC_CHECK_CONTIG(block_table, "block_table");
+  check_int_vec(req, s_q, "req");
+  check_int_vec(pos, s_q, "pos");
+  IC_CHECK_DTYPE(blocks, at::kInt, "blocks");
+  IC_CHECK_DIM(blocks, 3, "blocks");
+  IC_CHECK_CONTIG(blocks, "blocks");
+  TORCH_CHECK(blocks.size(0) == s_q && blocks.size(1) == h_kv, "blocks must be [s_q, h_kv, topk] = [", s_q, ", ",
+              h_kv, ", topk], got ", blocks.sizes());
+  IC_CHECK_DTYPE(out, q.scalar_type(), "out");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be contiguous with q's shape ", q.sizes(),
+              ", got ", out.sizes(), " strides ", out.strides());
+  IC_CHECK_DTYPE(lse, at::kFloat, "lse");
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == s_q && lse.size(1) == h_q && lse.is_contiguous(),
+              "lse must be contiguous [s_q, h_q] = [", s_q, ", ", h_q, "], got ", lse.sizes());
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache, &block_table, &req, &pos, &blocks, &out, &lse})
+    IC_CHECK_SAME_DEVICE(q, (*t), "q", "every argument");
+  TORCH_CHECK(block_size >= 1, "block_size must be >= 1, got ", block_size);
+  const int64_t batch = block_table.size(0), page = k_cache.size(1), cap = block_table.size(1) * page;
+  const int32_t* rq = req.data_ptr<int32_t>();
+  const int32_t* ps = pos.data_ptr<int32_t>();
+  const int32_t* bl = blocks.data_ptr<int32_t>();
+  for (int64_t t = 0; t < s_q; ++t) {
+    TORCH_CHECK(rq[t] >= 0 && rq[t] < batch, "req[", t, "] = ", rq[t], " is outside the ", batch, " requests");
+    TORCH_CHECK(ps[t] >= 0 && ps[t] < cap, "pos[", t, "] = ", ps[t], " is outside [0, ", cap,
+                ") (max_pages * page_size)");
+    check_pages(block_table.data_ptr<int32_t>(), rq[t], block_table.size(1), page, ps[t] + 1, k_cache.size(0));
+  }
+  for (int64_t i = 0; i < blocks.numel(); ++i)
+    TORCH_CHECK(bl[i] >= -1, "blocks holds ", bl[i], " (only block ids >= 0 and -1 for none are allowed)");
+  BlockSparseAttnParams p{};
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.req = rq;
+  p.pos = ps;
+  p.blocks = bl;
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.s_q = s_q;
+  p.h_q = h_q;
+  p.h_kv = h_kv;
+  p.d = d;
+  p.topk = blocks.size(2);
+  p.num_pages = k_cache.size(0);
+  p.page_size = page;
+  p.batch = batch;
+  p.max_pages = block_table.size(1);
+  p.block_size = block_size;
+  p.scale = static_cast<float>(scale);
+  p.dtype = to_dtype(q.scalar_type(), "q");
+  block_sparse_attention_cpu(p);
+}
+
+}  // namespace
+
+void register_block_sparse_cpu(torch::Library& m) {
+  m.impl("block_topk", &block_topk_op);
+  m.impl("block_topk_paged", &block_topk_paged_op);
+  m.impl("block_sparse_attention", &block_sparse_attention_op);
+}
+
+void block_topk_cpu(const BlockTopkParams& p) {
+#if defined(__x86_64__)
+  if (use_avx512()) return avx512::block_topk(p);
+  if (use_avx2()) return avx2::block_topk(p);
+#endif
+  portable::block_topk(p);
+}
+
+void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
+#if defined(__x86_64__)
+  if (use_avx512()) return avx512::attention(p);
+  if (use_avx2()) return avx2::attention(p);
+#endif
+  portable::attention(p);
+}
+
+}  // namespace indexcache

@@ -1,0 +1,421 @@
+"""MiniMax-M3's block-sparse ops (DESIGN.md §5, §6, §8): reference.py against transformers'
+MiniMax-M3 indexer and attention, then the CPU kernels against reference.py on every CPU path
+this machine has (fresh random inputs, poisoned outputs, every element checked, determinism),
+error paths, opcheck and a property-based fuzz case."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import indexcache._C as _C
+from indexcache import ops
+from indexcache import reference as ref
+
+from test_ops import cpu_isa, rel_err  # noqa: F401  (cpu_isa is a fixture)
+
+POISON_I = -7777
+
+
+# ------------------------------------------------------------------ helpers
+
+def rows_of(ks, ke):
+    return [(int(a), int(b)) for a, b in zip(ks, ke)]
+
+
+def selection_scores(q, keys, pos, sel, block_size, local_blocks):
+    """Reference block scores (forced blocks +inf) of the selected ids of one row, sorted."""
+    sc = ref.block_scores(q.unsqueeze(0), keys, torch.tensor([pos]), block_size)[0]  # [h, nb]
+    qb = pos // block_size
+    for j in range(local_blocks):
+        sc[:, max(qb - j, 0)] = math.inf
+    out = []
+    for h in range(sel.shape[0]):
+        ids = sel[h][sel[h] >= 0].long()
+        out.append(torch.sort(sc[h, ids]).values)
+    return out
+
+
+def assert_blocks_equal(got, expect, row_inputs, block_size, local_blocks):
+    """Equal ids, or (a near-tie reordered by fp32 summation order) equal reference scores."""
+    assert got.shape == expect.shape and got.dtype == torch.int32
+    assert not (got == POISON_I).any(), "an output element was not written"
+    diff = (got != expect).any(dim=-1).any(dim=-1).nonzero().flatten().tolist()
+    assert len(diff) <= max(1, got.shape[0] // 20), f"{len(diff)} of {got.shape[0]} rows differ"
+    for t in diff:
+        q, keys, pos = row_inputs(t)
+        a = selection_scores(q, keys, pos, got[t], block_size, local_blocks)
+        b = selection_scores(q, keys, pos, expect[t], block_size, local_blocks)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def windows(lens, s_q_per):
+    """Flattened requests of the given lengths; the last s_q_per tokens of each are queries."""
+    ks, ke, start = [], [], 0
+    for n in lens:
+        for j in range(min(s_q_per, n)):
+            ks.append(start)
+            ke.append(start + n - min(s_q_per, n) + j + 1)
+        start += n
+    return torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32), start
+
+
+def make_paged(keys_per_req, page_size, extra_pages=3, seed=0):
+    """Scatter each request's rows [n, ...] into a paged cache with shuffled, non-contiguous pages."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [(k.shape[0] + page_size - 1) // page_size for k in keys_per_req]
+    max_pages = max(pages_per + [1])
+    total = sum(pages_per) + extra_pages
+    perm = torch.randperm(total, generator=g)
+    tail = keys_per_req[0].shape[1:]
+    cache = torch.randn(total, page_size, *tail, generator=g).to(keys_per_req[0].dtype)
+    table = torch.full((len(keys_per_req), max_pages), 0, dtype=torch.int32)
+    used = 0
+    for b, k in enumerate(keys_per_req):
+        for j in range(pages_per[b]):
+            pg = int(perm[used])
+            used += 1
+            table[b, j] = pg
+            rows = k[j * page_size:(j + 1) * page_size]
+            cache[pg, :rows.shape[0]] = rows
+    # unused trailing table entries point at real pages too (never read past seq_len)
+    return cache, table
+
+
+# ------------------------------------------------------------------ reference vs transformers
+
+def _tf():
+    M = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    C = pytest.importorskip("transformers.models.minimax_m3_vl.configuration_minimax_m3_vl")
+    return M, C
+
+
+def _tf_config(C, block_size, topk, local):
+    return C.MiniMaxM3VLTextConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3,
+                                   head_dim=16, index_n_heads=3, index_head_dim=32, index_block_size=block_size,
+                                   index_topk_blocks=topk, index_local_blocks=local,
+                                   layer_types=["minimax_m3_sparse"], rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("block_size,topk,local,seq", [(4, 3, 1, 37), (8, 4, 2, 64), (4, 20, 1, 30), (5, 2, 0, 41)])
+def test_reference_block_topk_matches_transformers(block_size, topk, local, seq):
+    M, C = _tf()
+    torch.manual_seed(seq * 7 + topk)
+    cfg = _tf_config(C, block_size, topk, local)
+    ix = M.MiniMaxM3VLIndexer(cfg, 0).float()
+    for p in ix.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    batch = 2
+    x = torch.randn(batch, seq, cfg.hidden_size)
+    cos, sin = torch.randn(batch, seq, 32).cos(), torch.randn(batch, seq, 32).sin()
+    pos_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    with torch.no_grad():
+        got = ix(x, (cos, sin), None, pos_ids)  # [B, H, S, min(topk, nb)], descending score order
+        q = ix.q_norm(ix.q_proj(x).view(batch, seq, -1, 32)).transpose(1, 2)
+        k = ix.k_norm(ix.k_proj(x).view(batch, seq, 1, 32)).transpose(1, 2)
+        q, k = M.apply_rotary_pos_emb(q, k, cos, sin)
+    for b in range(batch):
+        ks = torch.zeros(seq, dtype=torch.int32)
+        ke = torch.arange(1, seq + 1, dtype=torch.int32)
+        mine = ref.block_topk(q[b].transpose(0, 1).contiguous(), k[b, 0], ks, ke, block_size, topk, local)
+        theirs = got[b].permute(1, 0, 2)  # [S, H, topk']
+        for t in range(seq):
+            for h in range(cfg.index_n_heads):
+                a = sorted(i for i in mine[t, h].tolist() if i >= 0)
+                e = sorted(i for i in theirs[t, h].tolist() if i >= 0)
+                assert a == e, (t, h, a, e)
+                assert all(i == -1 for i in mine[t, h, len(a):].tolist())
+                assert len(a) == min(topk, t // block_size + 1)
+
+
+@pytest.mark.parametrize("block_size,topk,local,seq", [(4, 3, 1, 37), (8, 2, 2, 50)])
+def test_reference_attention_matches_transformers(block_size, topk, local, seq):
+    M, C = _tf()
+    torch.manual_seed(seq + topk)
+    cfg = _tf_config(C, block_size, topk, local)
+    ix = M.MiniMaxM3VLIndexer(cfg, 0)
+    batch, h_q, h_kv, d = 2, 6, 3, 16
+    q = torch.randn(batch, h_q, seq, d)
+    k = torch.randn(batch, h_kv, seq, d)
+    v = torch.randn(batch, h_kv, seq, d)
+    sel = torch.stack([ref.block_topk(torch.randn(seq, h_kv, 8), torch.randn(seq, 8), torch.zeros(seq, dtype=torch.int32),
+                                      torch.arange(1, seq + 1, dtype=torch.int32), block_size, topk, local)
+                       for _ in range(batch)])  # [B, S, h_kv, topk]
+    pos_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    mask = ix.build_block_mask(sel.permute(0, 2, 1, 3).long(), None, seq, torch.float32, torch.device("cpu"), pos_ids)
+
+    class Stub(torch.nn.Module):
+        num_key_value_groups = h_q // h_kv
+
+    Stub.training = False
+    theirs, _ = M.eager_attention_forward(Stub(), q, k, v, mask, scaling=d ** -0.5)  # [B, S, h_q, d]
+    kc, table = make_paged([k[b].transpose(0, 1) for b in range(batch)], page_size=8)
+    vc2 = torch.randn_like(kc)  # v at k's page placement
+    for b in range(batch):
+        for i in range(seq):
+            vc2[table[b, i // 8], i % 8] = v[b, :, i]
+    req = torch.arange(batch, dtype=torch.int32).repeat_interleave(seq)
+    pos = torch.arange(seq, dtype=torch.int32).repeat(batch)
+    out, lse = ref.block_sparse_attention(q.permute(0, 2, 1, 3).reshape(-1, h_q, d), kc, vc2, table, req, pos,
+                                          sel.reshape(-1, h_kv, topk), block_size, d ** -0.5)
+    assert rel_err(out, theirs.reshape(-1, h_q, d)) < 1e-5
+    assert torch.isfinite(lse).all()
+
+
+# ------------------------------------------------------------------ kernels vs reference
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,d,block_size,topk,local,lens", [
+    (4, 128, 16, 4, 1, [200, 97]),
+    (2, 64, 8, 16, 2, [70, 1, 33]),
+    (1, 24, 5, 3, 0, [40, 12]),
+    (4, 128, 128, 16, 1, [1500]),
+])
+def test_block_topk_prefill(cpu_isa, dtype, h, d, block_size, topk, local, lens):
+    torch.manual_seed(hash((h, d, block_size, topk)) % 1000)
+    ks, ke, s_kv = windows(lens, 24)
+    q = torch.randn(ks.shape[0], h, d).to(dtype)
+    k = (torch.randn(s_kv, d) + 0.1).to(dtype)
+    expect = ref.block_topk(q, k, ks, ke, block_size, topk, local)
+    out = torch.full((q.shape[0], h, topk), POISON_I, dtype=torch.int32)
+    ops.block_topk(q, k, ks, ke, block_size, topk, local, out=out)
+
+    def row(t):
+        return q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1)
+
+    assert_blocks_equal(out, expect, row, block_size, local)
+    again = ops.block_topk(q, k, ks, ke, block_size, topk, local)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("next_n,page_size,block_size", [(1, 16, 16), (2, 8, 16), (3, 32, 8)])
+def test_block_topk_paged(cpu_isa, dtype, next_n, page_size, block_size):
+    torch.manual_seed(next_n * 100 + page_size)
+    h, d, topk, local = 4, 128, 5, 1
+    seq_lens = [150, 3, 64, 1]
+    keys = [(torch.randn(n, d) + 0.1).to(dtype) for n in seq_lens]
+    cache, table = make_paged(keys, page_size)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens) * next_n, h, d).to(dtype)
+    expect = ref.block_topk_paged(q, cache, table, sl, next_n, block_size, topk, local)
+    out = torch.full((q.shape[0], h, topk), POISON_I, dtype=torch.int32)
+    ops.block_topk_paged(q, cache, table, sl, next_n, block_size, topk, local, out=out)
+    win = ref.decode_windows(sl, next_n)
+
+    def row(t):
+        b, w = t // next_n, int(win[t])
+        return q[t], keys[b][:w], w - 1
+
+    assert_blocks_equal(out, expect, row, block_size, local)
+    # rows with an empty window (seq_len 1 and next_n > 1) are all -1
+    for t in range(q.shape[0]):
+        if int(win[t]) <= 0:
+            assert (out[t] == -1).all()
+
+
+def make_attention(dtype, lens, h_q, h_kv, d, page_size, block_size, topk, rows_per, seed=0, dup=True):
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(n, h_kv, d, generator=g).to(dtype) for n in lens]
+    vals = [torch.randn(n, h_kv, d, generator=g).to(dtype) for n in lens]
+    kc, table = make_paged(keys, page_size, seed=seed)
+    vc = torch.randn(kc.shape, generator=g).to(dtype)
+    for b, v in enumerate(vals):
+        for i in range(v.shape[0]):
+            vc[table[b, i // page_size], i % page_size] = v[i]
+    req, pos = [], []
+    for b, n in enumerate(lens):
+        for j in range(min(rows_per, n)):
+            req.append(b)
+            pos.append(n - min(rows_per, n) + j)
+    req = torch.tensor(req, dtype=torch.int32)
+    pos = torch.tensor(pos, dtype=torch.int32)
+    s_q = req.shape[0]
+    q = torch.randn(s_q, h_q, d, generator=g).to(dtype)
+    nb = max(lens) // block_size + 2
+    blocks = torch.randint(-1, nb, (s_q, h_kv, topk), generator=g, dtype=torch.int32)
+    if dup and topk > 1:
+        blocks[::3, :, 1] = blocks[::3, :, 0]  # duplicates count once
+    blocks[1::7] = -1  # rows with no block: out 0, lse -inf
+    return q, kc, vc, table, req, pos, blocks
+
+
+@pytest.mark.parametrize("dtype,bar", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("h_q,h_kv,d,page_size,block_size,topk,rows_per", [
+    (8, 2, 128, 16, 16, 4, 20),      # prefill-like: many rows per request
+    (4, 4, 64, 8, 32, 3, 1),         # decode: one row per request
+    (6, 1, 48, 32, 8, 16, 5),
+    (16, 4, 128, 64, 128, 16, 2),    # MiniMax-M3's shapes (block 128, 16 blocks)
+])
+def test_block_sparse_attention(cpu_isa, dtype, bar, h_q, h_kv, d, page_size, block_size, topk, rows_per):
+    lens = [300, 17, 129] if block_size < 128 else [2100, 260]
+    q, kc, vc, table, req, pos, blocks = make_attention(dtype, lens, h_q, h_kv, d, page_size, block_size, topk, rows_per,
+                                                       seed=h_q * d + topk)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((q.shape[0], h_q), math.nan)
+    ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5, out=(out, lse))
+    e_out, e_lse = ref.block_sparse_attention(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an output element was not written"
+    assert rel_err(out.float(), e_out.float()) < bar
+    finite = torch.isfinite(e_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[~finite] == -math.inf).all() and (out[(~finite)] == 0).all()
+    torch.testing.assert_close(lse[finite], e_lse[finite], rtol=1e-5, atol=1e-5)
+    out2, lse2 = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+def test_attention_blocks_beyond_position_read_nothing(cpu_isa):
+    # Block ids past the row's position (future blocks) add no key: same as -1.
+    q, kc, vc, table, req, pos, blocks = make_attention(torch.float32, [100], 4, 2, 32, 16, 16, 4, 10, seed=5, dup=False)
+    far = blocks.clone()
+    far[:, :, -1] = 50
+    a = ops.block_sparse_attention(q, kc, vc, table, req, pos, far, 16, 0.2)
+    near = blocks.clone()
+    near[:, :, -1] = -1
+    b = ops.block_sparse_attention(q, kc, vc, table, req, pos, near, 16, 0.2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------ errors, opcheck
+
+def test_block_topk_errors():
+    q = torch.randn(3, 2, 16)
+    k = torch.randn(10, 16)
+    ks = torch.zeros(3, dtype=torch.int32)
+    ke = torch.tensor([4, 8, 10], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="q must be float32 or bfloat16"):
+        ops.block_topk(q.half(), k, ks, ke, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="k must be"):
+        ops.block_topk(q, k.bfloat16(), ks, ke, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="k must be"):
+        ops.block_topk(q, torch.randn(10, 8), ks, ke, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.block_topk(q.transpose(0, 1).contiguous().transpose(0, 1), k, ks, ke, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="ks must be int32"):
+        ops.block_topk(q, k, ks.long(), ke, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="outside the 10 keys"):
+        ops.block_topk(q, k, ks, torch.tensor([4, 8, 11], dtype=torch.int32), 4, 2, 1)
+    with pytest.raises(RuntimeError, match="block_size must be >= 1"):
+        ops.block_topk(q, k, ks, ke, 0, 2, 1)
+    with pytest.raises(RuntimeError, match="local_blocks must be >= 0"):
+        ops.block_topk(q, k, ks, ke, 4, 2, -1)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.block_topk(q, k, ks, ke, 4, 2, 1, out=torch.empty(2, 2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="topk_blocks"):
+        ops.block_topk(q, k, ks, ke, 4, 2, 1, out=torch.empty(3, 2, 3, dtype=torch.int32))
+
+
+def test_block_topk_paged_errors():
+    q = torch.randn(2, 2, 16)
+    cache = torch.randn(3, 8, 16)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    sl = torch.tensor([12], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="batch \\* next_n"):
+        ops.block_topk_paged(q, cache, table, sl, 1, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="seq_lens\\[0\\] = 17 is outside"):
+        ops.block_topk_paged(q, cache, table, torch.tensor([17], dtype=torch.int32), 2, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="block_table\\[0, 1\\] = 5 is outside"):
+        ops.block_topk_paged(q, cache, torch.tensor([[0, 5]], dtype=torch.int32), sl, 2, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="next_n must be >= 1"):
+        ops.block_topk_paged(q, cache, table, sl, 0, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="k_cache must be"):
+        ops.block_topk_paged(q, cache.bfloat16(), table, sl, 2, 4, 2, 1)
+
+
+def test_block_sparse_attention_errors():
+    q, kc, vc, table, req, pos, blocks = make_attention(torch.float32, [40, 20], 4, 2, 16, 8, 8, 3, 2)
+    args = [q, kc, vc, table, req, pos, blocks, 8, 0.25]
+
+    def call(i, v, match):
+        a = list(args)
+        a[i] = v
+        with pytest.raises(RuntimeError, match=match):
+            ops.block_sparse_attention(*a)
+
+    call(0, q.half(), "q must be float32 or bfloat16")
+    call(1, kc.bfloat16(), "k_cache must have q's dtype")
+    call(2, vc[:, :4].contiguous(), "v_cache must have k_cache's shape")
+    call(0, torch.randn(q.shape[0], 3, 16), "multiple of the cache's 2 KV heads")
+    call(4, torch.full_like(req, 2), "req\\[0\\] = 2 is outside the 2 requests")
+    call(5, torch.full_like(pos, 64), "pos\\[0\\] = 64 is outside")
+    call(6, torch.full_like(blocks, -2), "only block ids >= 0 and -1")
+    call(6, blocks[:, :1].contiguous(), "blocks must be \\[s_q, h_kv, topk\\]")
+    call(3, torch.full_like(table, 99), "block_table\\[0, 0\\] = 99 is outside")
+    call(7, 0, "block_size must be >= 1")
+    call(1, kc.transpose(0, 1), "k_cache must be contiguous")
+    with pytest.raises(RuntimeError, match="lse must be"):
+        ops.block_sparse_attention(*args, out=(torch.empty_like(q), torch.empty(1, 4)))
+
+
+def test_opcheck_block_sparse_ops():
+    o = torch.ops.indexcache
+    q = torch.randn(3, 2, 16)
+    k = torch.randn(10, 16)
+    ks = torch.zeros(3, dtype=torch.int32)
+    ke = torch.tensor([4, 8, 10], dtype=torch.int32)
+    cache = torch.randn(3, 8, 16)
+    qa, kc, vc, table, req, pos, blocks = make_attention(torch.bfloat16, [40, 20], 4, 2, 16, 8, 8, 3, 2)
+    cases = [
+        (o.block_topk.default, (q, k, ks, ke, 4, 1, torch.empty(3, 2, 2, dtype=torch.int32))),
+        (o.block_topk_paged.default, (q[:2].contiguous(), cache, torch.tensor([[0, 2]], dtype=torch.int32),
+                                      torch.tensor([12], dtype=torch.int32), 2, 4, 1,
+                                      torch.empty(2, 2, 3, dtype=torch.int32))),
+        (o.block_sparse_attention.default, (qa, kc, vc, table, req, pos, blocks, 8, 0.25, torch.empty_like(qa),
+                                            torch.empty(qa.shape[0], 4))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration",
+                                                    "test_aot_dispatch_dynamic"))
+
+
+# ------------------------------------------------------------------ property-based fuzz
+
+isas = st.sampled_from(["auto"] + [p for p, why in _C._cpu_paths().items() if not why])
+
+
+@settings(deadline=None, max_examples=max(10, settings.default.max_examples // 5))
+@given(data=st.data(), isa=isas)
+def test_fuzz_block_sparse(data, isa):
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    torch.manual_seed(seed)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    d = data.draw(st.sampled_from([1, 8, 17, 64, 128]))
+    block_size = data.draw(st.integers(1, 40))
+    topk = data.draw(st.integers(1, 8))
+    local = data.draw(st.integers(0, 3))
+    h_kv = data.draw(st.integers(1, 3))
+    g = data.draw(st.integers(1, 3))
+    lens = data.draw(st.lists(st.integers(0, 120), min_size=1, max_size=3))
+    _C._set_cpu_isa(isa)
+    try:
+        # block top-k, prefill
+        ks, ke, s_kv = windows(lens, data.draw(st.integers(1, 6)))
+        q = torch.randn(ks.shape[0], h_kv, d).to(dtype)
+        k = torch.randn(max(s_kv, 1), d).to(dtype)
+        out = torch.full((q.shape[0], h_kv, topk), POISON_I, dtype=torch.int32)
+        ops.block_topk(q, k, ks, ke, block_size, topk, local, out=out)
+        expect = ref.block_topk(q, k, ks, ke, block_size, topk, local)
+        assert_blocks_equal(out, expect, lambda t: (q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1)),
+                            block_size, local)
+        assert torch.equal(ops.block_topk(q, k, ks, ke, block_size, topk, local), out)
+        # block-sparse attention over the selection
+        lens_a = [max(n, 1) for n in lens]
+        page = data.draw(st.sampled_from([1, 4, 16]))
+        qa, kc, vc, table, req, pos, _ = make_attention(dtype, lens_a, h_kv * g, h_kv, d, page, block_size, topk, 4,
+                                                        seed=seed)
+        win_ks = torch.zeros_like(pos)
+        sel = torch.cat([ref.block_topk(torch.randn(1, h_kv, 8), torch.randn(int(p) + 1, 8), win_ks[:1], (pos[i:i + 1] + 1),
+                                        block_size, topk, local) for i, p in enumerate(pos)])
+        o = torch.full_like(qa, math.nan)
+        lse = torch.full((qa.shape[0], qa.shape[1]), math.nan)
+        ops.block_sparse_attention(qa, kc, vc, table, req, pos, sel, block_size, d ** -0.5, out=(o, lse))
+        e_o, e_lse = ref.block_sparse_attention(qa, kc, vc, table, req, pos, sel, block_size, d ** -0.5)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert rel_err(o.float(), e_o.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(lse, e_lse, rtol=1e-5, atol=1e-5)
+    finally:
+        _C._set_cpu_isa("auto")
