@@ -204,7 +204,7 @@ template <int NG>
 struct MlaMmaSmem {
   static constexpr int kHeads = kMlaHeads * NG;
   // Index entries compacted per pass (the pipeline drains at each pass's end). NG = 1 keeps
-  // it at 1024 so that two CTAs fit an SM (112,000 B each).
+  // it at 1024 so that two CTAs fit an SM (112,064 B each).
   static constexpr int kIdxChunk = NG == 1 ? 1024 : 2048;
   // KV tiles: bf16 tiles 0 and 1, or (aligned fp8) bf16 tile 0 + raw buffers 0 and 1.
   alignas(16) unsigned char region[kKvRegion];
@@ -215,6 +215,7 @@ struct MlaMmaSmem {
   float m[kHeads];
   float l[kHeads];
   int32_t bad[kHeads];  // a non-finite score was seen: out and lse are NaN (docs/ops.md)
+  float sink[kHeads];   // each head's sink logit (-inf: none), read once up front
   int32_t list[kIdxChunk];
   uint32_t scan[32];
 };
@@ -279,6 +280,7 @@ __global__ void __launch_bounds__(NG * kGroupThreads, 1)
     sm.m[threadIdx.x] = -__int_as_float(0x7f800000);
     sm.l[threadIdx.x] = 0.f;
     sm.bad[threadIdx.x] = 0;
+    sm.sink[threadIdx.x] = threadIdx.x < nh ? mla_sink(p, h0 + threadIdx.x) : -__int_as_float(0x7f800000);
   }
 
   const int64_t e0 = split * sp.chunk;
@@ -385,17 +387,22 @@ __global__ void __launch_bounds__(NG * kGroupThreads, 1)
   }
   __syncthreads();
   if (sp.o_part == nullptr) {
+    // One thread per head finishes the softmax (sink included) and leaves the output scale in
+    // sm.l, so the 64 live O accumulators below never share registers with the finish's math.
     if (threadIdx.x < nh) {
       const int hh = threadIdx.x;
-      p.lse[t * p.h_q + h0 + hh] = mla_finish(sm.m[hh], sm.l[hh], sm.bad[hh] != 0, mla_sink(p, h0 + hh)).lse;
+      const MlaFinish f = mla_finish(sm.m[hh], sm.l[hh], sm.bad[hh] != 0, sm.sink[hh]);
+      p.lse[t * p.h_q + h0 + hh] = f.lse;
+      sm.l[hh] = f.scale;
     }
+    __syncthreads();
     uint16_t* out = static_cast<uint16_t*>(p.out);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int hh = hg + g + 8 * half;
       if (hh >= nh) continue;
       // NaN times anything is NaN: a bad head's whole row comes out NaN.
-      const float inv = mla_finish(sm.m[hh], sm.l[hh], sm.bad[hh] != 0, mla_sink(p, h0 + hh)).scale;
+      const float inv = sm.l[hh];
       uint16_t* orow = out + (t * p.h_q + h0 + hh) * p.d_v;
 #pragma unroll
       for (int nt = 0; nt < 16; ++nt) {

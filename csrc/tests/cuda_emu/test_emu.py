@@ -744,13 +744,13 @@ def run_mla(q, cache, idx, d_v, sms=132, scale=None, smem=227 * 1024):
 def test_sparse_mla_fewer_heads_per_cta_when_shared_memory_is_short(cache_kind):
     """A100 allows 163 KB per block: 64-head CTAs (201 KB) do not fit, so the launcher takes
     32-head CTAs (144 KB) and the same bits come out (one SM: no split either way). Below the
-    16-head CTA's 112,000 B it is an error that names the sizes."""
+    16-head CTA's 112,064 B it is an error that names the sizes."""
     cache, idx = make_mla(cache_kind, 2, 200, blocks=4, bs=64, seed=7)
     q = torch.randn(2, 40, 576, generator=torch.Generator().manual_seed(8)).bfloat16()
     wide = run_mla(q, cache, idx, 512, sms=1)
     a100 = run_mla(q, cache, idx, 512, sms=1, smem=166912)
     assert torch.equal(wide[0], a100[0]) and torch.equal(wide[1], a100[1])
-    with pytest.raises(RuntimeError, match="sparse MLA needs 112000 bytes of shared memory; the device allows 101376"):
+    with pytest.raises(RuntimeError, match="sparse MLA needs 112064 bytes of shared memory; the device allows 101376"):
         run_mla(q, cache, idx, 512, sms=1, smem=101376)
 
 
