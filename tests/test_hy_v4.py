@@ -234,19 +234,11 @@ def test_sink_attention_torch_form():
 def test_torch_form_equals_kernel_form(shipped):
     """Training's differentiable forward (TorchPass: sinks, gate and hyper-connections in torch)
     gives the inference forward's loss."""
-    import torch.nn.functional as F
-
-    from indexcache.tools.train import train_forward
+    from test_one_forward import assert_torch_form_equals_kernel_form
 
     model = ours(shipped[0], {"index_topk": 64})  # windows <= index_topk: the selection is the causal window
     ids = torch.randint(0, WIDTHS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(4))
-    logits = model(ids[:, :-1])
-    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    with torch.no_grad():
-        got, _, _ = train_forward(model, ids, "sparse", mtp_weight=0, with_kl=False)
-        dense, _, _ = train_forward(model, ids, "dense", mtp_weight=0)
-    assert float(got) == pytest.approx(float(want), rel=1e-5)
-    assert float(dense) == pytest.approx(float(want), rel=1e-5)
+    assert_torch_form_equals_kernel_form(model, ids)
 
 
 # ============================================================================ errors

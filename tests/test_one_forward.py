@@ -104,7 +104,12 @@ def test_a_bypassed_block_fails_the_tool(monkeypatch, tool):
 def test_torch_form_equals_kernel_form(pattern):
     """The differentiable forward and the inference forward of one model give the same loss."""
     model = _model(pattern, seed=5)
-    ids = torch.randint(0, 256, (2, 9))  # 8 positions per row <= index_topk: the whole window is selected
+    assert_torch_form_equals_kernel_form(model, torch.randint(0, 256, (2, 9)))  # 8 positions <= index_topk
+
+
+def assert_torch_form_equals_kernel_form(model, ids: torch.Tensor) -> None:
+    """``model``'s training forward (sparse and dense) gives its inference forward's loss on ``ids``,
+    whose windows are no longer than index_topk (so the selection is the whole causal window)."""
     logits = model(ids[:, :-1])
     want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     with torch.no_grad():
