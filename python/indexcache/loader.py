@@ -73,6 +73,8 @@ def _weight_files(path: Path) -> dict:
 
 def _should_drop(name: str, model) -> bool:
     """Checkpoint tensors the model knowingly does not build."""
+    if model.drops_checkpoint_tensor(name):
+        return True
     m = _LAYER.match(name)
     if not m:
         return name.startswith("model.mtp_layers.") and not model.args.num_nextn_predict_layers  # HY-V4's, not run
@@ -81,7 +83,7 @@ def _should_drop(name: str, model) -> bool:
     if layer >= len(layers):
         # MTP layers of a model built with fewer (num_nextn_predict_layers overridden to 0)
         return layer >= model.args.num_hidden_layers
-    if rest.startswith("self_attn.indexer.") and layers[layer].self_attn.indexer is None:
+    if rest.startswith("self_attn.indexer.") and getattr(layers[layer].self_attn, "indexer", 0) is None:
         return True  # S layer: the plan skipped this indexer
     return rest.startswith("embed_tokens.")  # MTP copy of the embedding; the main one is shared
 

@@ -38,13 +38,14 @@ class DSAModel(nn.Module):
     """Embedding, layers, final norm. Under pipeline parallelism a stage builds only its own layers
     (the others are ``AbsentLayer``), the embedding on the first stage, the norm on the last."""
 
-    def __init__(self, args: ModelArgs, plan: LayerPlan, indexer_fp8: bool, par: Optional[ParallelContext] = None):
+    def __init__(self, args: ModelArgs, build_indexer: list, indexer_fp8: bool, par: Optional[ParallelContext] = None,
+                 make_layer=None):
         super().__init__()
         par = par or ParallelContext()
         L = args.num_hidden_layers
         self.embed_tokens = make_embedding(args.vocab_size, args.hidden_size, par) if par.first_stage else None
-        layer_cls = HyperDecoderLayer if args.hc_mult else DecoderLayer
-        layers = [layer_cls(args, i, not plan.skip_topk[i], indexer_fp8, par) if par.owns_layer(i, L)
+        make_layer = make_layer or (HyperDecoderLayer if args.hc_mult else DecoderLayer)
+        layers = [make_layer(args, i, build_indexer[i], indexer_fp8, par) if par.owns_layer(i, L)
                   else AbsentLayer(i) for i in range(L)]
         layers += [MTPLayer(args, L + j, indexer_fp8, par) if par.owns_layer(L + j, L) else AbsentLayer(L + j)
                    for j in range(args.num_nextn_predict_layers)]
@@ -85,7 +86,11 @@ def model_type_of(config: Mapping[str, Any]) -> str:
 
 class DSAForCausalLM(nn.Module):
     """A family file subclasses this and names its ``model_type``, its transformers
-    ``architecture`` and the ``config_defaults`` for fields its config.json may omit."""
+    ``architecture`` and the ``config_defaults`` for fields its config.json may omit.
+
+    A family whose layers are not all DSA layers says which main layers are **indexed**
+    (``indexed_layers``: the plan covers those only, DESIGN.md §2) and builds its own layers
+    (``decoder_layer``, constructed as ``DecoderLayer`` is) and caches (``allocate_cache``)."""
     model_type = ""
     architecture = ""
     config_defaults: dict = {}
@@ -98,6 +103,17 @@ class DSAForCausalLM(nn.Module):
     def family_config(cls, config: dict) -> dict:
         """The family's reading of its config.json before ``ModelArgs`` is built (default: as is)."""
         return config
+
+    @classmethod
+    def indexed_layers(cls, args: ModelArgs) -> list:
+        """The main layer ids that carry an indexer, in order (default: every layer)."""
+        return list(range(args.num_hidden_layers))
+
+    decoder_layer = None  # a family's decoder-layer class (None: the DSA DecoderLayer)
+
+    def drops_checkpoint_tensor(self, name: str) -> bool:
+        """Whether the loader passes over checkpoint tensor ``name`` (beyond the S layers' indexers)."""
+        return False
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint tensor name of parameter ``name`` (the loader and ``save_pretrained``)."""
@@ -114,16 +130,17 @@ class DSAForCausalLM(nn.Module):
                  config: Optional[dict] = None, ic_config: Optional[IndexCacheConfig] = None,
                  parallel: Optional[ParallelContext] = None):
         super().__init__()
-        if len(plan.skip_topk) != args.num_hidden_layers + args.num_nextn_predict_layers:
-            raise ValueError(f"plan covers {len(plan.skip_topk)} layers, the model has "
-                             f"{args.num_hidden_layers} + {args.num_nextn_predict_layers} MTP")
+        self.indexed = self.indexed_layers(args)
+        if len(plan.skip_topk) != len(self.indexed) + args.num_nextn_predict_layers:
+            raise ValueError(f"plan covers {len(plan.skip_topk)} layers, the model has {len(self.indexed)} indexed "
+                             f"+ {args.num_nextn_predict_layers} MTP")
         self.par = par = parallel or ParallelContext()
         validate_parallel(args, par)
         self.args, self.plan, self.ic_config = args, plan, ic_config
         self.config = dict(config or {})
         self.indexer_fp8 = indexer_fp8 is None or bool(indexer_fp8)
         self.compute_dtype = torch.float32  # set by _cast_params
-        self.model = DSAModel(args, plan, self.indexer_fp8, par)
+        self.model = DSAModel(args, self.full_of(plan.skip_topk), self.indexer_fp8, par, self.decoder_layer)
         self.lm_head = make_lm_head(args.hidden_size, args.vocab_size, par) if par.last_stage else None
         if args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight  # same vocabulary rows on every rank
@@ -162,10 +179,11 @@ class DSAForCausalLM(nn.Module):
                              f"DSA model; this checkpoint has kv_lora_rank {args.kv_lora_rank}, qk_rope_head_dim "
                              f"{args.qk_rope_head_dim}, index_head_dim {args.index_head_dim} (run it on the CPU)")
         ic = IndexCacheConfig.from_config(config, ic_overrides)
-        plan = ic.plan(args.num_hidden_layers, args.num_nextn_predict_layers)
+        indexed = cls.indexed_layers(args)
+        plan = ic.plan(len(indexed), args.num_nextn_predict_layers)
         par = parallel or ParallelContext()
         if pp_stage_starts_full and par.pp_size > 1:
-            plan = stage_full_plan(plan, par.pp_size)
+            plan = stage_full_plan(plan, par.pp_size, indexed, args.num_hidden_layers)
         validate_parallel(args, par)
         with torch.device("meta"):
             model = cls(args, plan, indexer_fp8=indexer_fp8, config=merged, ic_config=ic, parallel=par)
@@ -269,6 +287,16 @@ class DSAForCausalLM(nn.Module):
                 total += p.numel() * p.element_size()
         return total
 
+    def full_of(self, skip_topk) -> list:
+        """Per layer id (main, then MTP): whether the layer runs its indexer, from per-indexed-layer
+        skip flags (``LayerPlan.skip_topk``'s layout: indexed main layers, then MTP). A layer with no
+        indexer in the family is never F."""
+        L, n = self.args.num_hidden_layers, len(self.indexed)
+        full = [False] * L
+        for pos, layer_id in enumerate(self.indexed):
+            full[layer_id] = not skip_topk[pos]
+        return full + [not s for s in skip_topk[n:]]
+
     def plan_summary(self) -> str:
         head = self.ic_config.describe(self.plan) if self.ic_config is not None else \
             f"IndexCache plan: {self.plan.num_full} F / {self.plan.num_shared} S; from {self.plan.rule}"
@@ -291,10 +319,11 @@ class DSAForCausalLM(nn.Module):
                              f"(max_num_batched_tokens); split the batch or raise max_num_batched_tokens")
         if meta.paged and cache is None:
             raise ValueError("a paged batch needs its PagedKVCache")
+        layers = self.args.num_hidden_layers + self.args.num_nextn_predict_layers
         if full is None:
-            full = [not s for s in self.plan.skip_topk]
-        elif len(full) != len(self.plan.skip_topk):
-            raise ValueError(f"full names {len(full)} layers, the model has {len(self.plan.skip_topk)}")
+            full = self.full_of(self.plan.skip_topk)
+        elif len(full) != layers:
+            raise ValueError(f"full names {len(full)} layers, the model has {layers}")
         angles = meta.positions.float().unsqueeze(1) * self.rope_inv_freq.unsqueeze(0)
         cos, sin = angles.cos() * self.rope_attn_factor, angles.sin() * self.rope_attn_factor
         return ForwardContext(meta, cos, sin, self.topk_buffer, tuple(bool(f) for f in full), cache, timer,
@@ -359,10 +388,11 @@ class DSAForCausalLM(nn.Module):
         return self.forward_context(meta, full=full, torch_pass=torch_pass)
 
     def _stage_needs_rows(self, stage: int, ctx: ForwardContext) -> bool:
-        """Whether pipeline stage ``stage`` begins on a layer that is S in this forward (and so needs
+        """Whether pipeline stage ``stage``'s first indexed layer is S in this forward (and so needs
         the previous stage's top-k rows)."""
-        b = stage_bounds(self.args.num_hidden_layers, self.par.pp_size)[stage]
-        return stage > 0 and not ctx.is_full(b)
+        lo, hi = stage_bounds(self.args.num_hidden_layers, self.par.pp_size)[stage:stage + 2]
+        first = next((i for i in self.indexed if lo <= i < hi), None)
+        return stage > 0 and first is not None and not ctx.is_full(first)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -388,7 +418,7 @@ class DSAForCausalLM(nn.Module):
         if not self.mtp_layers:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers is 0)")
         layer = self.mtp_layers[mtp_index % len(self.mtp_layers)]
-        full = [not s for s in self.plan.skip_topk]
+        full = self.full_of(self.plan.skip_topk)
         full[layer.layer_id] = reuse_topk is None  # later draft steps attend over step 0's rows
         ctx = self.forward_context(meta, cache, timer, full=full)
         par, n = self.par, meta.num_tokens
@@ -431,9 +461,20 @@ def validate_parallel(args: ModelArgs, par: ParallelContext) -> None:
         raise ValueError("cannot split this model over tp_size %d x pp_size %d: %s" % (tp, pp, "; ".join(bad)))
 
 
-def stage_full_plan(plan: LayerPlan, pp_size: int) -> LayerPlan:
-    """The plan with every pipeline stage's first main layer forced to F (vLLM's fallback)."""
-    pattern = stage_start_full_pattern(plan.pattern, plan.num_hidden_layers, pp_size)
+def stage_full_plan(plan: LayerPlan, pp_size: int, indexed: Optional[list] = None,
+                    num_layers: Optional[int] = None) -> LayerPlan:
+    """The plan with every pipeline stage's first indexed layer forced to F (vLLM's fallback).
+    ``indexed``: the main layer ids the plan covers, of ``num_layers`` (default: every layer)."""
+    if indexed is None or len(indexed) == num_layers:
+        pattern = stage_start_full_pattern(plan.pattern, plan.num_hidden_layers, pp_size)
+    else:
+        chars = list(plan.pattern)
+        bounds = stage_bounds(num_layers, pp_size)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            pos = next((p for p, i in enumerate(indexed) if lo <= i < hi), None)
+            if pos is not None:
+                chars[pos] = "F"
+        pattern = "".join(chars)
     if pattern == plan.pattern:
         return plan
     return build_layer_plan(plan.num_hidden_layers, plan.num_nextn_predict_layers, use_index_cache=True,

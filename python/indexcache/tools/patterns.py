@@ -87,14 +87,15 @@ def load_all_full(path, *, dtype=torch.float32, device="cpu", indexer_fp8=None) 
 
 
 def pattern_full(model: DSAForCausalLM, pattern: str) -> list:
-    """The per-layer F flags (main layers, then MTP as the plan has them) of ``pattern``."""
-    layers = model.model.layers[: model.args.num_hidden_layers]
+    """The per-layer F flags (main layers, then MTP as the plan has them) of ``pattern``, which
+    names the indexed layers in order (every layer of a DSA family; DESIGN.md §2)."""
+    layers = [model.model.layers[i] for i in model.indexed]
     if len(pattern) != len(layers) or set(pattern) - {"F", "S"} or pattern[0] != "F":
         raise ValueError(f"pattern {pattern!r} must be {len(layers)} of 'F'/'S' starting with 'F'")
     for layer, c in zip(layers, pattern):
         if c == "F" and layer.self_attn.indexer is None:
             raise ValueError(f"layer {layer.layer_id} has no indexer in this model, so it cannot be F")
-    return [c == "F" for c in pattern] + [not s for s in model.plan.skip_topk[len(pattern):]]
+    return model.full_of([c == "S" for c in pattern] + list(model.plan.skip_topk[len(pattern):]))
 
 
 # ---------------------------------------------------------------------------- layer-wise runs
