@@ -14,8 +14,13 @@ import ctypes
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from test_emu import I, P, call, dt_code, make_mla, mla_splits, ref, rel_err
+from test_emu_fuzz import few, rand, seeds
+
+NONFINITE = [float("nan"), float("inf"), -float("inf")]
 
 V4_SCALE = 512 ** -0.5
 POISON_F32 = 0x7F8DEAD1  # NaN payloads no kernel makes
@@ -137,3 +142,41 @@ def test_v4_rejects_fp8_cache():
     q = torch.randn(2, 16, 512).bfloat16()
     with pytest.raises(RuntimeError, match="d_qk 576 \\(any cache\\) or 512 \\(bf16/fp32 cache\\)"):
         run(q, cache, idx, None, 512, None)
+
+
+@few()
+@given(data=st.data(), seed=seeds)
+def test_emu_fuzz_sparse_mla_v4(data, seed):
+    """d_qk 512, both lists with -1 holes and repeats (maybe all -1, maybe no window), maybe
+    sinks, maybe a NaN / inf in q or a cache row, both kernels, maybe split: the reference's NaN
+    pattern, the bars, every element written (run() checks the poison)."""
+    draw = data.draw
+    s_q, h = draw(st.integers(1, 2)), draw(st.integers(1, 20))
+    cache_kind = draw(st.sampled_from(["fp32", "bf16"]))
+    q_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    n = 16 * draw(st.integers(1, 2))
+    e = draw(st.integers(-12, 12))
+    rows = rand((n, 512), seed, 2.0 ** e)
+    if draw(st.booleans()):
+        rows[draw(st.integers(0, n - 1)), draw(st.integers(0, 511))] = draw(st.sampled_from(NONFINITE))
+    cache = torch.zeros(1, n, 512, dtype=torch.float32 if cache_kind == "fp32" else torch.bfloat16)
+    ref.mla_kv_cache_insert(rows[:, :448].contiguous(), rows[:, 448:].contiguous(), torch.arange(n), cache)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (s_q, draw(st.integers(1, 40))), generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=g) < draw(st.sampled_from([0.0, 0.3, 1.0]))] = -1
+    extra = None
+    if draw(st.booleans()):
+        extra = torch.randint(0, n, (s_q, draw(st.integers(0, 300))), generator=g, dtype=torch.int32)
+        extra[torch.rand(extra.shape, generator=g) < draw(st.sampled_from([0.0, 0.3]))] = -1
+    q = rand((s_q, h, 512), seed + 2, 2.0 ** -e).to(q_dtype).contiguous()
+    if draw(st.booleans()):
+        q[draw(st.integers(0, s_q - 1)), draw(st.integers(0, h - 1)), draw(st.integers(0, 511))] = draw(
+            st.sampled_from(NONFINITE))
+    sinks = sinks_for(h, seed % 1000) if draw(st.booleans()) else None
+    out, lse = run(q, cache, idx, extra, 512, sinks, sms=draw(st.sampled_from([4, 132])))
+    ro, rl = ref.sparse_mla(q, cache, idx, V4_SCALE, 512, sinks=sinks, extra_indices=extra)
+    assert torch.equal(torch.isnan(out.float()), torch.isnan(ro.float()))
+    assert torch.equal(torch.isnan(lse), torch.isnan(rl)) and torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    ok = ~torch.isnan(rl)
+    if ok.any():
+        assert rel_err(out.float()[ok], ro.float()[ok]) < (1e-5 if q_dtype == torch.float32 else 1e-2)
