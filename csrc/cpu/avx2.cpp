@@ -1,6 +1,7 @@
 // The AVX2 + FMA kernels (avx2.h): sparse MLA and the top-k filter of the avx2 path.
 //
-// Sparse MLA (absorbed form, DESIGN.md §5). A task is one query row, one block of up to 64
+// Sparse MLA (absorbed form, DESIGN.md §5; and DeepSeek-V4's 512-wide K=V rows, the kernels being
+// templates on the row width D, 576 in the comments below). A task is one query row, one block of up to 64
 // heads and one range of its selected keys. It walks its keys in tiles of 48: the tile's cache
 // rows are gathered and converted to fp32 once (bf16 by a shift, fp8_ds_mla by exponent
 // arithmetic and the group scale), then two register-blocked FMA kernels run on it with heads
