@@ -180,3 +180,27 @@ def test_emu_fuzz_sparse_mla_v4(data, seed):
     ok = ~torch.isnan(rl)
     if ok.any():
         assert rel_err(out.float()[ok], ro.float()[ok]) < (1e-5 if q_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("q_dtype,cache_kind", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_v4_out_of_range_extra_indices(q_dtype, cache_kind):
+    """Without host checks the CUDA op treats an out-of-range window entry as -1 and counts it
+    once in the error word (3 head groups per row: still once), as it does for indices."""
+    from test_emu import lib
+
+    s_q, h = 3, 40
+    cache, idx, extra = make_v4(cache_kind, s_q, 30, 20, seed=31)
+    n = cache.shape[0] * cache.shape[1]
+    dirty = extra.clone()
+    bad = [(0, 1), (1, 19), (2, 0)]
+    for (r, j), v in zip(bad, [n, -2, 10**9]):
+        dirty[r, j] = v
+    clean = dirty.clone()
+    for r, j in bad:
+        clean[r, j] = -1
+    q = torch.randn(s_q, h, 512, generator=torch.Generator().manual_seed(3)).to(q_dtype)
+    lib().emu_reset_error_count()
+    got = run(q, cache, idx, dirty, 512, None)
+    assert int(lib().emu_error_count()) == len(bad)
+    want = run(q, cache, idx, clean, 512, None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
