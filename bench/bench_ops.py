@@ -270,6 +270,33 @@ def bench_mla(records, device, quick):
                        ours[(isa, "indexcache")][0], gflop_per_s=gf)
 
 
+def bench_mla_v4(records, device, quick):
+    """DeepSeek-V4-Flash attention through sparse_mla: d_qk 512 (K = V), 512 selected compressed
+    entries + a 128-entry sliding window (extra_indices), 64 heads, sinks; decode rows."""
+    h, topk, window, bs, s_q, s_kv = 64, 512, 128, 64, 8 if quick else 32, 16384
+    cache = torch.randn(s_kv // bs, bs, 1, 512, device=device).bfloat16()
+    q = torch.randn(s_q, h, 512, device=device).bfloat16()
+    idx = torch.stack([torch.randperm(s_kv - window)[:topk] for _ in range(s_q)]).int().to(device)
+    win = (s_kv - window + torch.arange(window)).int().expand(s_q, window).contiguous().to(device)
+    sinks, scale = torch.randn(h, device=device) * 3, 512 ** -0.5
+    out, lse = torch.empty(s_q, h, 512, device=device, dtype=torch.bfloat16), torch.empty(s_q, h, device=device)
+    fns = {"indexcache": lambda: ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse, sinks=sinks, extra_indices=win)}
+    ours = time_variants(fns, device, op="sparse_mla", min_time=0.5, max_iters=10)
+
+    def reference():  # gather window + selected rows, softmax with the sink as one more logit
+        qq, kv = (q, cache.reshape(-1, 512)) if BF16_FAST else (q.float(), cache.reshape(-1, 512).float())
+        g = kv[torch.cat((idx, win), 1).long()]
+        s = torch.matmul(qq, g.transpose(1, 2)).float() * scale
+        s = torch.cat((s, sinks.view(1, h, 1).expand(s_q, h, 1)), -1)
+        return torch.matmul(torch.softmax(s, -1)[..., :-1].to(qq.dtype), g)
+
+    base = timeit(reference, device, min_time=0.3, max_iters=5)
+    flops = 2 * h * s_q * (topk + window) * (512 + 512)
+    for (isa, name), t in ours.items():
+        record(records, "sparse_mla_v4_decode", f"{s_q}q x {h}h x k{topk}+w{window}", s_kv, name, t,
+               "reference_bf16" if BF16_FAST else "reference_fp32", base, gflop_per_s=flops / (t[0] * 1e-3) / 1e9)
+
+
 def bench_k_cache(records, device, quick):
     n, bs = (8192 if quick else 32768), 64
     k = torch.randn(n, 128, device=device)
@@ -374,7 +401,7 @@ def main():
     ap.add_argument("--isa", default="auto",
                     help="CPU path(s) for our ops, comma-separated: auto, portable, avx2, avx512bf16, blas")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats per path (median, min, max)")
-    ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse", help="which groups to run")
+    ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse,mla_v4", help="which groups to run")
     ap.add_argument("--sinks", action="store_true",
                     help="sparse MLA also with attention sinks, interleaved with the sink-free call")
     ap.add_argument("--cpu-time", action="store_true",
@@ -410,6 +437,8 @@ def main():
         bench_mla(records, args.device, args.quick)
     if "block_sparse" in groups:
         bench_block_sparse(records, args.device, args.quick)
+    if "mla_v4" in groups:
+        bench_mla_v4(records, args.device, args.quick)
     if any("gflop_per_s" in r for r in records):
         ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
     for r in records:
