@@ -110,6 +110,7 @@ class DSAForCausalLM(nn.Module):
         return list(range(args.num_hidden_layers))
 
     decoder_layer = None  # a family's decoder-layer class (None: the DSA DecoderLayer)
+    mla = True  # the layers are MLA + the lightning indexer (CUDA needs their native widths); False: the family's own
 
     def drops_checkpoint_tensor(self, name: str) -> bool:
         """Whether the loader passes over checkpoint tensor ``name`` (beyond the S layers' indexers)."""
@@ -174,7 +175,7 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"config.json's model_type is {found!r} but {cls.__name__} runs "
                              f"{cls.model_type!r}: load it with indexcache.models.from_pretrained")
         args = ModelArgs.from_config(cls.family_config(merged), cls.model_type, cls.config_defaults)
-        if torch.device(device).type == "cuda" and not (args.native_mla and args.native_indexer):
+        if cls.mla and torch.device(device).type == "cuda" and not (args.native_mla and args.native_indexer):
             raise ValueError(f"the CUDA kernels take the 512 + 64 latent and 128-wide indexer of every production "
                              f"DSA model; this checkpoint has kv_lora_rank {args.kv_lora_rank}, qk_rope_head_dim "
                              f"{args.qk_rope_head_dim}, index_head_dim {args.index_head_dim} (run it on the CPU)")
