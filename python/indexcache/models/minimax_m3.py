@@ -138,6 +138,10 @@ class MiniMaxM3ForCausalLM(DSAForCausalLM):
     def indexed_layers(cls, args: ModelArgs) -> list:
         return [i for i, t in enumerate(args.attn_layer_types) if t == SPARSE]
 
+    def plan_summary(self) -> str:
+        sparse = ", ".join(str(i) for i in self.indexed)
+        return super().plan_summary() + f"\nover the sparse layers {sparse} (full_attention layers run no indexer)"
+
     def drops_checkpoint_tensor(self, name: str) -> bool:
         return re.search(r"(^|\.)mtp\.", name) is not None  # the MTP module: transformers does not run it either
 
