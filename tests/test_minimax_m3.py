@@ -220,6 +220,21 @@ def test_from_pretrained_picks_the_class_and_config_errors(text):
         MiniMaxM3ForCausalLM.from_config(cfg, {"use_index_cache": True, "index_topk_pattern": "FSSFFS"})
 
 
+def test_plan_command_covers_the_sparse_layers(text, capsys):
+    from indexcache.cli import main
+    path, _ = text
+    assert main(["plan", "--config", str(path), "--hf-overrides",
+                 '{"use_index_cache": true, "index_topk_pattern": "FSSF"}']) == 0
+    out = capsys.readouterr().out
+    assert "2 F / 2 S over 4 layers" in out and "pattern: FSSF" in out and "indexed layers 1, 2, 4, 5" in out
+    assert "    2  S         layer 1" in out and "    4  S         layer 1" in out and "    5  F" in out
+    assert main(["plan", "--config", str(path), "--json", "--hf-overrides",
+                 '{"use_index_cache": true, "index_topk_freq": 2}']) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["pattern"] == "FFSF" and got["indexed_layers"] == SPARSE_IDS
+    assert [r["layer"] for r in got["layers"]] == SPARSE_IDS and got["layers"][2]["source_layer"] == 2
+
+
 # ============================================================================ serving paths
 
 def test_paged_decode_and_chunked_prefill_equal_prefill(text):
