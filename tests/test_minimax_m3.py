@@ -270,3 +270,4 @@ def test_bf16_runs_close_to_fp32(text, ids):
     out = model(ids)
     # rows whose window fits in 2 blocks of 4 read all of it whatever the rounding of the scores
     assert torch.isfinite(out).all() and rel(out[:, :8], ours(text[0])(ids)[:, :8]) < 0.05
+

@@ -18,8 +18,13 @@ the text tower of ``minimax_m3_vl`` checkpoints), DESIGN.md §6, on the model co
   ``language_model.model.*`` / ``language_model.lm_head`` in the official layout (routed experts
   ``block_sparse_moe.experts.E.w1/w3/w2``, indexer ``self_attn.index_q_proj`` ...), read from
   ``text_config``; its vision tower, projector and MTP tensors are passed over.
-- No MTP layers (transformers ignores ``mtp.*``), no differentiable torch form, no tensor
-  parallelism yet (pipeline stages split the layers as for the other families).
+- Scale-out (DESIGN.md §11): tensor parallel splits the query heads and the KV heads (tp must
+  divide both; the indexer and the shared selection rows are replicated, each rank attends with
+  its KV heads' selections), routed experts split across ranks, dense MLPs and the shared expert
+  split column/row in the VL layout (the text layout's fused ``gate_up_proj`` stays whole, added
+  by the group's first rank); pipeline stages as for the other families (a stage starting on an
+  S sparse layer receives the previous stage's selection rows).
+- No MTP layers (transformers ignores ``mtp.*``), no differentiable torch form.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ class MiniMaxM3DecoderLayer(DecoderLayer):
         self.self_attn = GQAAttention(args, layer_id, build_indexer, par)
         self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = OAIMoE(args, par) if args.is_moe_layer(layer_id) else \
-            OAIMLP(args.hidden_size, args.intermediate_size, args.swiglu_alpha, args.swiglu_limit, args.fused_experts, par)
+            OAIMLP(args.hidden_size, args.intermediate_size, args.swiglu_alpha, args.swiglu_limit, args.fused_experts,
+                   par, shard=True)
 
 
 class MiniMaxM3PagedCache:
@@ -83,7 +89,7 @@ class MiniMaxM3PagedCache:
         self.k, self.v, self.index_k = [], [], []
         for layer in model.model.layers:
             attn = layer.self_attn
-            shape = (num_blocks, block_size, args.num_kv_heads, args.gqa_head_dim)
+            shape = (num_blocks, block_size, 0 if attn is None else attn.n_kv_heads, args.gqa_head_dim)
             self.k.append(None if attn is None else torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(None if attn is None else torch.zeros(shape, dtype=dtype, device=self.device))
             has_index = attn is not None and attn.indexer is not None
@@ -123,9 +129,12 @@ class MiniMaxM3ForCausalLM(DSAForCausalLM):
 
     def __init__(self, args: ModelArgs, plan, **kwargs):
         par = kwargs.get("parallel")
-        if par is not None and par.tp_size > 1:
-            raise ValueError(f"MiniMax-M3 runs without tensor parallelism for now (tp_size {par.tp_size}); "
-                             "split it over pipeline stages (pp_size) instead")
+        tp = 1 if par is None else par.tp_size
+        bad = [f"{what} {n} is not divisible by tp_size {tp}" for what, n in (
+            ("num_key_value_heads", args.num_kv_heads), ("shared_intermediate_size", args.shared_intermediate_size))
+            if n % tp]
+        if bad:
+            raise ValueError(f"cannot split this model over tp_size {tp}: " + "; ".join(bad))
         super().__init__(args, plan, **kwargs)
         if self.model.norm is not None:  # the final norm is 1 + weight too
             self.model.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)

@@ -119,13 +119,16 @@ class GQAAttention(nn.Module):
         self.layer_id = layer_id
         self.sparse = args.attn_layer_types[layer_id] == SPARSE
         d, hq, hkv = args.gqa_head_dim, args.num_attention_heads, args.num_kv_heads
-        self.head_dim, self.n_heads, self.n_kv_heads = d, hq, hkv
+        # tensor parallel: this rank's query heads [h0, h1) and their KV heads [g0, g1) (tp divides both)
+        h0, h1 = par.split(hq, "num_attention_heads")
+        self.kv_range = g0, g1 = par.split(hkv, "num_key_value_heads")
+        self.head_dim, self.n_heads, self.n_kv_heads, self.all_kv_heads = d, h1 - h0, g1 - g0, hkv
         self.scale = d ** -0.5
         self.block, self.topk_blocks = args.index_block_size, args.index_topk_blocks
-        self.q_proj = par.linear(args.hidden_size, hq * d, "q_proj")
-        self.k_proj = par.linear(args.hidden_size, hkv * d, "k_proj")
-        self.v_proj = par.linear(args.hidden_size, hkv * d, "v_proj")
-        self.o_proj = par.linear(hq * d, args.hidden_size, "o_proj")
+        self.q_proj = par.linear(args.hidden_size, hq * d, "q_proj", "col", (h0 * d, h1 * d))
+        self.k_proj = par.linear(args.hidden_size, hkv * d, "k_proj", "col", (g0 * d, g1 * d))
+        self.v_proj = par.linear(args.hidden_size, hkv * d, "v_proj", "col", (g0 * d, g1 * d))
+        self.o_proj = par.linear(hq * d, args.hidden_size, "o_proj", "row", (h0 * d, h1 * d))
         self.q_norm = OffsetRMSNorm(d, args.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, args.rms_norm_eps)
         self.indexer = BlockIndexer(args, layer_id, par) if build_indexer and self.sparse else None
@@ -150,8 +153,8 @@ class GQAAttention(nn.Module):
         return kc, vc, kc.shape[1]
 
     def _blocks(self, x: torch.Tensor, ctx: ForwardContext, capacity: int) -> tuple[torch.Tensor, int]:
-        """(block ids ``[N, Hkv, topk]``, block size) this layer attends over. A full-attention layer
-        reads one block spanning every key (causal inside it)."""
+        """(block ids of this rank's KV heads ``[N, Hkv, topk]``, block size) this layer attends
+        over. A full-attention layer reads one block spanning every key (causal inside it)."""
         n = x.shape[0]
         if not self.sparse:
             return torch.zeros(n, self.n_kv_heads, 1, dtype=torch.int32, device=x.device), max(capacity, 1)
@@ -159,10 +162,14 @@ class GQAAttention(nn.Module):
             if self.indexer is None:
                 raise ValueError(f"layer {self.layer_id} is F in this forward but holds no indexer "
                                  "(the model was built with it as an S layer)")
-            return self.indexer(x, ctx), self.block
-        if not ctx.topk_valid:
+            rows = self.indexer(x, ctx)
+        elif not ctx.topk_valid:
             raise RuntimeError(f"layer {self.layer_id} reuses block selections but no F layer wrote them in this forward")
-        return ctx.topk_rows.view(n, self.n_kv_heads, self.topk_blocks), self.block
+        else:
+            rows = ctx.topk_rows.view(n, self.all_kv_heads, self.topk_blocks)
+        if self.n_kv_heads != self.all_kv_heads:  # the replicated selection, this rank's heads
+            rows = rows[:, self.kv_range[0]:self.kv_range[1]].contiguous()
+        return rows, self.block
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if ctx.torch_pass is not None:

@@ -31,21 +31,32 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float)
 
 class OAIMLP(nn.Module):
     """A SwiGLU-OAI MLP ``dim -> inter -> dim``: ``gate_up_proj`` (gate rows first) when ``fused``,
-    else ``gate_proj`` and ``up_proj``; then ``down_proj``. Replicated (no tensor split)."""
+    else ``gate_proj`` and ``up_proj``; then ``down_proj``.
+
+    ``shard`` (dense MLPs, the shared expert; the caller sums the ranks' outputs): split
+    column/row over the tensor-parallel ranks. The fused ``gate_up_proj`` (text checkpoints) has
+    no contiguous per-rank slice, so there the MLP stays whole and only the group's first rank
+    adds it (the others contribute zeros to the sum)."""
 
     def __init__(self, dim: int, inter: int, alpha: float, limit: float, fused: bool,
-                 par: ParallelContext | None = None):
+                 par: ParallelContext | None = None, shard: bool = False):
         super().__init__()
         par = par or ParallelContext()
         self.alpha, self.limit, self.fused = alpha, limit, fused
+        split = shard and par.tp_size > 1 and not fused
+        cut = par.split(inter, "the MLP intermediate size") if split else None
+        col, row = (("col", cut), ("row", cut)) if split else ((None, None), (None, None))
+        self.silent = shard and par.tp_size > 1 and fused and par.tp_rank != 0
         if fused:
             self.gate_up_proj = par.linear(dim, 2 * inter, "gate_up_proj")
         else:
-            self.gate_proj = par.linear(dim, inter, "gate_proj")
-            self.up_proj = par.linear(dim, inter, "up_proj")
-        self.down_proj = par.linear(inter, dim, "down_proj")
+            self.gate_proj = par.linear(dim, inter, "gate_proj", *col)
+            self.up_proj = par.linear(dim, inter, "up_proj", *col)
+        self.down_proj = par.linear(inter, dim, "down_proj", *row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silent:
+            return torch.zeros_like(x)
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
@@ -86,4 +97,4 @@ class OAIMoE(MoE):
             self.experts = nn.ModuleDict({str(e): OAIMLP(d, args.moe_intermediate_size, alpha, limit, False, par)
                                           for e in range(self.e0, self.e1)})
         shared = args.shared_intermediate_size
-        self.shared_experts = OAIMLP(d, shared, alpha, limit, args.fused_experts, par) if shared else None
+        self.shared_experts = OAIMLP(d, shared, alpha, limit, args.fused_experts, par, shard=True) if shared else None
