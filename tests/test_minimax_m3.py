@@ -155,7 +155,7 @@ def test_patterns_equal_transformers_reusing_selections(text, ids, overrides, pa
     assert "over the sparse layers 1, 2, 4, 5" in model.plan_summary()
 
 
-def test_vl_checkpoint_loads_its_text_tower(tmp_path, ids):
+def test_vl_checkpoint_loads_its_text_tower(tmp_path, ids, capsys):
     cfg = transformers.MiniMaxM3VLConfig(text_config=TEXT, vision_config=dict(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     ref = randomize_(transformers.MiniMaxM3SparseForConditionalGeneration(cfg), 4)
@@ -181,6 +181,20 @@ def test_vl_checkpoint_loads_its_text_tower(tmp_path, ids):
     assert torch.equal(back(ids), ic(ids))
     with pytest.raises(ValueError, match="needs its text_config"):
         MiniMaxM3VLTextTower.from_config({"model_type": "minimax_m3_vl"})
+    # IndexCache settings shipped in text_config are the checkpoint's own
+    import shutil
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    shutil.copy(tmp_path / "model.safetensors", shipped / "model.safetensors")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["text_config"].update(use_index_cache=True, index_topk_freq=2)
+    (shipped / "config.json").write_text(json.dumps(cfg))
+    model = ours(shipped)
+    assert model.plan.pattern == "FFSF" and "shipped" in model.plan_summary()
+    from indexcache.cli import main
+    assert main(["plan", "--config", str(shipped), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["pattern"] == "FFSF" and got["shipped_by_checkpoint"] and got["indexed_layers"] == SPARSE_IDS
 
 
 # ============================================================================ loading

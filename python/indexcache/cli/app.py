@@ -25,20 +25,21 @@ def _human(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}"
 
 
-def _indexed_layers(config: dict) -> Optional[list]:
-    """The main layer ids a family's plan covers when they are not all of its layers (MiniMax-M3's
-    sparse layers, DESIGN.md §2), read through the family's own config reading; None otherwise."""
+def _family_reading(config: dict) -> tuple[Optional[list], dict]:
+    """(the main layer ids a family's plan covers when they are not all of its layers, as
+    MiniMax-M3's sparse layers (DESIGN.md §2), else None; the keys IndexCache reads), both
+    through the family's own reading of its config.json."""
     if not config.get("model_type") and not config.get("architectures"):
-        return None
+        return None, config
     from indexcache.models.args import ModelArgs
     from indexcache.models.registry import model_class
     try:
         cls = model_class(config)
         args = ModelArgs.from_config(cls.family_config(config), cls.model_type, cls.config_defaults)
     except (ValueError, KeyError, TypeError):
-        return None  # not a config a family reads (e.g. a partial one for --layers): every layer
+        return None, config  # not a config a family reads (e.g. a partial one for --layers): every layer
     indexed = cls.indexed_layers(args)
-    return indexed if len(indexed) != args.num_hidden_layers else None
+    return (indexed if len(indexed) != args.num_hidden_layers else None), cls.index_cache_config(config)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -58,8 +59,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config["num_nextn_predict_layers"] = args.mtp_layers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        indexed = _indexed_layers(config) if args.layers is None else None
-        cfg = IndexCacheConfig.from_config(config, args.hf_overrides)
+        indexed, ic_keys = _family_reading(config) if args.layers is None else (None, config)
+        cfg = IndexCacheConfig.from_config(ic_keys, args.hf_overrides)
         plan = cfg.plan() if indexed is None else cfg.plan(len(indexed), 0)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     widths = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # a VL config's text tower

@@ -105,6 +105,11 @@ class DSAForCausalLM(nn.Module):
         return config
 
     @classmethod
+    def index_cache_config(cls, config: dict) -> dict:
+        """The config.json keys IndexCache reads its shipped settings from (default: the file as is)."""
+        return config
+
+    @classmethod
     def indexed_layers(cls, args: ModelArgs) -> list:
         """The main layer ids that carry an indexer, in order (default: every layer)."""
         return list(range(args.num_hidden_layers))
@@ -179,7 +184,7 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"the CUDA kernels take the 512 + 64 latent and 128-wide indexer of every production "
                              f"DSA model; this checkpoint has kv_lora_rank {args.kv_lora_rank}, qk_rope_head_dim "
                              f"{args.qk_rope_head_dim}, index_head_dim {args.index_head_dim} (run it on the CPU)")
-        ic = IndexCacheConfig.from_config(config, ic_overrides)
+        ic = IndexCacheConfig.from_config(cls.index_cache_config(config), ic_overrides)
         indexed = cls.indexed_layers(args)
         plan = ic.plan(len(indexed), args.num_nextn_predict_layers)
         par = parallel or ParallelContext()

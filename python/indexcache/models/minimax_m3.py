@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch import nn
 
+from indexcache.config import INDEX_CACHE_KEYS
 from indexcache.formats import BLOCK_SIZE
 from indexcache.parallel import ParallelContext
 
@@ -195,6 +196,12 @@ class MiniMaxM3VLTextTower(MiniMaxM3ForCausalLM):
         merged = {**text, **{k: v for k, v in config.items() if k not in _VL_KEYS}, "fused_experts": False}
         return super().family_config(merged)
 
+    @classmethod
+    def index_cache_config(cls, config: dict) -> dict:
+        """IndexCache settings shipped in ``text_config`` count as the file's own (the outer keys win)."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        return {**{k: v for k, v in text.items() if k in INDEX_CACHE_KEYS}, **config}
+
     def drops_checkpoint_tensor(self, name: str) -> bool:
         if not name.startswith("language_model.") or super().drops_checkpoint_tensor(name):
             return True  # the vision tower, the projectors, the MTP module
@@ -209,6 +216,9 @@ def text_tower_args(config: dict, defaults: dict) -> dict:
     """A MiniMax-M3 text config.json -> the keys ``ModelArgs.from_config`` reads (the DSA-required
     ones mapped onto GQA: ``q_lora_rank`` 0, ``kv_lora_rank`` = ``v_head_dim`` = head_dim,
     ``qk_rope_head_dim`` the rotated dims; ``index_topk`` = KV heads x ``index_topk_blocks``)."""
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if config.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
     c = {**defaults, **{k: v for k, v in config.items() if v is not None}}
     for flat, legacy in _LEGACY_SPARSE.items():
         if legacy in (config.get("sparse_attention_config") or {}):
