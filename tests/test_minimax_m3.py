@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_model import run_paged
 
-from indexcache.models import MiniMaxM3ForCausalLM, MiniMaxM3VLTextTower, from_pretrained
+from indexcache.models import BatchMeta, MiniMaxM3ForCausalLM, MiniMaxM3VLTextTower, from_pretrained
 from indexcache.runtime.generation import generate
 
 transformers = pytest.importorskip("transformers")
@@ -261,6 +261,16 @@ def test_paged_decode_and_chunked_prefill_equal_prefill(text):
     batched = run_paged(model, seqs, [30, 9], chunk=12)  # chunks cut through requests and mix them
     for got, want in zip(batched, full):
         assert rel(got, want) < 1e-5
+    # a sync-free step (no host reads: the form a captured decode step needs) runs the full-attention
+    # layers through the block-sparse op with one block spanning every key: the same rows
+    cache = model.allocate_cache(4)
+    cache.manager.allocate(0, 30)
+    seq = torch.tensor(seqs[0][:30])
+    model.forward_tokens(seq[:29], BatchMeta.paged_batch(cache, [0], [0], [29]), cache)
+    step = BatchMeta.paged_batch(cache, [0], [29], [1])
+    eager = model.forward_tokens(seq[29:], step, cache)
+    assert rel(model.forward_tokens(seq[29:], step, cache, sync_free=True), eager) < 1e-5
+    assert rel(model.compute_logits(eager)[0], full[0][29]) < 1e-5
     cache = model.allocate_cache(4)
     assert [t is not None for t in cache.index_k] == [i in (1, 5) for i in range(6)]  # F sparse layers only
     assert cache.k[0].shape == (4, 64, 2, 16) and cache.nbytes()["index_k"] == 2 * 4 * 64 * 16 * 4

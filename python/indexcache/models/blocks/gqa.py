@@ -178,8 +178,29 @@ class GQAAttention(nn.Module):
         with ctx.stage(self.layer_id, "attn_proj"):
             q, k, v = self.project(x, ctx)
             kc, vc, page = self._caches(k, v, ctx)
+        if not self.sparse and not ctx.sync_free:  # dense causal: torch's fused attention
+            with ctx.stage(self.layer_id, "attention"):
+                out = self._dense_causal(q.to(kc.dtype), kc, vc, page, meta)
+                return self.par.all_reduce(self.o_proj(out.to(x.dtype).reshape(n, -1)), "attn_all_reduce")
         blocks, block = self._blocks(x, ctx, meta.block_table.shape[1] * page)
         with ctx.stage(self.layer_id, "attention"):
             out, _ = ops.block_sparse_attention(q.to(kc.dtype).contiguous(), kc, vc, meta.block_table, meta.req_of_row,
                                                 meta.positions.int(), blocks, block, self.scale)
             return self.par.all_reduce(self.o_proj(out.to(x.dtype).reshape(n, -1)), "attn_all_reduce")
+
+    def _dense_causal(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, page: int, meta) -> torch.Tensor:
+        """A full-attention layer: each request's rows over its keys ``[0, pos]`` with
+        ``scaled_dot_product_attention`` (GQA), keys gathered from the pages. ``[N, Hq, d]``."""
+        out = torch.empty_like(q)
+        flat_k, flat_v = kc.view(-1, self.n_kv_heads, self.head_dim), vc.view(-1, self.n_kv_heads, self.head_dim)
+        for b, off in enumerate(meta.row_offsets()):
+            c, qn = meta.ctx_lens[b], meta.q_lens[b]
+            pos = torch.arange(c + qn, device=q.device)
+            slots = meta.block_table[b, pos // page].long() * page + pos % page
+            keys, vals = flat_k[slots].transpose(0, 1), flat_v[slots].transpose(0, 1)  # [Hkv, c + qn, d]
+            mask = None if c == 0 else pos.view(1, -1) <= pos[c:].view(-1, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[off:off + qn].transpose(0, 1), keys, vals, attn_mask=mask, is_causal=c == 0, scale=self.scale,
+                enable_gqa=True)
+            out[off:off + qn] = o.transpose(0, 1)
+        return out
