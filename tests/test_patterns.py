@@ -139,3 +139,72 @@ def test_training_loss_falls(tmp_path):
     assert all(h["kl"] is not None for h in hist[12:])
     model = DeepseekV32ForCausalLM.from_pretrained(final, dtype=torch.float32)
     assert model.args.index_topk == 8
+
+
+# ---------------------------------------------------------------------------- MiniMax-M3 (indexed sparse layers)
+
+MM_LAYERS = ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse", "full_attention", "minimax_m3_sparse",
+             "minimax_m3_sparse"]
+MM_CFG = dict(model_type="minimax_m3_vl_text", architectures=["MiniMaxM3VLForCausalLM"], vocab_size=256,
+              hidden_size=48, intermediate_size=16, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+              num_local_experts=4, num_experts_per_tok=2, dense_intermediate_size=24, shared_intermediate_size=8,
+              index_n_heads=2, index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+              layer_types=MM_LAYERS, mlp_layer_types=["dense", "sparse"] * 3, max_position_embeddings=256,
+              indexcache_tokenizer="bytes", bos_token_id=None, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def mm_ckpt(tmp_path_factory):
+    from indexcache.models import MiniMaxM3ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-minimax")
+    MiniMaxM3ForCausalLM.from_config(MM_CFG, dtype=torch.float32, seed=4).save_pretrained(path)
+    return path
+
+
+def test_minimax_overlap_is_block_set_overlap_per_head(mm_ckpt, windows):
+    model = load_all_full(mm_ckpt)
+    assert model.indexed == [1, 2, 4, 5]
+    m = overlap_matrix(model, windows)
+    assert m.shape == (4, 4) and torch.allclose(m.diagonal(), torch.ones(4, dtype=m.dtype))
+    # by hand: per query row whose window holds more than 2 blocks of 4, per KV head, the share of
+    # sparse layer i's blocks that sparse layer j also picked
+    state = PatternRunner(model, windows).run("FFFF")
+    pos = torch.arange(48).repeat(windows.shape[0])
+    for i, j in ((0, 1), (3, 0), (2, 3)):
+        shares = []
+        for r in range(pos.shape[0]):
+            if pos[r] // 4 + 1 <= 2:
+                continue
+            for h in range(2):
+                a = {int(b) for b in state.rows[i][r].view(2, 2)[h] if b >= 0}
+                b = {int(b) for b in state.rows[j][r].view(2, 2)[h] if b >= 0}
+                assert len(a) == 2 and max(a) <= pos[r] // 4
+                shares.append(len(a & b) / len(a))
+        assert float(m[i, j]) == pytest.approx(sum(shares) / len(shares), abs=1e-12)
+    assert float(m.min()) < 1.0  # the layers do not all pick the same blocks
+
+
+def test_minimax_search_matches_eval(mm_ckpt, windows, tmp_path):
+    runner = PatternRunner(load_all_full(mm_ckpt), windows)
+    assert runner.num_layers == 4 and runner.num_main_layers == 6
+    steps = greedy_search(runner, tmp_path / "mm.jsonl", progress=False)
+    assert [s["num_full"] for s in steps] == [4, 3, 2, 1]
+    for cur in steps[1:]:
+        assert runner.pattern_loss(cur["pattern"]) == cur["loss"]  # resumed at a sparse layer = a whole run
+    assert len({s["loss"] for s in steps}) > 1
+    pat = steps[2]["pattern"]
+    rows = evaluate(mm_ckpt, [None, {"use_index_cache": True, "index_topk_pattern": pat}], windows, timing_repeats=1)
+    assert rows[1]["pattern"] == pat and rows[1]["loss_nats"] == steps[2]["loss"]
+    assert rows[0]["loss_nats"] == steps[0]["loss"]
+
+
+def test_minimax_cli_overlap(mm_ckpt, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 10)
+    assert main(["overlap", "--model", str(mm_ckpt), "--text", str(text), "--context", "40", "--windows", "2",
+                 "--hf-overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFS"}']) == 0
+    out = capsys.readouterr().out
+    assert "top-2 block (4 keys, per KV head) overlap" in out and "are layers 1, 2, 4, 5" in out
+    assert "pattern FSFS" in out

@@ -25,6 +25,23 @@ def _human(n: float, unit: str) -> str:
     return f"{n:.0f} {unit}"
 
 
+def _family_reading(config: dict) -> tuple[Optional[list], dict]:
+    """(the main layer ids a family's plan covers when they are not all of its layers, as
+    MiniMax-M3's sparse layers (DESIGN.md §2), else None; the keys IndexCache reads), both
+    through the family's own reading of its config.json."""
+    if not config.get("model_type") and not config.get("architectures"):
+        return None, config
+    from indexcache.models.args import ModelArgs
+    from indexcache.models.registry import model_class
+    try:
+        cls = model_class(config)
+        args = ModelArgs.from_config(cls.family_config(config), cls.model_type, cls.config_defaults)
+    except (ValueError, KeyError, TypeError):
+        return None, config  # not a config a family reads (e.g. a partial one for --layers): every layer
+    indexed = cls.indexed_layers(args)
+    return (indexed if len(indexed) != args.num_hidden_layers else None), cls.index_cache_config(config)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from indexcache.config import IndexCacheConfig
     from indexcache.plan import indexer_costs
@@ -42,15 +59,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config["num_nextn_predict_layers"] = args.mtp_layers
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = IndexCacheConfig.from_config(config, args.hf_overrides)
-        plan = cfg.plan()
+        indexed, ic_keys = _family_reading(config) if args.layers is None else (None, config)
+        cfg = IndexCacheConfig.from_config(ic_keys, args.hf_overrides)
+        plan = cfg.plan() if indexed is None else cfg.plan(len(indexed), 0)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
-    dims = {k: config[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in config}
+    widths = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # a VL config's text tower
+    dims = {k: widths[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in widths}
     costs = indexer_costs(plan, args.context, dims)
+    main_id = (lambda i: i) if indexed is None else (lambda i: indexed[i])  # plan position -> main layer id
     layers = []
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
-        layers.append({"layer": layer, "type": "S" if skip else "F", "source_layer": src,
-                       "mtp": layer >= plan.num_hidden_layers})
+        layers.append({"layer": main_id(layer), "type": "S" if skip else "F", "source_layer": main_id(src),
+                       "mtp": layer >= plan.num_hidden_layers, "indexed_position": layer})
     scaleout = _scaleout(args, config, plan) if args.pp > 1 or args.tp > 1 or args.gpu_mem else None
     if args.json:
         print(json.dumps({
@@ -66,6 +86,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "replaced": cfg.replaced,
             "hf_overrides": cfg.hf_overrides_json(),
             "layers": layers,
+            "indexed_layers": indexed,
             "costs": costs,
             "warnings": notes,
         }, indent=2))
@@ -75,6 +96,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     head = cfg.describe(plan)
     print(head)
     print(f"pattern: {plan.pattern}")
+    if indexed is not None:
+        print(f"over the indexed layers {', '.join(map(str, indexed))} (the others run no indexer)")
     print(f"{'layer':>5}  type  reads indices of")
     for row in layers:
         kind = row["type"] + (" (MTP)" if row["mtp"] else "")

@@ -34,7 +34,8 @@ def _setup(args, all_full: bool = True):
     path = Path(args.model) if args.model else embedded_model_path()
     config = load_config(path)
     family = model_class(config)
-    max_pos = ModelArgs.from_config(config, family.model_type, family.config_defaults).max_position_embeddings
+    max_pos = ModelArgs.from_config(family.family_config(config), family.model_type,
+                                    family.config_defaults).max_position_embeddings
     tokenizer = load_tokenizer(path, config)
     model = load_all_full(path, dtype=torch.float32) if all_full else None
     context = args.context or min(1024, max_pos)
@@ -85,12 +86,18 @@ def cmd_overlap(args) -> int:
             fig.colorbar(im, ax=ax)
         _plot(args.png, draw)
     if args.json:
-        print(json.dumps({"model": str(path), "index_topk": model.args.index_topk, "context": windows.shape[1] - 1,
+        print(json.dumps({"model": str(path), "index_topk": model.args.index_topk, "indexed_layers": model.indexed,
+                          "context": windows.shape[1] - 1,
                           "windows": windows.shape[0], "matrix": m.tolist(), "pattern": pattern,
                           "source_overlap": src}))
         return 0
-    print(f"top-{model.args.index_topk} overlap over {windows.shape[0]} x {windows.shape[1] - 1} tokens "
+    a = model.args
+    what = (f"top-{a.index_topk_blocks} block ({a.index_block_size} keys, per KV head)" if a.index_block_size
+            else f"top-{a.index_topk}")
+    print(f"{what} overlap over {windows.shape[0]} x {windows.shape[1] - 1} tokens "
           f"(row i: share of layer i's selection that layer j also selects)")
+    if len(model.indexed) != a.num_hidden_layers:
+        print(f"indexed positions 0..{n - 1} are layers {', '.join(map(str, model.indexed))}")
     print("      " + "".join(f"{j:>6}" for j in range(n)))
     for i in range(n):
         print(f"{i:>5} " + "".join(f"{m[i, j]:>6.2f}" for j in range(n)))

@@ -79,6 +79,16 @@ class ModelArgs:
     hc_eps: float = 1e-6
     fused_experts: bool = False          # routed experts stored as experts.gate_up_proj [E, 2I, D] / down_proj [E, D, I]
     swiglu_limit: float = 0.0            # routed-expert SwiGLU clamp (<= 0: none)
+    # MiniMax-M3 (GQA attention, block-sparse indexer, SwiGLU-OAI MoE; the family file sets them,
+    # zero / None for the DSA families)
+    attn_layer_types: Optional[list] = None  # per main layer: "full_attention" / "minimax_m3_sparse"
+    num_kv_heads: int = 0                # GQA key/value heads (== index_n_heads: one selection per KV head)
+    gqa_head_dim: int = 0                # GQA head width (128 in MiniMax-M3)
+    index_block_size: int = 0            # keys per scored block
+    index_topk_blocks: int = 0           # blocks kept per query and indexer head
+    index_local_blocks: int = 0          # blocks ending at the query, always kept
+    swiglu_alpha: float = 0.0            # SwiGLU-OAI sigmoid gain (MiniMax-M3's experts and dense MLPs)
+    shared_intermediate_size: int = 0    # width of the (one) shared expert, when it differs from the routed ones
     tie_word_embeddings: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None

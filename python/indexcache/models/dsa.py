@@ -105,11 +105,17 @@ class DSAForCausalLM(nn.Module):
         return config
 
     @classmethod
+    def index_cache_config(cls, config: dict) -> dict:
+        """The config.json keys IndexCache reads its shipped settings from (default: the file as is)."""
+        return config
+
+    @classmethod
     def indexed_layers(cls, args: ModelArgs) -> list:
         """The main layer ids that carry an indexer, in order (default: every layer)."""
         return list(range(args.num_hidden_layers))
 
     decoder_layer = None  # a family's decoder-layer class (None: the DSA DecoderLayer)
+    mla = True  # the layers are MLA + the lightning indexer (CUDA needs their native widths); False: the family's own
 
     def drops_checkpoint_tensor(self, name: str) -> bool:
         """Whether the loader passes over checkpoint tensor ``name`` (beyond the S layers' indexers)."""
@@ -174,11 +180,11 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"config.json's model_type is {found!r} but {cls.__name__} runs "
                              f"{cls.model_type!r}: load it with indexcache.models.from_pretrained")
         args = ModelArgs.from_config(cls.family_config(merged), cls.model_type, cls.config_defaults)
-        if torch.device(device).type == "cuda" and not (args.native_mla and args.native_indexer):
+        if cls.mla and torch.device(device).type == "cuda" and not (args.native_mla and args.native_indexer):
             raise ValueError(f"the CUDA kernels take the 512 + 64 latent and 128-wide indexer of every production "
                              f"DSA model; this checkpoint has kv_lora_rank {args.kv_lora_rank}, qk_rope_head_dim "
                              f"{args.qk_rope_head_dim}, index_head_dim {args.index_head_dim} (run it on the CPU)")
-        ic = IndexCacheConfig.from_config(config, ic_overrides)
+        ic = IndexCacheConfig.from_config(cls.index_cache_config(config), ic_overrides)
         indexed = cls.indexed_layers(args)
         plan = ic.plan(len(indexed), args.num_nextn_predict_layers)
         par = parallel or ParallelContext()

@@ -6,6 +6,11 @@ the forward's context says which layers are F (``DSAForCausalLM.forward_context(
 and the model's own layers run, so a searched loss and an :func:`evaluate` of the same pattern
 (a model built with that pattern, S layers holding no indexer) run the same arithmetic and
 agree exactly.
+
+Patterns name a family's **indexed layers** in order (``model.indexed``, DESIGN.md §2): every
+layer of the DSA families, the sparse layers of MiniMax-M3. Positions below are pattern
+positions; ``model.indexed[p]`` is the main layer at position p. A MiniMax-M3 layer selects key
+blocks per KV head, so its overlap is block-set overlap per head.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def load_all_full(path, *, dtype=torch.float32, device="cpu", indexer_fp8=None) 
         model = from_pretrained(path, hf_overrides={"use_index_cache": False}, dtype=dtype, device=device,
                                 indexer_fp8=indexer_fp8)
     except ValueError as e:
-        if "self_attn.indexer." in str(e) and "is missing" in str(e):
+        if ("self_attn.indexer." in str(e) or "self_attn.index_" in str(e)) and "is missing" in str(e):
             raise ValueError(f"overlap and search need every layer's indexer, and {path} has none for some layers: "
                              f"it ships a plan ({IndexCacheConfig.from_config(load_config(path)).plan().pattern}) "
                              "whose S layers were saved without one; eval takes such a checkpoint") from None
@@ -104,7 +109,7 @@ def pattern_full(model: DSAForCausalLM, pattern: str) -> list:
 class RunState:
     """What a forward under one pattern leaves behind, for resuming from any layer."""
     inputs: list          # hidden state entering each main layer [N, hidden]
-    rows: dict            # F layer -> its top-k rows int32 [N, k]
+    rows: dict            # F pattern position -> its layer's top-k rows int32 [N, k]
     final: torch.Tensor   # hidden state after the last main layer
 
 
@@ -119,27 +124,34 @@ class PatternRunner:
         self.meta = BatchMeta.dense(b, t1 - 1, model.device)
         self.inputs = self.windows[:, :-1].reshape(-1)
         self.targets = self.windows[:, 1:].reshape(-1)
-        self.num_layers = model.args.num_hidden_layers
+        self.num_main_layers = model.args.num_hidden_layers
+        self.num_layers = len(model.indexed)  # pattern positions
+        self.position = {layer_id: p for p, layer_id in enumerate(model.indexed)}
+        if not self.num_layers:
+            raise ValueError("this model has no indexed layers: there is no pattern to choose")
 
     @torch.no_grad()
     def run(self, pattern: str, start: int = 0, state: Optional[RunState] = None) -> RunState:
-        """Forward under ``pattern`` from layer ``start``, reusing ``state`` (a run whose pattern
-        agrees with this one below ``start``) for the hidden input and the reused rows."""
+        """Forward under ``pattern`` from pattern position ``start`` (its main layer), reusing
+        ``state`` (a run whose pattern agrees with this one below ``start``) for the hidden input
+        and the reused rows."""
         ctx = self.model.forward_context(self.meta, full=pattern_full(self.model, pattern))
-        if start == 0:
+        first = 0 if start == 0 else self.model.indexed[start]  # the layers below see the same pattern
+        if first == 0:
             x = self.model.model.embed(self.inputs)
             inputs, rows = [], {}
         else:
-            x = state.inputs[start]
-            inputs = list(state.inputs[:start])
+            x = state.inputs[first]
+            inputs = list(state.inputs[:first])
             rows = {f: r for f, r in state.rows.items() if f < start}
-            src = max(f for f in rows)  # the nearest F layer below start under this pattern
+            src = max(f for f in rows)  # the nearest F position below start under this pattern
             ctx.reuse_rows(rows[src])
-        for layer in self.model.model.layers[start: self.num_layers]:
+        for layer in self.model.model.layers[first: self.num_main_layers]:
             inputs.append(x)
             x = layer(x, ctx)
-            if pattern[layer.layer_id] == "F":
-                rows[layer.layer_id] = ctx.topk_rows.clone()
+            p = self.position.get(layer.layer_id)
+            if p is not None and pattern[p] == "F":
+                rows[p] = ctx.topk_rows.clone()
         return RunState(inputs, rows, x)
 
     @torch.no_grad()
@@ -158,24 +170,39 @@ def cross_entropy(model: DSAForCausalLM, normed_hidden: torch.Tensor, targets: t
 
 # ---------------------------------------------------------------------------- overlap
 
+def _selections(model: DSAForCausalLM, rows: torch.Tensor, pos: torch.Tensor, t: int) -> torch.Tensor:
+    """One indexed layer's choices as bool masks over what it selects from, one mask per query row
+    whose window offers a real choice: tokens ``[R, t]`` (DSA), or with a block indexer
+    (MiniMax-M3) key blocks per KV head ``[R * kv_heads, ceil(t / block)]``."""
+    a = model.args
+    if a.index_block_size:
+        h, kb, bs = a.num_kv_heads, a.index_topk_blocks, a.index_block_size
+        units, real = -(-t // bs), (pos // bs + 1) > kb
+        r = rows[real].long().view(-1, h, kb).reshape(-1, kb)
+    else:
+        units, real = t, (pos + 1) > a.index_topk
+        r = rows[real].long()
+    m = torch.zeros(r.shape[0], units + 1, dtype=torch.bool, device=r.device)
+    m.scatter_(1, torch.where(r >= 0, r, units), True)
+    return m[:, :units]
+
+
 @torch.no_grad()
 def overlap_matrix(model: DSAForCausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """``M[i, j]``: the fraction of layer i's selected tokens that layer j also selects, averaged
-    over query tokens whose window exceeds index_topk (shorter windows select everything)."""
+    """``M[i, j]``: the fraction of indexed layer i's selection that indexed layer j also selects,
+    averaged over query tokens whose window offers more than the layer keeps (shorter windows
+    select everything). DSA layers select tokens (index_topk); MiniMax-M3 layers select key blocks
+    per KV head (index_topk_blocks), compared head by head."""
     runner = PatternRunner(model, windows)
     state = runner.run("F" * runner.num_layers)
-    k = model.args.index_topk
+    a = model.args
     t = runner.meta.block_size
     pos = runner.meta.positions
-    real = (pos + 1) > k  # rows where the selection is a real choice
-    if not bool(real.any()):
-        raise ValueError(f"windows of {t} tokens never exceed index_topk {k}: no row makes a choice")
-    sel = []
-    for layer in range(runner.num_layers):
-        r = state.rows[layer][real].long()
-        m = torch.zeros(r.shape[0], t + 1, dtype=torch.bool, device=r.device)
-        m.scatter_(1, torch.where(r >= 0, r, t), True)
-        sel.append(m[:, :t])
+    keeps = (f"index_topk_blocks {a.index_topk_blocks} blocks of {a.index_block_size}" if a.index_block_size
+             else f"index_topk {a.index_topk}")
+    sel = [_selections(model, state.rows[p], pos, t) for p in range(runner.num_layers)]
+    if not sel[0].shape[0]:
+        raise ValueError(f"windows of {t} tokens never exceed {keeps}: no row makes a choice")
     n = runner.num_layers
     out = torch.empty(n, n, dtype=torch.float64)
     for i in range(n):
