@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -405,3 +407,68 @@ def test_attention_non_finite(dtype, case):
     if case.startswith("v_"):
         assert torch.equal(torch.isnan(out.float()), torch.isnan(e_out.float())) or case == "v_inf"
     assert rel_err(out.float()[fin], e_out.float()[fin]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+# ------------------------------------------------------------------ property-based fuzz
+
+NONFINITE = [math.nan, -math.nan, math.inf, -math.inf]
+
+
+def sprinkle(draw, x):
+    """x with up to 3 entries set to NaN / ±inf, on half the draws."""
+    if x.numel() == 0 or not draw(st.booleans()):
+        return x
+    flat = x.view(-1)
+    for _ in range(draw(st.integers(1, 3))):
+        flat[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from(NONFINITE))
+    return x
+
+
+@settings(deadline=None, max_examples=max(5, settings.default.max_examples // 15))
+@given(data=st.data(), seed=st.integers(0, 2**31 - 1))
+def test_emu_fuzz_block_sparse(data, seed):
+    draw = data.draw
+    g = torch.Generator().manual_seed(seed)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    d = draw(st.sampled_from([1, 8, 17, 64]))
+    bsz, topk, local = draw(st.integers(1, 24)), draw(st.integers(1, 6)), draw(st.integers(0, 3))
+    h_kv, grp = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    lens = draw(st.lists(st.integers(1, 90), min_size=1, max_size=2))
+    page = draw(st.sampled_from([1, 4, 16]))
+    # block top-k, prefill or paged decode, with NaN / inf sprinkled over q and the keys
+    if draw(st.booleans()):
+        ks, ke, s_kv = windows(lens, draw(st.integers(1, 4)))
+        q = sprinkle(draw, torch.randn(ks.shape[0], h_kv, d, generator=g)).to(dtype)
+        k = sprinkle(draw, torch.randn(s_kv, d, generator=g)).to(dtype)
+        got = emu_block_topk(q, k, ks, ke, bsz, topk, local)
+        assert_blocks_equal(got, ref.block_topk(q, k, ks, ke, bsz, topk, local),
+                            lambda t: (q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1)), bsz, local)
+    else:
+        next_n = draw(st.integers(1, 3))
+        keys = [sprinkle(draw, torch.randn(n, d, generator=g)).to(dtype) for n in lens]
+        cache, table = make_paged(keys, page, g)
+        sl = torch.tensor(lens, dtype=torch.int32)
+        q = sprinkle(draw, torch.randn(len(lens) * next_n, h_kv, d, generator=g)).to(dtype)
+        got = emu_block_topk_paged(q, cache, table, sl, next_n, bsz, topk, local)
+
+        def row(t):
+            w = lens[t // next_n] - next_n + t % next_n + 1
+            return q[t], keys[t // next_n][:max(w, 0)], w - 1
+
+        assert_blocks_equal(got, ref.block_topk_paged(q, cache, table, sl, next_n, bsz, topk, local), row, bsz, local)
+    # attention over random block ids (duplicates, -1, ids past the position), NaN / inf anywhere
+    args = list(make_attention(dtype, lens, h_kv * grp, h_kv, d, page, bsz, topk, draw(st.integers(1, 4)), seed=seed))
+    for i in range(3):
+        args[i] = sprinkle(draw, args[i].float()).to(dtype)
+    scale = d ** -0.5
+    out, lse = emu_attention(*args, bsz, scale)
+    e_out, e_lse = ref.block_sparse_attention(*args, bsz, scale)
+    out, e_out = out.float(), e_out.float()
+    assert torch.equal(torch.isnan(lse), torch.isnan(e_lse))
+    assert torch.equal(lse[torch.isinf(lse)], e_lse[torch.isinf(e_lse)])
+    assert torch.equal(torch.isfinite(out), torch.isfinite(e_out))
+    fin = torch.isfinite(e_out)
+    if fin.any():
+        assert rel_err(out[fin], e_out[fin]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    ok = torch.isfinite(e_lse)
+    torch.testing.assert_close(lse[ok], e_lse[ok], rtol=1e-5, atol=1e-5)
