@@ -519,6 +519,52 @@ def test_block_sparse_attention_non_finite(cpu_isa, dtype, case):
     check_attention_non_finite(case, dtype, "cpu")
 
 
+
+def sprinkle(draw, x):
+    """x with up to 3 entries set to NaN / ±inf, on half the draws."""
+    if x.numel() == 0 or not draw(st.booleans()):
+        return x
+    flat = x.view(-1)
+    for _ in range(draw(st.integers(1, 3))):
+        flat[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from([math.nan, -math.nan, math.inf, -math.inf]))
+    return x
+
+
+@settings(deadline=None, max_examples=max(10, settings.default.max_examples // 5))
+@given(data=st.data(), isa=isas)
+def test_fuzz_block_sparse_non_finite(data, isa):
+    """The table's rules on random shapes: NaN / ±inf anywhere in q, keys and values."""
+    draw = data.draw
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    d = draw(st.sampled_from([1, 8, 17, 64]))
+    bsz, topk, local = draw(st.integers(1, 24)), draw(st.integers(1, 6)), draw(st.integers(0, 3))
+    h_kv, grp = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    lens = draw(st.lists(st.integers(1, 90), min_size=1, max_size=2))
+    _C._set_cpu_isa(isa)
+    try:
+        ks, ke, s_kv = windows(lens, draw(st.integers(1, 4)))
+        q = sprinkle(draw, torch.randn(ks.shape[0], h_kv, d, generator=g)).to(dtype)
+        k = sprinkle(draw, torch.randn(s_kv, d, generator=g)).to(dtype)
+        assert_blocks_equal(ops.block_topk(q, k, ks, ke, bsz, topk, local), ref.block_topk(q, k, ks, ke, bsz, topk, local),
+                            lambda t: (q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1)), bsz, local)
+        args = list(make_attention(dtype, lens, h_kv * grp, h_kv, d, draw(st.sampled_from([1, 4, 16])), bsz, topk,
+                                   draw(st.integers(1, 4)), seed=seed))
+        for i in range(3):
+            args[i] = sprinkle(draw, args[i].float()).to(dtype)
+        out, lse = ops.block_sparse_attention(*args, bsz, d ** -0.5)
+        e_out, e_lse = ref.block_sparse_attention(*args, bsz, d ** -0.5)
+        out, e_out = out.float(), e_out.float()
+        assert torch.equal(torch.isnan(lse), torch.isnan(e_lse))
+        assert torch.equal(lse[torch.isinf(lse)], e_lse[torch.isinf(e_lse)])
+        assert torch.equal(torch.isfinite(out), torch.isfinite(e_out))
+        fin = torch.isfinite(e_out)
+        if fin.any():
+            assert rel_err(out[fin], e_out[fin]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    finally:
+        _C._set_cpu_isa("auto")
+
 # ------------------------------------------------------------------ CUDA (bench/gpu_check.sh; skipped without a GPU)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")

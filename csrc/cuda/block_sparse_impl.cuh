@@ -57,6 +57,30 @@ __device__ __forceinline__ float load_f(const void* base, int64_t i, bool f32) {
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ float qnan() { return __int_as_float(0x7fc00000); }
 
+// Key rows in shared memory are ld_keys(d) floats apart: d + 4 when d % 4 == 0 (16-byte rows
+// read as float4: the 8 lanes of a quarter-warp land 4 banks apart, no conflict), else d + 1
+// (scalar reads, 1 bank apart).
+__host__ __device__ __forceinline__ int ld_keys(int64_t d) { return static_cast<int>(d % 4 == 0 ? d + 4 : d + 1); }
+
+// Σ a[c] b[c], c < d, as one fmaf chain in c order (the same bits on both paths); a and b are
+// 16-byte aligned when d % 4 == 0.
+__device__ __forceinline__ float dot_smem(const float* a, const float* b, int d) {
+  float acc = 0.f;
+  if (d % 4 == 0) {
+    for (int c = 0; c < d; c += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(a + c);
+      const float4 y = *reinterpret_cast<const float4*>(b + c);
+      acc = fmaf(x.x, y.x, acc);
+      acc = fmaf(x.y, y.y, acc);
+      acc = fmaf(x.z, y.z, acc);
+      acc = fmaf(x.w, y.w, acc);
+    }
+  } else {
+    for (int c = 0; c < d; ++c) acc = fmaf(a[c], b[c], acc);
+  }
+  return acc;
+}
+
 // 1 if any thread of the block passes a nonzero v (flag: shared int; barriers inside, every
 // thread must call it).
 __device__ __forceinline__ bool block_any(bool v, int* flag) {
@@ -73,7 +97,8 @@ __device__ __forceinline__ bool block_any(bool v, int* flag) {
 // thread must call it (barriers inside).
 __device__ __forceinline__ bool pages_valid(const int32_t* bt, int64_t used, int64_t page_size, int64_t num_pages,
                                             int* flag) {
-  const int64_t np = (used + page_size - 1) / page_size;
+  const int ps = static_cast<int>(page_size);  // 32-bit division: positions fit int (launchers)
+  const int64_t np = used > 0 ? (static_cast<int>(used) - 1) / ps + 1 : 0;
   bool bad = false;
   for (int64_t i = threadIdx.x; i < np; i += kThreads) {
     const int32_t pg = bt[i];
@@ -103,7 +128,8 @@ __device__ __forceinline__ int64_t topk_window(const BlockTopkParams& p, int64_t
     lo = ok ? a : 0;
     return ok ? b - a : 0;
   }
-  const int64_t b = t / p.next_n, j = t % p.next_n, sl = p.seq_lens[b];
+  const int tt = static_cast<int>(t), nn = static_cast<int>(p.next_n);
+  const int64_t b = tt / nn, j = tt % nn, sl = p.seq_lens[b];
   bt = p.block_table + b * p.max_pages;
   bool ok = sl >= 0 && sl <= p.max_pages * p.page_size;
   ok = pages_valid(bt, ok ? sl : 0, p.page_size, p.num_pages, flag) && ok;
@@ -115,29 +141,25 @@ __device__ __forceinline__ int64_t topk_window(const BlockTopkParams& p, int64_t
 // Scores of tile [i0, i0 + nk) of the row folded into its block maxima bs [h][nb].
 __device__ __forceinline__ void topk_tile(const BlockTopkParams& p, int64_t lo, const int32_t* bt, int64_t i0, int nk,
                                           const float* qs, float* ks, float* ss, uint32_t* bs, int64_t nb) {
-  const int d = static_cast<int>(p.d), ldk = d + 1, h = static_cast<int>(p.h);
+  const int d = static_cast<int>(p.d), ldk = ld_keys(d), h = static_cast<int>(p.h);
   const bool f32 = p.qk_dtype == DType::kFloat32;
   for (int idx = threadIdx.x; idx < nk * d; idx += kThreads) {
     const int j = idx / d, c = idx - j * d;
-    const int64_t i = i0 + j;
-    const int64_t row = bt == nullptr ? lo + i : static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;
+    const int i = static_cast<int>(i0) + j, ps = static_cast<int>(p.page_size);
+    const int64_t row = bt == nullptr ? lo + i : static_cast<int64_t>(bt[i / ps]) * ps + i % ps;
     ks[j * ldk + c] = load_f(p.k, row * d + c, f32);
   }
   __syncthreads();
-  // Thread (head hh, key j): consecutive lanes read rows ldk = d + 1 apart (no bank conflict).
+  // Thread (head hh, key j): consecutive lanes read consecutive key rows, q is broadcast.
   for (int idx = threadIdx.x; idx < h * kTopkKeys; idx += kThreads) {
     const int hh = idx / kTopkKeys, j = idx % kTopkKeys;
-    if (j >= nk) continue;
-    const float* qr = qs + hh * d;
-    const float* kr = ks + j * ldk;
-    float acc = 0.f;
-    for (int c = 0; c < d; ++c) acc = fmaf(qr[c], kr[c], acc);
-    ss[hh * kTopkKeys + j] = acc;
+    if (j < nk) ss[hh * kTopkKeys + j] = dot_smem(qs + hh * d, ks + j * ldk, d);
   }
   __syncthreads();
   // One thread per (head, index block touched by the tile); the block's keys inside the tile.
-  const int64_t bsz = p.block_size, b_lo = i0 / bsz;
-  const int nbt = static_cast<int>((i0 + nk - 1) / bsz - b_lo + 1);
+  const int bszi = static_cast<int>(p.block_size), b_lo = static_cast<int>(i0) / bszi;
+  const int64_t bsz = bszi;
+  const int nbt = (static_cast<int>(i0) + nk - 1) / bszi - b_lo + 1;
   for (int idx = threadIdx.x; idx < h * nbt; idx += kThreads) {
     const int hh = idx / nbt;
     const int64_t b = b_lo + idx % nbt;
@@ -162,7 +184,8 @@ __device__ __forceinline__ void topk_select(const BlockTopkParams& p, const uint
   const uint32_t k = static_cast<uint32_t>(p.topk_blocks);
   for (int hh = 0; hh < p.h; ++hh) {
     const uint32_t* row = bs + hh * nb;
-    auto acc = [&](int i, uint32_t& key) -> bool {
+    // Captures by value: a by-reference capture would put the captured locals on the stack.
+    auto acc = [=](int i, uint32_t& key) -> bool {
       key = i >= f_lo ? kPosInfKey : row[i];
       return key > kNegInfKey;
     };
@@ -177,22 +200,24 @@ __device__ __forceinline__ void topk_select(const BlockTopkParams& p, const uint
     uint32_t emitted = 0;
     if (valid > 0) {
       const Threshold thr = valid <= k ? select_all() : block_threshold<kThreads>(n, k, acc, sel);
-      emitted = block_emit<kThreads>(n, thr, acc, sel, [&](uint32_t rank, int i, uint32_t) { o[rank] = i; });
+      emitted = block_emit<kThreads>(n, thr, acc, sel, [=](uint32_t rank, int i, uint32_t) { o[rank] = i; });
     }
     for (int64_t r = emitted + threadIdx.x; r < p.topk_blocks; r += kThreads) o[r] = -1;
     __syncthreads();
   }
 }
 
-__global__ void __launch_bounds__(kThreads) block_topk_kernel(BlockTopkParams p, TopkLaunch L, int32_t* err) {
+// At least 4 CTAs per SM (what its shared memory allows at d = 128): without the bound ptxas
+// picked 72 registers and spilled two (test_sass); with it, 86 and none.
+__global__ void __launch_bounds__(kThreads, 4) block_topk_kernel(BlockTopkParams p, TopkLaunch L, int32_t* err) {
   IC_DYNAMIC_SMEM(smem_raw);
   __shared__ SelectShared sel;
   __shared__ int flag;
   const int64_t t = L.row_begin + blockIdx.x;
   const int d = static_cast<int>(p.d), h = static_cast<int>(p.h);
   float* qs = reinterpret_cast<float*>(smem_raw);      // [h][d]
-  float* ks = qs + h * d;                               // [kTopkKeys][d + 1]
-  float* ss = ks + kTopkKeys * (d + 1);                 // [h][kTopkKeys]
+  float* ks = qs + h * d;                               // [kTopkKeys][ld_keys(d)]
+  float* ss = ks + kTopkKeys * ld_keys(d);              // [h][kTopkKeys]
   uint32_t* bs = L.gbs != nullptr ? L.gbs + static_cast<int64_t>(blockIdx.x) * h * L.nb_cap
                                   : reinterpret_cast<uint32_t*>(ss + h * kTopkKeys);  // [h][nb]
   int64_t lo;
@@ -203,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) block_topk_kernel(BlockTopkParams p,
     for (int64_t i = threadIdx.x; i < p.h * p.topk_blocks; i += kThreads) out[i] = -1;
     return;
   }
-  const int64_t nb = (n + p.block_size - 1) / p.block_size;
+  const int64_t nb = (static_cast<int>(n) - 1) / static_cast<int>(p.block_size) + 1;  // n >= 1, no overflow
   const bool f32 = p.qk_dtype == DType::kFloat32;
   for (int idx = threadIdx.x; idx < h * d; idx += kThreads) qs[idx] = load_f(p.q, t * h * d + idx, f32);
   for (int64_t i = threadIdx.x; i < h * nb; i += kThreads) bs[i] = 0u;  // below every score: nothing visible
@@ -214,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) block_topk_kernel(BlockTopkParams p,
 }
 
 inline int64_t topk_smem_base(const BlockTopkParams& p) {
-  return 4 * (p.h * p.d + kTopkKeys * (p.d + 1) + p.h * kTopkKeys);
+  return 4 * (p.h * p.d + kTopkKeys * ld_keys(p.d) + p.h * kTopkKeys);
 }
 
 // Dynamic shared memory a kernel may take (the device's opt-in limit less its static part).
@@ -236,12 +261,12 @@ struct AttnLayout {
 
 __host__ __device__ __forceinline__ int64_t attn_smem_floats(int64_t g, int64_t d, int64_t topk) {
   // q, K tile, V tile, P, acc, m / l / alpha / bad per head, ids / keep / list per entry
-  return g * d + kAttnKeys * (d + 1) + kAttnKeys * d + g * kAttnKeys + g * d + 4 * g + 3 * topk;
+  return g * d + kAttnKeys * ld_keys(d) + kAttnKeys * d + g * kAttnKeys + g * d + 4 * g + 3 * topk;
 }
 
 struct AttnSmem {
   float* q;      // [g][d]
-  float* k;      // [kAttnKeys][d + 1]
+  float* k;      // [kAttnKeys][ld_keys(d)]
   float* v;      // [kAttnKeys][d]
   float* s;      // [g][kAttnKeys] scores, then softmax numerators
   float* acc;    // [g][d]
@@ -259,7 +284,7 @@ __device__ __forceinline__ AttnSmem attn_smem(unsigned char* raw, int g, int d, 
   float* f = reinterpret_cast<float*>(raw);
   s.q = f;
   s.k = s.q + g * d;
-  s.v = s.k + kAttnKeys * (d + 1);
+  s.v = s.k + kAttnKeys * ld_keys(d);
   s.s = s.v + kAttnKeys * d;
   s.acc = s.s + g * kAttnKeys;
   s.m = s.acc + g * d;
@@ -278,7 +303,7 @@ __device__ __forceinline__ AttnSmem attn_smem(unsigned char* raw, int g, int d, 
 __device__ __forceinline__ int attn_block_list(const BlockSparseAttnParams& p, int64_t t, int64_t kh, bool ok,
                                                int64_t pos, const AttnSmem& sm, uint32_t* scan, int32_t* err) {
   const int32_t* row = p.blocks + (t * p.h_kv + kh) * p.topk;
-  const int64_t last = pos / p.block_size;
+  const int64_t last = static_cast<int>(pos) / static_cast<int>(p.block_size);
   for (int64_t i = threadIdx.x; i < p.topk; i += kThreads) {
     const int32_t id = row[i];
     if (id < -1) count_error(err);
@@ -309,12 +334,12 @@ __device__ __forceinline__ int attn_block_list(const BlockSparseAttnParams& p, i
 // One tile of nk keys from position k0: scores, online softmax per head, P·V.
 __device__ __forceinline__ void attn_tile(const BlockSparseAttnParams& p, int64_t kh, const int32_t* bt, int64_t k0,
                                           int nk, int g, const AttnSmem& sm) {
-  const int d = static_cast<int>(p.d), ldk = d + 1;
+  const int d = static_cast<int>(p.d), ldk = ld_keys(d);
   const bool f32 = p.dtype == DType::kFloat32;
   for (int idx = threadIdx.x; idx < nk * d; idx += kThreads) {
     const int j = idx / d, c = idx - j * d;
-    const int64_t i = k0 + j;
-    const int64_t slot = static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;
+    const int i = static_cast<int>(k0) + j, ps = static_cast<int>(p.page_size);
+    const int64_t slot = static_cast<int64_t>(bt[i / ps]) * ps + i % ps;
     const int64_t at = (slot * p.h_kv + kh) * d + c;
     sm.k[j * ldk + c] = load_f(p.k_cache, at, f32);
     sm.v[j * d + c] = load_f(p.v_cache, at, f32);
@@ -322,12 +347,7 @@ __device__ __forceinline__ void attn_tile(const BlockSparseAttnParams& p, int64_
   __syncthreads();
   for (int idx = threadIdx.x; idx < g * kAttnKeys; idx += kThreads) {
     const int hh = idx / kAttnKeys, j = idx % kAttnKeys;
-    if (j >= nk) continue;
-    const float* qr = sm.q + hh * d;
-    const float* kr = sm.k + j * ldk;
-    float acc = 0.f;
-    for (int c = 0; c < d; ++c) acc = fmaf(qr[c], kr[c], acc);
-    sm.s[hh * kAttnKeys + j] = acc * p.scale;
+    if (j < nk) sm.s[hh * kAttnKeys + j] = dot_smem(sm.q + hh * d, sm.k + j * ldk, d) * p.scale;
   }
   __syncthreads();
   const int lane = lane_id();
@@ -372,7 +392,8 @@ __global__ void __launch_bounds__(kThreads) block_attn_kernel(BlockSparseAttnPar
   IC_DYNAMIC_SMEM(smem_raw);
   __shared__ uint32_t scan[32];
   __shared__ int flag;
-  const int64_t t = blockIdx.x / p.h_kv, kh = blockIdx.x % p.h_kv;
+  const int hkv = static_cast<int>(p.h_kv);
+  const int64_t t = static_cast<int>(blockIdx.x) / hkv, kh = static_cast<int>(blockIdx.x) % hkv;
   const int g = L.g, d = static_cast<int>(p.d);
   const AttnSmem sm = attn_smem(smem_raw, g, d, p.topk);
   // The row: req and pos in range and every page up to pos in the cache, else no key (counted
@@ -426,7 +447,9 @@ inline void block_topk_cuda(const BlockTopkParams& p, const DeviceEnv& env) {
   if (p.s_q == 0) return;
   const int64_t cap = p.ks != nullptr ? p.s_kv : p.max_pages * p.page_size;  // the longest window
   const int64_t nb_cap = (cap + p.block_size - 1) / p.block_size;
-  TORCH_CHECK(nb_cap <= INT_MAX / 2, "block_topk: ", nb_cap, " index blocks per row is too many for the CUDA kernel");
+  // The kernels divide positions in 32 bits (64-bit division is a slow subroutine on the GPU).
+  TORCH_CHECK(cap <= INT_MAX - 2 * kTopkKeys && p.block_size <= INT_MAX && p.page_size <= INT_MAX,
+              "block_topk: ", cap, " keys per row is too many for the CUDA kernel");
   const int64_t budget = dynamic_budget(env, static_cast<int64_t>(sizeof(SelectShared)) + 16);
   const int64_t base = topk_smem_base(p);
   TORCH_CHECK(base <= budget, "block_topk on CUDA needs ", base, " bytes of shared memory for h = ", p.h,
@@ -453,6 +476,8 @@ inline void block_sparse_attention_cuda(const BlockSparseAttnParams& p, const De
   if (p.s_q == 0 || p.h_q == 0) return;
   const int64_t ctas = p.s_q * p.h_kv;
   TORCH_CHECK(ctas <= INT_MAX, "block_sparse_attention: too many (row, KV head) pairs for the CUDA kernel: ", ctas);
+  TORCH_CHECK(p.max_pages * p.page_size <= INT_MAX - kAttnKeys && p.block_size <= INT_MAX,
+              "block_sparse_attention: ", p.max_pages * p.page_size, " positions per request is too many for the CUDA kernel");
   const int64_t g = p.h_q / p.h_kv;
   const int64_t bytes = 4 * attn_smem_floats(g, p.d, p.topk);
   const int64_t budget = dynamic_budget(env, 32 * 4 + 16);
