@@ -610,6 +610,19 @@ def test_block_topk_paged_cuda(dtype, next_n):
 
 
 @needs_cuda
+def test_block_topk_cuda_long_rows():
+    """Decode rows over 256K keys (DESIGN.md §8), MiniMax-M3's shapes: 2048 block maxima per head."""
+    torch.manual_seed(11)
+    h, d, bsz, topk, n = 4, 128, 128, 16, 262144
+    keys = [torch.randn(n, d).bfloat16()]
+    cache, table = make_paged(keys, 64)
+    sl = torch.tensor([n], dtype=torch.int32)
+    q = torch.randn(2, h, d).bfloat16()
+    got = ops.block_topk_paged(q.cuda(), cache.cuda(), table.cuda(), sl.cuda(), 2, bsz, topk, 1).cpu()
+    assert_blocks_equal(got, ref.block_topk_paged(q, cache, table, sl, 2, bsz, topk, 1),
+                        lambda t: (q[t], keys[0][:n - 1 + t], n - 2 + t), bsz, 1)
+
+@needs_cuda
 @pytest.mark.parametrize("dtype,bar", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("h_q,h_kv,d,page_size,block_size,topk,rows_per", [
     (8, 2, 128, 16, 16, 4, 20),

@@ -263,6 +263,35 @@ def test_block_topk_global_scratch():
         emu_block_topk(q, k, ks, ke, bsz, topk, 1, smem=base)
 
 
+def test_block_topk_long_row():
+    """One decode row over 40000 keys (313 blocks of 128), next to a prefill row of the same
+    request: the radix select over hundreds of block maxima, against the reference."""
+    g = torch.Generator().manual_seed(8)
+    h, d, bsz, topk = 2, 16, 128, 16
+    keys = [torch.randn(40000, d, generator=g)]
+    cache, table = make_paged(keys, 64, g)
+    sl = torch.tensor([40000], dtype=torch.int32)
+    q = torch.randn(2, h, d, generator=g)
+    got = emu_block_topk_paged(q, cache, table, sl, 2, bsz, topk, 1)
+    assert_blocks_equal(got, ref.block_topk_paged(q, cache, table, sl, 2, bsz, topk, 1),
+                        lambda t: (q[t], keys[0][:39999 + t], 39998 + t), bsz, 1)
+
+
+def test_positions_must_fit_32_bits():
+    """The kernels divide positions in 32 bits: longer rows are a clear error, not a wrap."""
+    q = torch.randn(1, 1, 8)
+    ks, ke = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="keys per row is too many"):
+        call("emu_block_topk", P(q), P(q), P(ks), P(ke), P(None), P(None), P(torch.empty(1, 1, 2, dtype=torch.int32)),
+             I(1), I(1), I(8), I(2**31), I(0), I(1), I(0), I(0), I(1), I(4), I(2), I(1), ctypes.c_int(F32))
+    kc = torch.randn(1, 4, 1, 8)
+    table = torch.zeros(1, 1, dtype=torch.int32)  # max_pages is passed as 2^30: the launcher stops first
+    with pytest.raises(RuntimeError, match="positions per request is too many"):
+        call("emu_block_sparse_attention", P(q), P(kc), P(kc), P(table), P(ks), P(ks), P(ks.view(1, 1, 1)), P(q),
+             P(torch.empty(1, 1)), I(1), I(1), I(1), I(8), I(1), I(1), I(4), I(1), I(2**30), I(4), ctypes.c_float(0.3),
+             ctypes.c_int(F32))
+
+
 def test_block_topk_invalid_values_are_counted():
     g = torch.Generator().manual_seed(4)
     q = torch.randn(3, 2, 16, generator=g)
