@@ -49,6 +49,7 @@ constexpr int kAttnKeys = 32;   // keys per attention tile: one per lane in the 
 constexpr uint32_t kNegInfKey = 0x007FFFFFu;  // order_key(-inf): never selected at or below
 constexpr uint32_t kPosInfKey = 0xFF800000u;  // order_key(+inf): a forced local block
 constexpr int64_t kMaxScratchBytes = int64_t{256} << 20;  // global block maxima per launch
+constexpr int64_t kMinSplitKeys = 2048;  // keys per scoring CTA at least, when rows are split
 
 __device__ __forceinline__ float load_f(const void* base, int64_t i, bool f32) {
   return f32 ? static_cast<const float*>(base)[i] : bf16_to_float(static_cast<const uint16_t*>(base)[i]);
@@ -109,10 +110,17 @@ __device__ __forceinline__ bool pages_valid(const int32_t* bt, int64_t used, int
 
 // ------------------------------------------------------------------ block_topk
 
+// kFused: a CTA scores its row's keys and selects. Few rows over long windows instead split
+// each row's blocks over CTAs: kScore (blockIdx.y: split_blocks blocks, their maxima into the
+// global scratch), then kSelect (one CTA per row, from the scratch).
+enum TopkMode : int { kFused = 0, kScore = 1, kSelect = 2 };
+
 struct TopkLaunch {
-  int64_t row_begin;  // this launch's first row
-  int64_t nb_cap;     // block maxima per (row, head) the storage holds
-  uint32_t* gbs;      // [rows of this launch, h, nb_cap] global maxima, nullptr: in shared memory
+  int64_t row_begin;     // this launch's first row
+  int64_t nb_cap;        // block maxima per (row, head) the storage holds
+  uint32_t* gbs;         // [rows of this launch, h, nb_cap] global maxima, nullptr: in shared memory
+  int mode;              // TopkMode
+  int64_t split_blocks;  // kScore: blocks per CTA
 };
 
 // Keys row t sees and where (prefill: k[lo + i]; paged: page table bt). Invalid values give
@@ -222,20 +230,34 @@ __global__ void __launch_bounds__(kThreads, 4) block_topk_kernel(BlockTopkParams
                                   : reinterpret_cast<uint32_t*>(ss + h * kTopkKeys);  // [h][nb]
   int64_t lo;
   const int32_t* bt;
-  const int64_t n = topk_window(p, t, lo, bt, &flag, err);
+  // An invalid window counts once: in the fused launch, or by the row's first scoring CTA.
+  const bool counts = L.mode == kFused || (L.mode == kScore && blockIdx.y == 0);
+  const int64_t n = topk_window(p, t, lo, bt, &flag, counts ? err : nullptr);
   int32_t* out = p.out + t * p.h * p.topk_blocks;
   if (n == 0 || p.topk_blocks == 0) {
-    for (int64_t i = threadIdx.x; i < p.h * p.topk_blocks; i += kThreads) out[i] = -1;
+    if (L.mode != kScore)
+      for (int64_t i = threadIdx.x; i < p.h * p.topk_blocks; i += kThreads) out[i] = -1;
     return;
   }
-  const int64_t nb = (static_cast<int>(n) - 1) / static_cast<int>(p.block_size) + 1;  // n >= 1, no overflow
-  const bool f32 = p.qk_dtype == DType::kFloat32;
-  for (int idx = threadIdx.x; idx < h * d; idx += kThreads) qs[idx] = load_f(p.q, t * h * d + idx, f32);
-  for (int64_t i = threadIdx.x; i < h * nb; i += kThreads) bs[i] = 0u;  // below every score: nothing visible
-  __syncthreads();
-  for (int64_t i0 = 0; i0 < n; i0 += kTopkKeys)
-    topk_tile(p, lo, bt, i0, static_cast<int>(n - i0 < kTopkKeys ? n - i0 : kTopkKeys), qs, ks, ss, bs, nb);
-  topk_select(p, bs, nb, out, sel);
+  const int bszi = static_cast<int>(p.block_size);
+  const int64_t nb = (static_cast<int>(n) - 1) / bszi + 1;  // n >= 1, no overflow
+  if (L.mode != kSelect) {
+    int64_t b0 = 0, b1 = nb;  // this CTA's blocks
+    if (L.mode == kScore) {
+      b0 = static_cast<int64_t>(blockIdx.y) * L.split_blocks;
+      b1 = b0 + L.split_blocks < nb ? b0 + L.split_blocks : nb;
+      if (b0 >= b1) return;  // past the row's last block
+    }
+    const bool f32 = p.qk_dtype == DType::kFloat32;
+    for (int idx = threadIdx.x; idx < h * d; idx += kThreads) qs[idx] = load_f(p.q, t * h * d + idx, f32);
+    for (int hh = 0; hh < h; ++hh)
+      for (int64_t b = b0 + threadIdx.x; b < b1; b += kThreads) bs[hh * nb + b] = 0u;  // below every score
+    __syncthreads();
+    const int64_t end = b1 * bszi < n ? b1 * bszi : n;
+    for (int64_t i0 = b0 * bszi; i0 < end; i0 += kTopkKeys)
+      topk_tile(p, lo, bt, i0, static_cast<int>(end - i0 < kTopkKeys ? end - i0 : kTopkKeys), qs, ks, ss, bs, nb);
+  }
+  if (L.mode != kScore) topk_select(p, bs, nb, out, sel);
 }
 
 inline int64_t topk_smem_base(const BlockTopkParams& p) {
@@ -455,7 +477,14 @@ inline void block_topk_cuda(const BlockTopkParams& p, const DeviceEnv& env) {
   TORCH_CHECK(base <= budget, "block_topk on CUDA needs ", base, " bytes of shared memory for h = ", p.h,
               ", d = ", p.d, "; the device allows ", budget);
   const int64_t bs_bytes = 4 * p.h * (nb_cap > 0 ? nb_cap : 1);
-  const bool in_smem = base + bs_bytes <= budget;
+  // Fewer rows than SMs over long windows (decode): each row's blocks split over CTAs of at
+  // least kMinSplitKeys keys, up to about two CTAs per SM in all.
+  const int64_t min_blocks = std::max<int64_t>(1, (kMinSplitKeys + p.block_size - 1) / p.block_size);
+  int64_t splits = 1;
+  if (p.s_q < env.sms && nb_cap >= 2 * min_blocks)
+    splits = std::min<int64_t>({(nb_cap + min_blocks - 1) / min_blocks, (2 * env.sms + p.s_q - 1) / p.s_q, 65535});
+  const int64_t split_blocks = (nb_cap + splits - 1) / splits;
+  const bool in_smem = splits == 1 && base + bs_bytes <= budget;
   const int64_t bytes = in_smem ? base + bs_bytes : base;
   set_smem(block_topk_kernel, bytes);
   // Rows per launch: all of them with the maxima in shared memory; else as many as a bounded
@@ -465,8 +494,19 @@ inline void block_topk_cuda(const BlockTopkParams& p, const DeviceEnv& env) {
   for (int64_t r0 = 0; r0 < p.s_q; r0 += per) {
     const int64_t rows = std::min(per, p.s_q - r0);
     TORCH_CHECK(rows <= INT_MAX, "block_topk: too many rows for one CUDA launch: ", rows);
-    const TopkLaunch L{r0, nb_cap, gbs};
-    IC_LAUNCH(block_topk_kernel, dim3(static_cast<unsigned>(rows)), kThreads, bytes, env.stream, p, L, env.err);
+    const dim3 grid(static_cast<unsigned>(rows));
+    if (splits == 1) {
+      const TopkLaunch L{r0, nb_cap, gbs, kFused, nb_cap};
+      IC_LAUNCH(block_topk_kernel, grid, kThreads, bytes, env.stream, p, L, env.err);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      continue;
+    }
+    const TopkLaunch score{r0, nb_cap, gbs, kScore, split_blocks};
+    IC_LAUNCH(block_topk_kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(splits)), kThreads, bytes,
+              env.stream, p, score, env.err);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const TopkLaunch select{r0, nb_cap, gbs, kSelect, split_blocks};
+    IC_LAUNCH(block_topk_kernel, grid, kThreads, 16, env.stream, p, select, env.err);  // no dynamic smem used
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -69,9 +69,9 @@ def I(x):
     return ctypes.c_int64(int(x))
 
 
-def call(name, *args, smem=227 * 1024):
+def call(name, *args, smem=227 * 1024, sms=132):
     L = lib()
-    L.emu_bs_set_device(ctypes.c_int(132), ctypes.c_int(smem))
+    L.emu_bs_set_device(ctypes.c_int(sms), ctypes.c_int(smem))
     if getattr(L, name)(*args) != 0:
         raise RuntimeError(L.emu_bs_last_error().decode())
 
@@ -94,20 +94,20 @@ def rel_err(a, b):
 
 # ------------------------------------------------------------------ launch wrappers
 
-def emu_block_topk(q, k, ks, ke, block_size, topk, local, smem=227 * 1024):
+def emu_block_topk(q, k, ks, ke, block_size, topk, local, smem=227 * 1024, sms=132):
     out = torch.full((q.shape[0], q.shape[1], topk), POISON_I, dtype=torch.int32)
     call("emu_block_topk", P(q), P(k), P(ks), P(ke), P(None), P(None), P(out), I(q.shape[0]), I(q.shape[1]),
          I(q.shape[2]), I(k.shape[0]), I(0), I(1), I(0), I(0), I(1), I(block_size), I(topk), I(local),
-         ctypes.c_int(dt(q)), smem=smem)
+         ctypes.c_int(dt(q)), smem=smem, sms=sms)
     assert not (out == POISON_I).any(), "an output element was not written"
     return out
 
 
-def emu_block_topk_paged(q, cache, table, seq_lens, next_n, block_size, topk, local, smem=227 * 1024):
+def emu_block_topk_paged(q, cache, table, seq_lens, next_n, block_size, topk, local, smem=227 * 1024, sms=132):
     out = torch.full((q.shape[0], q.shape[1], topk), POISON_I, dtype=torch.int32)
     call("emu_block_topk", P(q), P(cache), P(None), P(None), P(table), P(seq_lens), P(out), I(q.shape[0]),
          I(q.shape[1]), I(q.shape[2]), I(0), I(cache.shape[0]), I(cache.shape[1]), I(table.shape[0]),
-         I(table.shape[1]), I(next_n), I(block_size), I(topk), I(local), ctypes.c_int(dt(q)), smem=smem)
+         I(table.shape[1]), I(next_n), I(block_size), I(topk), I(local), ctypes.c_int(dt(q)), smem=smem, sms=sms)
     assert not (out == POISON_I).any(), "an output element was not written"
     return out
 
@@ -275,6 +275,38 @@ def test_block_topk_long_row():
     got = emu_block_topk_paged(q, cache, table, sl, 2, bsz, topk, 1)
     assert_blocks_equal(got, ref.block_topk_paged(q, cache, table, sl, 2, bsz, topk, 1),
                         lambda t: (q[t], keys[0][:39999 + t], 39998 + t), bsz, 1)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_block_topk_split_rows(paged):
+    """Few rows over long windows split their blocks over scoring CTAs, then select from the global
+    maxima: the same ids, bit for bit, as one CTA per row (a device with one SM never splits),
+    and the reference's. Invalid windows still count once."""
+    g = torch.Generator().manual_seed(9)
+    h, d, bsz, topk, local = 3, 16, 16, 6, 2
+    lens = [5000, 2100, 700]
+    if paged:
+        keys = [torch.randn(n, d, generator=g).bfloat16() for n in lens]
+        cache, table = make_paged(keys, 32, g)
+        sl = torch.tensor(lens + [10**6], dtype=torch.int32)  # the last request is invalid: empty, counted
+        table = torch.cat([table, table[:1]])
+        q = torch.randn(8, h, d, generator=g).bfloat16()
+        box = {}
+        n = errors(lambda: box.setdefault("s", emu_block_topk_paged(q, cache, table, sl, 2, bsz, topk, local)))
+        one = emu_block_topk_paged(q, cache, table, sl, 2, bsz, topk, local, sms=1)
+        assert n == 1 and torch.equal(box["s"], one) and (one[6:] == -1).all()
+        sl3 = sl[:3].clone()
+        assert_blocks_equal(one[:6], ref.block_topk_paged(q[:6], cache, table[:3], sl3, 2, bsz, topk, local),
+                            lambda t: (q[t], keys[t // 2][:lens[t // 2] - 1 + t % 2], lens[t // 2] - 2 + t % 2),
+                            bsz, local)
+        return
+    ks, ke, s_kv = windows(lens, 2)
+    q = torch.randn(ks.shape[0], h, d, generator=g)
+    k = torch.randn(s_kv, d, generator=g)
+    split = emu_block_topk(q, k, ks, ke, bsz, topk, local)
+    assert torch.equal(split, emu_block_topk(q, k, ks, ke, bsz, topk, local, sms=1))
+    assert_blocks_equal(split, ref.block_topk(q, k, ks, ke, bsz, topk, local),
+                        lambda t: (q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1)), bsz, local)
 
 
 def test_positions_must_fit_32_bits():
