@@ -50,6 +50,8 @@ constexpr uint32_t kNegInfKey = 0x007FFFFFu;  // order_key(-inf): never selected
 constexpr uint32_t kPosInfKey = 0xFF800000u;  // order_key(+inf): a forced local block
 constexpr int64_t kMaxScratchBytes = int64_t{256} << 20;  // global block maxima per launch
 constexpr int64_t kMinSplitKeys = 2048;  // keys per scoring CTA at least, when rows are split
+constexpr int64_t kMinSplitKeysAttn = 256;  // attention: selected keys per split CTA at least
+constexpr int64_t kMaxAttnSplits = 32;
 
 __device__ __forceinline__ float load_f(const void* base, int64_t i, bool f32) {
   return f32 ? static_cast<const float*>(base)[i] : bf16_to_float(static_cast<const uint16_t*>(base)[i]);
@@ -277,8 +279,15 @@ void set_smem(Kernel kernel, int64_t bytes) {
 
 // ------------------------------------------------------------------ block_sparse_attention
 
+// splits > 1 (few (row, KV head) pairs): CTA (pair, split) folds list entries [split * per,
+// (split + 1) * per) of the row's sorted selection into a partial result, and
+// block_attn_merge_kernel combines the splits by log-sum-exp.
 struct AttnLayout {
-  int g;  // query heads per KV head
+  int g;           // query heads per KV head
+  int splits;      // CTAs per (row, KV head)
+  int per;         // selected blocks per split
+  float* o_part;   // [splits, s_q * h_q, d] unnormalised accumulators (splits > 1)
+  float* ml;       // [splits, s_q * h_q, 2] running max (NaN: a non-finite score) and sum
 };
 
 __host__ __device__ __forceinline__ int64_t attn_smem_floats(int64_t g, int64_t d, int64_t topk) {
@@ -416,7 +425,8 @@ __global__ void __launch_bounds__(kThreads) block_attn_kernel(BlockSparseAttnPar
   __shared__ int flag;
   const int hkv = static_cast<int>(p.h_kv);
   const int64_t t = static_cast<int>(blockIdx.x) / hkv, kh = static_cast<int>(blockIdx.x) % hkv;
-  const int g = L.g, d = static_cast<int>(p.d);
+  const int g = L.g, d = static_cast<int>(p.d), split = static_cast<int>(blockIdx.y);
+  if (split != 0) err = nullptr;  // invalid values count once per (row, KV head)
   const AttnSmem sm = attn_smem(smem_raw, g, d, p.topk);
   // The row: req and pos in range and every page up to pos in the cache, else no key (counted
   // once, by KV head 0).
@@ -438,11 +448,21 @@ __global__ void __launch_bounds__(kThreads) block_attn_kernel(BlockSparseAttnPar
     sm.bad[hh] = 0;
   }
   __syncthreads();
-  for (int bi = 0; bi < nsel; ++bi) {
+  const int b_end = L.splits == 1 ? nsel : min(nsel, (split + 1) * L.per);
+  for (int bi = L.splits == 1 ? 0 : split * L.per; bi < b_end; ++bi) {
     const int64_t i0 = static_cast<int64_t>(sm.list[bi]) * p.block_size;
     const int64_t end = i0 + p.block_size < pos + 1 ? i0 + p.block_size : pos + 1;
     for (int64_t k0 = i0; k0 < end; k0 += kAttnKeys)
       attn_tile(p, kh, bt, k0, static_cast<int>(end - k0 < kAttnKeys ? end - k0 : kAttnKeys), g, sm);
+  }
+  if (L.splits > 1) {  // partial results; the merge kernel normalises
+    const int64_t rows = p.s_q * p.h_q, r0 = split * rows + t * p.h_q + kh * g;
+    for (int idx = threadIdx.x; idx < g * d; idx += kThreads) L.o_part[r0 * d + idx] = sm.acc[idx];
+    for (int hh = threadIdx.x; hh < g; hh += kThreads) {
+      L.ml[(r0 + hh) * 2] = sm.bad[hh] ? qnan() : sm.m[hh];
+      L.ml[(r0 + hh) * 2 + 1] = sm.l[hh];
+    }
+    return;
   }
   // out = acc / l (as acc * (1 / l), like the CPU); NaN for a bad head; 0 and -inf with no key.
   for (int idx = threadIdx.x; idx < g * d; idx += kThreads) {
@@ -460,6 +480,40 @@ __global__ void __launch_bounds__(kThreads) block_attn_kernel(BlockSparseAttnPar
     const float l = sm.l[hh];
     p.lse[t * p.h_q + kh * g + hh] = sm.bad[hh] ? qnan() : (l == 0.f ? neg_inf() : sm.m[hh] + logf(l));
   }
+}
+
+// One CTA per (row, query head): out = Σ_s acc_s e^(m_s - M) / Σ_s l_s e^(m_s - M), M the
+// largest m_s of the splits that saw a key, splits in ascending order (deterministic); a NaN
+// m_s (a non-finite score) makes out and lse NaN; no key in any split: 0 and -inf.
+__global__ void __launch_bounds__(kThreads) block_attn_merge_kernel(BlockSparseAttnParams p, AttnLayout L) {
+  const int64_t row = blockIdx.x, rows = p.s_q * p.h_q;
+  float mx = neg_inf(), den = 0.f;
+  bool bad = false;
+  for (int s = 0; s < L.splits; ++s) {
+    const float m = L.ml[(s * rows + row) * 2], l = L.ml[(s * rows + row) * 2 + 1];
+    bad = bad || m != m;
+    if (l > 0.f) mx = fmaxf(mx, m);
+  }
+  for (int s = 0; s < L.splits; ++s) {
+    const float m = L.ml[(s * rows + row) * 2], l = L.ml[(s * rows + row) * 2 + 1];
+    if (l > 0.f) den += l * expf(m - mx);
+  }
+  const float inv = bad ? qnan() : (den == 0.f ? 0.f : 1.f / den);
+  const bool f32 = p.dtype == DType::kFloat32;
+  for (int c = threadIdx.x; c < p.d; c += kThreads) {
+    float acc = 0.f;
+    for (int s = 0; s < L.splits; ++s) {
+      const float m = L.ml[(s * rows + row) * 2], l = L.ml[(s * rows + row) * 2 + 1];
+      if (l > 0.f) acc = fmaf(L.o_part[(s * rows + row) * p.d + c], expf(m - mx), acc);
+    }
+    const float v = acc * inv;
+    if (f32) {
+      static_cast<float*>(p.out)[row * p.d + c] = v;
+    } else {
+      static_cast<uint16_t*>(p.out)[row * p.d + c] = float_to_bf16(v);
+    }
+  }
+  if (threadIdx.x == 0) p.lse[row] = bad ? qnan() : (den == 0.f ? neg_inf() : mx + logf(den));
 }
 
 }  // namespace bs_detail
@@ -524,9 +578,27 @@ inline void block_sparse_attention_cuda(const BlockSparseAttnParams& p, const De
   TORCH_CHECK(bytes <= budget, "block_sparse_attention on CUDA needs ", bytes, " bytes of shared memory for ", g,
               " query heads per KV head, d = ", p.d, ", topk = ", p.topk, "; the device allows ", budget);
   set_smem(block_attn_kernel, bytes);
-  const AttnLayout L{static_cast<int>(g)};
-  IC_LAUNCH(block_attn_kernel, dim3(static_cast<unsigned>(ctas)), kThreads, bytes, env.stream, p, L, env.err);
+  // Fewer (row, KV head) pairs than SMs (decode): split each pair's selected blocks over CTAs
+  // of at least kMinSplitKeysAttn keys' worth of blocks, up to about two CTAs per SM, then merge.
+  const int64_t min_blocks = std::max<int64_t>(1, (kMinSplitKeysAttn + p.block_size - 1) / p.block_size);
+  int64_t splits = 1;
+  if (ctas < env.sms && p.topk >= 2 * min_blocks)
+    splits = std::min<int64_t>({(p.topk + min_blocks - 1) / min_blocks, (2 * env.sms + ctas - 1) / ctas, kMaxAttnSplits});
+  AttnLayout L{static_cast<int>(g), 1, static_cast<int>(p.topk), nullptr, nullptr};
+  if (splits > 1) {
+    L.per = static_cast<int>((p.topk + splits - 1) / splits);
+    L.splits = static_cast<int>((p.topk + L.per - 1) / L.per);
+    const int64_t rows = p.s_q * p.h_q;
+    L.o_part = static_cast<float*>(env.alloc(L.splits * rows * p.d * 4));
+    L.ml = static_cast<float*>(env.alloc(L.splits * rows * 2 * 4));
+  }
+  IC_LAUNCH(block_attn_kernel, dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(L.splits)), kThreads, bytes,
+            env.stream, p, L, env.err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (L.splits > 1) {
+    IC_LAUNCH(block_attn_merge_kernel, dim3(static_cast<unsigned>(p.s_q * p.h_q)), kThreads, 0, env.stream, p, L);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace cuda

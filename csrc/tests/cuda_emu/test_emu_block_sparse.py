@@ -112,7 +112,7 @@ def emu_block_topk_paged(q, cache, table, seq_lens, next_n, block_size, topk, lo
     return out
 
 
-def emu_attention(q, kc, vc, table, req, pos, blocks, block_size, scale):
+def emu_attention(q, kc, vc, table, req, pos, blocks, block_size, scale, sms=132):
     s_q, h_q, d = q.shape
     if q.dtype == torch.float32:
         out = torch.full(q.shape, POISON_F32, dtype=torch.int32).view(torch.float32)
@@ -121,7 +121,7 @@ def emu_attention(q, kc, vc, table, req, pos, blocks, block_size, scale):
     lse = torch.full((s_q, h_q), POISON_F32, dtype=torch.int32).view(torch.float32)
     call("emu_block_sparse_attention", P(q), P(kc), P(vc), P(table), P(req), P(pos), P(blocks), P(out), P(lse),
          I(s_q), I(h_q), I(kc.shape[2]), I(d), I(blocks.shape[2]), I(kc.shape[0]), I(kc.shape[1]),
-         I(table.shape[0]), I(table.shape[1]), I(block_size), ctypes.c_float(scale), ctypes.c_int(dt(q)))
+         I(table.shape[0]), I(table.shape[1]), I(block_size), ctypes.c_float(scale), ctypes.c_int(dt(q)), sms=sms)
     bits = out.view(torch.int32 if q.dtype == torch.float32 else torch.int16)
     poison = POISON_F32 if q.dtype == torch.float32 else POISON_BF16
     assert not (bits == poison).any() and not (lse.view(torch.int32) == POISON_F32).any(), "an element was not written"
@@ -389,6 +389,43 @@ def test_block_sparse_attention(dtype, bar, h_q, h_kv, d, page_size, bsz, topk, 
     torch.testing.assert_close(lse[finite], e_lse[finite], rtol=1e-5, atol=1e-5)
     out2, lse2 = emu_attention(q, kc, vc, table, req, pos, blocks, bsz, scale)
     assert torch.equal(out2, out) and torch.equal(lse2, lse)  # deterministic
+
+
+@pytest.mark.parametrize("dtype,bar", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("case", ["plain", "q_nan", "k_inf", "v_nan"])
+def test_attention_split_blocks(dtype, bar, case):
+    """Few (row, KV head) pairs: each pair's selected blocks are split over CTAs (16 blocks of 16
+    keys per split here) and merged by log-sum-exp; against the reference and the unsplit kernel
+    (a one-SM device), NaN patterns included, an id < -1 counted once."""
+    h_q, h_kv, d, page, bsz, topk = 4, 2, 32, 16, 16, 40
+    q, kc, vc, table, req, pos, blocks = make_attention(torch.float32, [700, 300], h_q, h_kv, d, page, bsz, topk, 2,
+                                                       seed=31, dup=True)
+    blocks[0, 0] = torch.arange(topk, dtype=torch.int32) % 3  # keys only in the first split's entries
+    blocks[1, 1, -1] = -5
+    pg = int(table[0, 0])
+    if case == "q_nan":
+        q[2, 1, 3] = math.nan
+    elif case == "k_inf":
+        kc[pg, 3, 0, 2] = math.inf  # request 0, key 3, read by rows of request 0 selecting block 0
+    elif case == "v_nan":
+        vc[pg, 4, 1, 7] = math.nan
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    args = (q, kc, vc, table, req, pos, blocks)
+    box = {}
+    assert errors(lambda: box.setdefault("s", emu_attention(*args, bsz, 0.3))) == 1
+    out, lse = box["s"]
+    one_out, one_lse = emu_attention(*args, bsz, 0.3, sms=1)
+    fixed = blocks.clone()
+    fixed[1, 1, -1] = -1
+    e_out, e_lse = ref.block_sparse_attention(q, kc, vc, table, req, pos, fixed, bsz, 0.3)
+    for o, l in ((out, lse), (one_out, one_lse)):
+        o = o.float()
+        assert torch.equal(torch.isnan(l), torch.isnan(e_lse)) and torch.equal(torch.isnan(o), torch.isnan(e_out.float()))
+        assert bool(torch.isnan(e_lse).any()) == (case in ("q_nan", "k_inf"))
+        fin = torch.isfinite(e_out.float())
+        assert rel_err(o[fin], e_out.float()[fin]) < bar
+        ok = torch.isfinite(e_lse)
+        torch.testing.assert_close(l[ok], e_lse[ok], rtol=1e-5, atol=1e-5)
 
 
 def test_attention_invalid_values_are_counted():
