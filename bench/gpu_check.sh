@@ -66,7 +66,7 @@ if [ $BUILD_OK -eq 0 ]; then
 fi
 
 # 2. The device-parametrized tests, cuda cases only.
-TESTS="tests/test_ops.py tests/test_buffer.py tests/test_cuda_graph.py tests/test_cuda_checks.py tests/test_hy_v4_device.py"
+TESTS="tests/test_ops.py tests/test_buffer.py tests/test_cuda_graph.py tests/test_cuda_checks.py tests/test_hy_v4_device.py tests/test_block_sparse.py"
 if [ $BUILD_OK -eq 0 ]; then
   stage tests 110 test.log "$PY" -m pytest -q -rfE -p no:cacheprovider $TESTS -k cuda
 else
@@ -84,7 +84,7 @@ fi
 
 # 3. Sanitizers on small shapes. No caching allocator, so that every tensor is its own
 #    allocation and memcheck sees an access one past its end.
-SMALL='cuda and not portable and (test_quantize_fp8 or test_index_k_cache_insert or test_mla_kv_cache_insert or test_positions_to_slots or (test_indexer_logits and 7-300 and fp8) or test_indexer_logits_paged or test_topk_windows_and_ties or (test_topk_tie_free and 5-1000) or (test_indexer_topk_fused and 6-200 and fp8) or test_indexer_topk_paged or (test_sparse_mla and 3-16-64) or test_fill_topk_buffer or (test_topk_long_rows and 65536) or test_sparse_mla_few_rows_split_keys or (test_sparse_mla_sinks and 3-16-64) or test_sparse_mla_sinks_few_rows_split_keys or (test_sparse_mla_nonfinite_sinks and 1100))'
+SMALL='cuda and not portable and (test_quantize_fp8 or test_index_k_cache_insert or test_mla_kv_cache_insert or test_positions_to_slots or (test_indexer_logits and 7-300 and fp8) or test_indexer_logits_paged or test_topk_windows_and_ties or (test_topk_tie_free and 5-1000) or (test_indexer_topk_fused and 6-200 and fp8) or test_indexer_topk_paged or (test_sparse_mla and 3-16-64) or test_fill_topk_buffer or (test_topk_long_rows and 65536) or test_sparse_mla_few_rows_split_keys or (test_sparse_mla_sinks and 3-16-64) or test_sparse_mla_sinks_few_rows_split_keys or (test_sparse_mla_nonfinite_sinks and 1100) or (test_block_topk_cuda and 4-128-16) or test_block_topk_paged_cuda or (test_block_sparse_attention_cuda and 8-2-128) or test_block_sparse_attention_non_finite_cuda)'
 if [ $BUILD_OK -eq 0 ] && command -v compute-sanitizer >/dev/null 2>&1; then
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
   stage memcheck 100 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 30 \
@@ -127,7 +127,9 @@ EOF
 if [ $BUILD_OK -eq 0 ]; then
   stage ceilings 40 bench.log "$PY" "$OUT/.ceilings.py" "$OUT/ceilings.json"
   # 5. The op benchmark: ours vs the reference path and torch.topk.
-  stage bench 150 bench.log "$PY" bench/bench_ops.py --device cuda --json "$OUT/bench_cuda.json"
+  stage bench 150 bench.log "$PY" bench/bench_ops.py --device cuda --ops topk,k_cache,indexer,mla --json "$OUT/bench_cuda.json"
+  # MiniMax-M3's block-sparse ops (issue 20: first run of their CUDA kernels; table in bench.log).
+  stage bs_bench 60 bench.log "$PY" bench/bench_ops.py --device cuda --ops block_sparse --quick
   # The decode step: eager vs sync-free static vs the replayed CUDA graph (table in bench.log).
   stage decode 60 bench.log "$PY" bench/bench_decode_step.py --device cuda --repeat 3
   # Sparse MLA with attention sinks (HY-V4, issue 19): its tests on the GPU (the mma kernel with

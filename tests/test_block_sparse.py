@@ -49,7 +49,7 @@ def assert_blocks_equal(got, expect, row_inputs, block_size, local_blocks):
         a = selection_scores(q, keys, pos, got[t], block_size, local_blocks)
         b = selection_scores(q, keys, pos, expect[t], block_size, local_blocks)
         for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def windows(lens, s_q_per):
@@ -346,6 +346,8 @@ def test_block_sparse_attention_errors():
     call(6, blocks[:, :1].contiguous(), "blocks must be \\[s_q, h_kv, topk\\]")
     call(3, torch.full_like(table, 99), "block_table\\[0, 0\\] = 99 is outside")
     call(7, 0, "block_size must be >= 1")
+    for bad_scale in (0.0, -0.5, math.nan, math.inf, 1e300):
+        call(8, bad_scale, "scale must be finite and > 0")
     call(1, kc.transpose(0, 1), "k_cache must be contiguous")
     with pytest.raises(RuntimeError, match="lse must be"):
         ops.block_sparse_attention(*args, out=(torch.empty_like(q), torch.empty(1, 4)))
@@ -419,3 +421,272 @@ def test_fuzz_block_sparse(data, isa):
         torch.testing.assert_close(lse, e_lse, rtol=1e-5, atol=1e-5)
     finally:
         _C._set_cpu_isa("auto")
+
+
+# ------------------------------------------------------------------ non-finite inputs (docs/ops.md)
+
+TOPK_CASES = ["q_nan", "q_inf", "k_nan", "k_inf", "k_ninf"]
+ATTN_CASES = ["q_nan", "q_inf", "k_nan", "k_inf", "k_unread_nan", "v_nan", "v_inf"]
+
+
+def nonfinite_topk(case, dtype, paged):
+    """Prefill or paged block_topk inputs with one kind of NaN / inf (the table's rows)."""
+    g = torch.Generator().manual_seed(5)
+    h, d = 3, 32
+    lens = [37, 22]
+    keys = [torch.randn(n, d, generator=g) for n in lens]
+    rows = 2 * len(lens) if paged else 8
+    q = torch.randn(rows, h, d, generator=g)
+    if case == "q_nan":
+        q[1, 2, 5] = math.nan
+    elif case == "q_inf":
+        q[2, 0, 3] = math.inf
+    else:
+        keys[0][[6, 13, 30], 7] = {"k_nan": math.nan, "k_inf": math.inf, "k_ninf": -math.inf}[case]
+    keys = [k.to(dtype) for k in keys]
+    return q.to(dtype), keys
+
+
+def run_topk_both(case, dtype, device):
+    """(got, expect, row_inputs) for the prefill and the paged op on one non-finite case."""
+    bsz, topk, local = 4, 3, 1
+    res = []
+    q, keys = nonfinite_topk(case, dtype, False)
+    ks, ke, _ = windows([k.shape[0] for k in keys], 4)
+    k = torch.cat(keys)
+    got = ops.block_topk(q.to(device), k.to(device), ks.to(device), ke.to(device), bsz, topk, local).cpu()
+    res.append((got, ref.block_topk(q, k, ks, ke, bsz, topk, local),
+                lambda t: (q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1))))
+    qp, keys_p = nonfinite_topk(case, dtype, True)
+    cache, table = make_paged(keys_p, 8)
+    sl = torch.tensor([k.shape[0] for k in keys_p], dtype=torch.int32)
+    got = ops.block_topk_paged(qp.to(device), cache.to(device), table.to(device), sl.to(device), 2, bsz, topk,
+                               local).cpu()
+    win = ref.decode_windows(sl, 2)
+    res.append((got, ref.block_topk_paged(qp, cache, table, sl, 2, bsz, topk, local),
+                lambda t: (qp[t], keys_p[t // 2][:int(win[t])], int(win[t]) - 1)))
+    return res
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", TOPK_CASES)
+def test_block_topk_non_finite(cpu_isa, dtype, case):
+    """NaN block maxima rank above +inf (forced blocks included), a block whose visible scores
+    are all -inf is never kept, +inf ties go to the lower id: the CPU equals the reference."""
+    for got, expect, row in run_topk_both(case, dtype, "cpu"):
+        assert_blocks_equal(got, expect, row, 4, 1)
+
+
+def nonfinite_attention(case, dtype):
+    q, kc, vc, table, req, pos, blocks = make_attention(torch.float32, [40, 25], 4, 2, 32, 8, 8, 3, 3, seed=21,
+                                                       dup=False)
+    blocks[:, :, 0] = 0  # every row reads block 0 of its request
+    pg0 = int(table[0, 0])  # request 0's keys 0..7
+    if case == "q_nan":
+        q[1, 3, 4] = math.nan
+    elif case == "q_inf":
+        q[0, 0, 1] = math.inf
+    elif case in ("k_nan", "k_inf"):
+        kc[pg0, 2, 1, 9] = math.nan if case == "k_nan" else math.inf
+    elif case == "k_unread_nan":
+        kc[:, :, 0, 0] = math.nan  # KV head 0, which no row reads
+        blocks[:, 0] = -1
+    else:
+        vc[pg0, 5, 0, 3] = math.nan if case == "v_nan" else math.inf
+    return q.to(dtype), kc.to(dtype), vc.to(dtype), table, req, pos, blocks
+
+
+def check_attention_non_finite(case, dtype, device):
+    args = nonfinite_attention(case, dtype)
+    e_out, e_lse = ref.block_sparse_attention(*args, 8, 0.2)
+    out, lse = ops.block_sparse_attention(*[a.to(device) for a in args], 8, 0.2)
+    out, lse = out.cpu().float(), lse.cpu()
+    e_out = e_out.float()
+    assert bool(torch.isnan(e_lse).any()) == (case in ("q_nan", "q_inf", "k_nan", "k_inf"))
+    assert torch.equal(torch.isnan(lse), torch.isnan(e_lse))
+    assert torch.equal(lse[torch.isinf(lse)], e_lse[torch.isinf(e_lse)])
+    assert torch.equal(torch.isfinite(out), torch.isfinite(e_out))
+    assert torch.equal(torch.isnan(out), torch.isnan(e_out)) or case == "v_inf"
+    fin = torch.isfinite(e_out)
+    assert rel_err(out[fin], e_out[fin]) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_block_sparse_attention_non_finite(cpu_isa, dtype, case):
+    """A NaN / ±inf score of a key the head reads: all of out[t, h] and lse[t, h] NaN; a NaN /
+    inf value row: non-finite out columns only; a row nobody reads: nothing."""
+    check_attention_non_finite(case, dtype, "cpu")
+
+
+
+def sprinkle(draw, x):
+    """x with up to 3 entries set to NaN / ±inf, on half the draws."""
+    if x.numel() == 0 or not draw(st.booleans()):
+        return x
+    flat = x.view(-1)
+    for _ in range(draw(st.integers(1, 3))):
+        flat[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from([math.nan, -math.nan, math.inf, -math.inf]))
+    return x
+
+
+@settings(deadline=None, max_examples=max(10, settings.default.max_examples // 5))
+@given(data=st.data(), isa=isas)
+def test_fuzz_block_sparse_non_finite(data, isa):
+    """The table's rules on random shapes: NaN / ±inf anywhere in q, keys and values."""
+    draw = data.draw
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    d = draw(st.sampled_from([1, 8, 17, 64]))
+    bsz, topk, local = draw(st.integers(1, 24)), draw(st.integers(1, 6)), draw(st.integers(0, 3))
+    h_kv, grp = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    lens = draw(st.lists(st.integers(1, 90), min_size=1, max_size=2))
+    _C._set_cpu_isa(isa)
+    try:
+        ks, ke, s_kv = windows(lens, draw(st.integers(1, 4)))
+        q = sprinkle(draw, torch.randn(ks.shape[0], h_kv, d, generator=g)).to(dtype)
+        k = sprinkle(draw, torch.randn(s_kv, d, generator=g)).to(dtype)
+        assert_blocks_equal(ops.block_topk(q, k, ks, ke, bsz, topk, local), ref.block_topk(q, k, ks, ke, bsz, topk, local),
+                            lambda t: (q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1)), bsz, local)
+        args = list(make_attention(dtype, lens, h_kv * grp, h_kv, d, draw(st.sampled_from([1, 4, 16])), bsz, topk,
+                                   draw(st.integers(1, 4)), seed=seed))
+        for i in range(3):
+            args[i] = sprinkle(draw, args[i].float()).to(dtype)
+        out, lse = ops.block_sparse_attention(*args, bsz, d ** -0.5)
+        e_out, e_lse = ref.block_sparse_attention(*args, bsz, d ** -0.5)
+        out, e_out = out.float(), e_out.float()
+        assert torch.equal(torch.isnan(lse), torch.isnan(e_lse))
+        assert torch.equal(lse[torch.isinf(lse)], e_lse[torch.isinf(e_lse)])
+        assert torch.equal(torch.isfinite(out), torch.isfinite(e_out))
+        fin = torch.isfinite(e_out)
+        if fin.any():
+            assert rel_err(out[fin], e_out[fin]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    finally:
+        _C._set_cpu_isa("auto")
+
+# ------------------------------------------------------------------ CUDA (bench/gpu_check.sh; skipped without a GPU)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,d,block_size,topk,local,lens,per", [
+    (4, 128, 16, 4, 1, [200, 97], 24),
+    (2, 64, 8, 16, 2, [70, 1, 33], 24),     # rows with fewer blocks than topk
+    (8, 128, 128, 16, 1, [5000, 300], 32),  # MiniMax-M3's shapes
+    (2, 32, 1, 8, 1, [9000], 4),            # 9000 block maxima per head: the global-scratch path
+])
+def test_block_topk_cuda(dtype, h, d, block_size, topk, local, lens, per):
+    torch.manual_seed(h * 1000 + d + topk)
+    ks, ke, s_kv = windows(lens, per)
+    q = torch.randn(ks.shape[0], h, d).to(dtype)
+    k = (torch.randn(s_kv, d) + 0.1).to(dtype)
+    out = torch.full((q.shape[0], h, topk), POISON_I, dtype=torch.int32, device="cuda")
+    ops.block_topk(q.cuda(), k.cuda(), ks.cuda(), ke.cuda(), block_size, topk, local, out=out)
+    assert_blocks_equal(out.cpu(), ref.block_topk(q, k, ks, ke, block_size, topk, local),
+                        lambda t: (q[t], k[int(ks[t]):int(ke[t])], int(ke[t] - ks[t] - 1)), block_size, local)
+    again = ops.block_topk(q.cuda(), k.cuda(), ks.cuda(), ke.cuda(), block_size, topk, local)
+    assert torch.equal(again, out)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("next_n", [1, 2, 3])
+def test_block_topk_paged_cuda(dtype, next_n):
+    torch.manual_seed(next_n)
+    h, d, block_size, topk, local, page = 4, 128, 16, 5, 1, 16
+    seq_lens = [1500, 3, 64, 1]
+    keys = [(torch.randn(n, d) + 0.1).to(dtype) for n in seq_lens]
+    cache, table = make_paged(keys, page)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens) * next_n, h, d).to(dtype)
+    out = torch.full((q.shape[0], h, topk), POISON_I, dtype=torch.int32, device="cuda")
+    ops.block_topk_paged(q.cuda(), cache.cuda(), table.cuda(), sl.cuda(), next_n, block_size, topk, local, out=out)
+    win = ref.decode_windows(sl, next_n)
+    assert_blocks_equal(out.cpu(), ref.block_topk_paged(q, cache, table, sl, next_n, block_size, topk, local),
+                        lambda t: (q[t], keys[t // next_n][:int(win[t])], int(win[t]) - 1), block_size, local)
+
+
+@needs_cuda
+def test_block_topk_cuda_long_rows():
+    """Decode rows over 256K keys (DESIGN.md §8), MiniMax-M3's shapes: 2048 block maxima per head."""
+    torch.manual_seed(11)
+    h, d, bsz, topk, n = 4, 128, 128, 16, 262144
+    keys = [torch.randn(n, d).bfloat16()]
+    cache, table = make_paged(keys, 64)
+    sl = torch.tensor([n], dtype=torch.int32)
+    q = torch.randn(2, h, d).bfloat16()
+    got = ops.block_topk_paged(q.cuda(), cache.cuda(), table.cuda(), sl.cuda(), 2, bsz, topk, 1).cpu()
+    assert_blocks_equal(got, ref.block_topk_paged(q, cache, table, sl, 2, bsz, topk, 1),
+                        lambda t: (q[t], keys[0][:n - 1 + t], n - 2 + t), bsz, 1)
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,bar", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("h_q,h_kv,d,page_size,block_size,topk,rows_per", [
+    (8, 2, 128, 16, 16, 4, 20),
+    (6, 1, 48, 32, 8, 16, 5),
+    (64, 8, 128, 64, 128, 16, 3),    # MiniMax-M3's shapes
+])
+def test_block_sparse_attention_cuda(dtype, bar, h_q, h_kv, d, page_size, block_size, topk, rows_per):
+    lens = [300, 17, 129] if block_size < 128 else [2100, 260]
+    args = make_attention(dtype, lens, h_q, h_kv, d, page_size, block_size, topk, rows_per, seed=h_q * d + topk)
+    e_out, e_lse = ref.block_sparse_attention(*args, block_size, d ** -0.5)
+    out = torch.full_like(args[0], math.nan, device="cuda")
+    lse = torch.full((args[0].shape[0], h_q), math.nan, device="cuda")
+    ops.block_sparse_attention(*[a.cuda() for a in args], block_size, d ** -0.5, out=(out, lse))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an output element was not written"
+    assert rel_err(out.cpu().float(), e_out.float()) < bar
+    finite = torch.isfinite(e_lse)
+    assert torch.equal(finite, torch.isfinite(lse.cpu()))
+    torch.testing.assert_close(lse.cpu()[finite], e_lse[finite], rtol=1e-5, atol=1e-5)
+    out2, lse2 = ops.block_sparse_attention(*[a.cuda() for a in args], block_size, d ** -0.5)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", TOPK_CASES)
+def test_block_topk_non_finite_cuda(dtype, case):
+    for got, expect, row in run_topk_both(case, dtype, "cuda"):
+        assert_blocks_equal(got, expect, row, 4, 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_block_sparse_attention_non_finite_cuda(dtype, case):
+    check_attention_non_finite(case, dtype, "cuda")
+
+
+@needs_cuda
+def test_block_sparse_cuda_errors(monkeypatch):
+    """The CPU's messages for shapes, dtypes and devices; index values counted by default and the
+    CPU's messages with INDEXCACHE_CHECK=1."""
+    q = torch.randn(3, 2, 16, device="cuda")
+    k = torch.randn(10, 16, device="cuda")
+    ks = torch.zeros(3, dtype=torch.int32, device="cuda")
+    ke = torch.tensor([4, 8, 11], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="q and every argument must be on one device"):
+        ops.block_topk(q, k.cpu(), ks, ke, 4, 2, 1)
+    with pytest.raises(RuntimeError, match="q must be float32 or bfloat16"):
+        ops.block_topk(q.half(), k, ks, ke, 4, 2, 1)
+    monkeypatch.setenv("INDEXCACHE_CHECK", "0")
+    ops.reset_cuda_error_count()
+    out = ops.block_topk(q, k, ks, ke, 4, 2, 1)
+    assert ops.cuda_error_count() == 1 and (out[2] == -1).all()
+    monkeypatch.setenv("INDEXCACHE_CHECK", "1")
+    with pytest.raises(RuntimeError, match="outside the 10 keys"):
+        ops.block_topk(q, k, ks, ke, 4, 2, 1)
+    args = [a.cuda() for a in make_attention(torch.float32, [40, 20], 4, 2, 16, 8, 8, 3, 2)]
+    bad = args[6].clone()
+    bad[0, 0, 0] = -2
+    with pytest.raises(RuntimeError, match="only block ids >= 0 and -1"):
+        ops.block_sparse_attention(*args[:6], bad, 8, 0.25)
+    monkeypatch.setenv("INDEXCACHE_CHECK", "0")
+    ops.reset_cuda_error_count()
+    ops.block_sparse_attention(*args[:6], bad, 8, 0.25)
+    assert ops.cuda_error_count() == 1
+    with pytest.raises(RuntimeError, match="scale must be finite and > 0"):
+        ops.block_sparse_attention(*args, 8, math.nan)

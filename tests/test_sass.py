@@ -122,6 +122,7 @@ NO_LOCAL = [
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
     "sparse_mla_fma_kernelILi576E", "sparse_mla_fma_kernelILi512E", "sparse_mla_merge_kernel",
+    "block_topk_kernel", "block_attn_kernel", "block_attn_merge_kernel",  # MiniMax-M3's block-sparse ops (issue 20)
 ] + SPARSE_MLA_MMA
 
 

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "../block_sparse_checks.h"
 #include "../checks.h"
 #include "indexcache/block_sparse.h"
 #include "isa.h"
@@ -146,6 +147,7 @@ inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
     at::parallel_for(0, p.s_q * p.h_kv, 1, [&](int64_t w0, int64_t w1) {                                      \
       std::vector<float> qf(g * dp, 0.0f), ktile((ss + kChunk) * dp, 0.0f), vt(ss * dp, 0.0f), krow(p.d);     \
       std::vector<float> acc(g * dp), s(g * ss), m(g), l(g);                                                  \
+      std::vector<char> bad(g);  /* a selected key's score was NaN or +-inf (docs/ops.md) */                  \
       std::vector<int32_t> sel(p.topk);                                                                       \
       for (int64_t w = w0; w < w1; ++w) {                                                                     \
         const int64_t t = w / p.h_kv, kh = w % p.h_kv, pos = p.pos[t];                                        \
@@ -162,6 +164,7 @@ inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
         std::fill(acc.begin(), acc.end(), 0.0f);                                                              \
         std::fill(m.begin(), m.end(), ninf);                                                                  \
         std::fill(l.begin(), l.end(), 0.0f);                                                                  \
+        std::fill(bad.begin(), bad.end(), 0);                                                                 \
         auto krow_at = [&](int64_t i) {                                                                       \
           const int64_t slot = static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;     \
           return kc + ((slot * p.h_kv) + kh) * p.d * es;                                                      \
@@ -179,6 +182,7 @@ inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
             float mx = m[hh];                                                                                 \
             for (int64_t i = 0; i < nk; ++i) {                                                                \
               sh[i] *= p.scale;                                                                               \
+              bad[hh] |= !std::isfinite(sh[i]);                                                               \
               mx = std::fmax(mx, sh[i]);                                                                      \
             }                                                                                                 \
             const float alpha = std::exp(m[hh] - mx);                                                     \
@@ -193,8 +197,9 @@ inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
         for (int64_t hh = 0; hh < g; ++hh) {                                                                  \
           const int64_t hq = t * p.h_q + kh * g + hh;                                                         \
           const bool none = ns == 0;                                                                          \
-          p.lse[hq] = none ? ninf : m[hh] + std::log(l[hh]);                                                  \
-          const float inv = none ? 0.0f : 1.0f / l[hh];                                                       \
+          const float nan = std::numeric_limits<float>::quiet_NaN();                                          \
+          p.lse[hq] = bad[hh] ? nan : (none ? ninf : m[hh] + std::log(l[hh]));                                \
+          const float inv = bad[hh] ? nan : (none ? 0.0f : 1.0f / l[hh]);                                     \
           if (p.dtype == DType::kFloat32) {                                                                   \
             float* o = static_cast<float*>(p.out) + hq * p.d;                                                 \
             for (int64_t i = 0; i < p.d; ++i) o[i] = acc[hh * dp + i] * inv;                                  \
@@ -235,202 +240,26 @@ IC_BLOCK_SPARSE_DRIVERS
 #pragma GCC pop_options
 #endif
 
-// ------------------------------------------------------------------ op impls: checks, params
-
-void check_qk_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-}
-
-void check_int_vec(const at::Tensor& t, int64_t n, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-d tensor, got shape ", t.sizes(),
-              " strides ", t.strides());
-  TORCH_CHECK(t.size(0) == n, name, " must have ", n, " entries, got ", t.size(0));
-}
-
-void check_out_blocks(const at::Tensor& out, const at::Tensor& q) {
-  IC_CHECK_DTYPE(out, at::kInt, "out");
-  IC_CHECK_DIM(out, 3, "out");
-  IC_CHECK_CONTIG(out, "out");
-  IC_CHECK_SAME_DEVICE(q, out, "q", "out");
-  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1), "out must be [s_q, h, topk_blocks] = [",
-              q.size(0), ", ", q.size(1), ", topk_blocks], got ", out.sizes());
-}
-
-void check_block_args(int64_t block_size, int64_t local_blocks) {
-  TORCH_CHECK(block_size >= 1, "block_size must be >= 1, got ", block_size);
-  TORCH_CHECK(local_blocks >= 0, "local_blocks must be >= 0, got ", local_blocks);
-}
-
-// Every page of the first `used` positions of request b must be a page of the cache.
-void check_pages(const int32_t* bt, int64_t b, int64_t max_pages, int64_t page_size, int64_t used, int64_t num_pages) {
-  const int64_t np = (used + page_size - 1) / page_size;
-  for (int64_t j = 0; j < np; ++j) {
-    const int64_t pg = bt[b * max_pages + j];
-    TORCH_CHECK(pg >= 0 && pg < num_pages, "block_table[", b, ", ", j, "] = ", pg, " is outside the cache's ",
-                num_pages, " pages");
-  }
-}
+// ------------------------------------------------------------------ op impls (checks: block_sparse_checks.h)
 
 void block_topk_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ks, const at::Tensor& ke,
                    int64_t block_size, int64_t local_blocks, at::Tensor& out) {
-  check_qk_dtype(q, "q");
-  IC_CHECK_DTYPE(k, q.scalar_type(), "k");
-  IC_CHECK_DIM(q, 3, "q");
-  IC_CHECK_DIM(k, 2, "k");
-  IC_CHECK_CONTIG(q, "q");
-  IC_CHECK_CONTIG(k, "k");
-  TORCH_CHECK(k.size(1) == q.size(2), "k must be [s_kv, d] with q's d = ", q.size(2), ", got ", k.sizes());
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &ks, &ke, &out}) IC_CHECK_SAME_DEVICE(q, (*t), "q", "every argument");
-  check_int_vec(ks, q.size(0), "ks");
-  check_int_vec(ke, q.size(0), "ke");
-  check_out_blocks(out, q);
-  check_block_args(block_size, local_blocks);
-  const int32_t* kss = ks.data_ptr<int32_t>();
-  const int32_t* kee = ke.data_ptr<int32_t>();
-  for (int64_t t = 0; t < q.size(0); ++t)
-    TORCH_CHECK(kss[t] >= 0 && kee[t] <= k.size(0), "key window [", kss[t], ", ", kee[t], ") of row ", t,
-                " is outside the ", k.size(0), " keys");
-  BlockTopkParams p{};
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.ks = kss;
-  p.ke = kee;
-  p.out = out.data_ptr<int32_t>();
-  p.s_q = q.size(0);
-  p.h = q.size(1);
-  p.d = q.size(2);
-  p.s_kv = k.size(0);
-  p.block_size = block_size;
-  p.topk_blocks = out.size(2);
-  p.local_blocks = local_blocks;
-  p.qk_dtype = to_dtype(q.scalar_type(), "q");
-  block_topk_cpu(p);
+  block_topk_cpu(block_sparse_checks::make_block_topk_params(q, k, ks, ke, block_size, local_blocks, out, true));
 }
 
 void block_topk_paged_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table,
                          const at::Tensor& seq_lens, int64_t next_n, int64_t block_size, int64_t local_blocks,
                          at::Tensor& out) {
-  check_qk_dtype(q, "q");
-  IC_CHECK_DTYPE(k_cache, q.scalar_type(), "k_cache");
-  IC_CHECK_DIM(q, 3, "q");
-  IC_CHECK_DIM(k_cache, 3, "k_cache");
-  IC_CHECK_CONTIG(q, "q");
-  IC_CHECK_CONTIG(k_cache, "k_cache");
-  TORCH_CHECK(k_cache.size(2) == q.size(2), "k_cache must be [num_pages, page_size, d] with q's d = ", q.size(2),
-              ", got ", k_cache.sizes());
-  IC_CHECK_DTYPE(block_table, at::kInt, "block_table");
-  IC_CHECK_DIM(block_table, 2, "block_table");
-  IC_CHECK_CONTIG(block_table, "block_table");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &block_table, &seq_lens, &out}) IC_CHECK_SAME_DEVICE(q, (*t), "q", "every argument");
-  TORCH_CHECK(next_n >= 1, "next_n must be >= 1, got ", next_n);
-  const int64_t batch = block_table.size(0);
-  check_int_vec(seq_lens, batch, "seq_lens");
-  TORCH_CHECK(q.size(0) == batch * next_n, "q must have batch * next_n = ", batch * next_n, " rows, got ",
-              q.size(0));
-  check_out_blocks(out, q);
-  check_block_args(block_size, local_blocks);
-  const int64_t page = k_cache.size(1), cap = block_table.size(1) * page;
-  const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(sl[b] >= 0 && sl[b] <= cap, "seq_lens[", b, "] = ", sl[b], " is outside [0, ", cap,
-                "] (max_pages * page_size)");
-    check_pages(block_table.data_ptr<int32_t>(), b, block_table.size(1), page, sl[b], k_cache.size(0));
-  }
-  BlockTopkParams p{};
-  p.q = q.data_ptr();
-  p.k = k_cache.data_ptr();
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.seq_lens = sl;
-  p.out = out.data_ptr<int32_t>();
-  p.s_q = q.size(0);
-  p.h = q.size(1);
-  p.d = q.size(2);
-  p.num_pages = k_cache.size(0);
-  p.page_size = page;
-  p.batch = batch;
-  p.max_pages = block_table.size(1);
-  p.next_n = next_n;
-  p.block_size = block_size;
-  p.topk_blocks = out.size(2);
-  p.local_blocks = local_blocks;
-  p.qk_dtype = to_dtype(q.scalar_type(), "q");
-  block_topk_cpu(p);
+  block_topk_cpu(block_sparse_checks::make_block_topk_paged_params(q, k_cache, block_table, seq_lens, next_n,
+                                                                   block_size, local_blocks, out, true));
 }
 
 void block_sparse_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& req, const at::Tensor& pos,
                                const at::Tensor& blocks, int64_t block_size, double scale, at::Tensor& out,
                                at::Tensor& lse) {
-  check_qk_dtype(q, "q");
-  IC_CHECK_DIM(q, 3, "q");
-  IC_CHECK_CONTIG(q, "q");
-  for (const auto& [t, name] : {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have q's dtype ", q.scalar_type(), ", got ", t->scalar_type());
-    TORCH_CHECK(t->dim() == 4, name, " must be [num_pages, page_size, h_kv, d], got ", t->sizes());
-    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous, got strides ", t->strides());
-  }
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
-              v_cache.sizes());
-  const int64_t s_q = q.size(0), h_q = q.size(1), d = q.size(2), h_kv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d, "k_cache's head dim must be q's ", d, ", got ", k_cache.size(3));
-  TORCH_CHECK(h_kv >= 1 && h_q % h_kv == 0, "q's ", h_q, " heads must be a multiple of the cache's ", h_kv,
-              " KV heads");
-  IC_CHECK_DTYPE(block_table, at::kInt, "block_table");
-  IC_CHECK_DIM(block_table, 2, "block_table");
-  IC_CHECK_CONTIG(block_table, "block_table");
-  check_int_vec(req, s_q, "req");
-  check_int_vec(pos, s_q, "pos");
-  IC_CHECK_DTYPE(blocks, at::kInt, "blocks");
-  IC_CHECK_DIM(blocks, 3, "blocks");
-  IC_CHECK_CONTIG(blocks, "blocks");
-  TORCH_CHECK(blocks.size(0) == s_q && blocks.size(1) == h_kv, "blocks must be [s_q, h_kv, topk] = [", s_q, ", ",
-              h_kv, ", topk], got ", blocks.sizes());
-  IC_CHECK_DTYPE(out, q.scalar_type(), "out");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be contiguous with q's shape ", q.sizes(),
-              ", got ", out.sizes(), " strides ", out.strides());
-  IC_CHECK_DTYPE(lse, at::kFloat, "lse");
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == s_q && lse.size(1) == h_q && lse.is_contiguous(),
-              "lse must be contiguous [s_q, h_q] = [", s_q, ", ", h_q, "], got ", lse.sizes());
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache, &block_table, &req, &pos, &blocks, &out, &lse})
-    IC_CHECK_SAME_DEVICE(q, (*t), "q", "every argument");
-  TORCH_CHECK(block_size >= 1, "block_size must be >= 1, got ", block_size);
-  const int64_t batch = block_table.size(0), page = k_cache.size(1), cap = block_table.size(1) * page;
-  const int32_t* rq = req.data_ptr<int32_t>();
-  const int32_t* ps = pos.data_ptr<int32_t>();
-  const int32_t* bl = blocks.data_ptr<int32_t>();
-  for (int64_t t = 0; t < s_q; ++t) {
-    TORCH_CHECK(rq[t] >= 0 && rq[t] < batch, "req[", t, "] = ", rq[t], " is outside the ", batch, " requests");
-    TORCH_CHECK(ps[t] >= 0 && ps[t] < cap, "pos[", t, "] = ", ps[t], " is outside [0, ", cap,
-                ") (max_pages * page_size)");
-    check_pages(block_table.data_ptr<int32_t>(), rq[t], block_table.size(1), page, ps[t] + 1, k_cache.size(0));
-  }
-  for (int64_t i = 0; i < blocks.numel(); ++i)
-    TORCH_CHECK(bl[i] >= -1, "blocks holds ", bl[i], " (only block ids >= 0 and -1 for none are allowed)");
-  BlockSparseAttnParams p{};
-  p.q = q.data_ptr();
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.req = rq;
-  p.pos = ps;
-  p.blocks = bl;
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.s_q = s_q;
-  p.h_q = h_q;
-  p.h_kv = h_kv;
-  p.d = d;
-  p.topk = blocks.size(2);
-  p.num_pages = k_cache.size(0);
-  p.page_size = page;
-  p.batch = batch;
-  p.max_pages = block_table.size(1);
-  p.block_size = block_size;
-  p.scale = static_cast<float>(scale);
-  p.dtype = to_dtype(q.scalar_type(), "q");
-  block_sparse_attention_cpu(p);
+  block_sparse_attention_cpu(block_sparse_checks::make_block_sparse_attn_params(
+      q, k_cache, v_cache, block_table, req, pos, blocks, block_size, scale, out, lse, true));
 }
 
 }  // namespace

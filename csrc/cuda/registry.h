@@ -11,5 +11,6 @@ void register_cache_ops_cuda(torch::Library& m);
 void register_indexer_cuda(torch::Library& m);
 void register_topk_cuda(torch::Library& m);
 void register_sparse_mla_cuda(torch::Library& m);
+void register_block_sparse_cuda(torch::Library& m);
 
 }  // namespace indexcache

@@ -126,7 +126,9 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Query head h reads KV head ``h // (h_q / h_kv)`` at the keys of its selected blocks that
     are ``<= pos``. Returns ``out [s_q, h_q, d]`` in q's dtype and ``lse`` fp32 ``[s_q, h_q]``
     (natural log of the softmax denominator of ``scale * q·k``); a row with no key gives out 0
-    and lse -inf. Non-finite inputs follow IEEE arithmetic (no table: docs/ops.md).
+    and lse -inf. Non-finite inputs: if any score ``scale * q·k`` of a key the head reads is NaN or
+    +-inf, that head's out and lse are all NaN; a NaN / inf in a value row reaches out through
+    IEEE arithmetic (docs/ops.md, non-finite inputs).
     """
     s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
@@ -145,6 +147,8 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 continue
             heads = slice(kh * g, (kh + 1) * g)
             s = torch.einsum("hd,sd->hs", q[t, heads].float(), keys[allowed, kh]) * scale
-            lse[t, heads] = torch.logsumexp(s, dim=-1)
-            out[t, heads] = torch.softmax(s, dim=-1) @ vals[allowed, kh]
+            # A NaN or +-inf score makes the head's whole out and lse NaN (docs/ops.md, as sparse_mla).
+            bad = ~torch.isfinite(s).all(dim=-1)
+            lse[t, heads] = torch.logsumexp(s, dim=-1).masked_fill(bad, math.nan)
+            out[t, heads] = (torch.softmax(s, dim=-1) @ vals[allowed, kh]).masked_fill(bad.view(-1, 1), math.nan)
     return out.to(q.dtype), lse
