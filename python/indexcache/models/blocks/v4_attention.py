@@ -1,0 +1,138 @@
+"""DeepSeek-V4 attention (DESIGN.md §5, §6): shared-KV MQA over a sliding window of raw entries
+plus, on CSA / HCA layers, compressed entries, with per-head sinks.
+
+- queries: ``q_b_proj(q_a_norm(q_a_proj(x)))`` per head, RMS-normed without a weight, RoPE
+  (interleaved) on the last ``qk_rope_head_dim`` dims; one K=V head ``kv_norm(kv_proj(x))``
+  rotated the same way; the value is the whole rotated row, so the output's rope dims are
+  rotated back by the conjugate rotation at the query position;
+- the window: query ``p`` sees raw entries ``(p - sliding_window, p]``; a CSA layer adds the
+  ``index_topk`` compressed entries its indexer (or, IndexCache S, the nearest earlier F CSA
+  layer's indexer) picked, an HCA layer every visible compressed entry;
+- the grouped low-rank output projection: heads in ``o_groups`` groups, each group's
+  ``H D / g`` values projected to ``o_lora_rank`` (``o_a_proj``, block-diagonal), then
+  ``o_b_proj`` mixes the ``g · o_lora_rank`` to ``hidden``.
+
+RoPE: sliding layers use the "main" frequencies (``rope_theta``), CSA / HCA layers and their
+compressors the "compress" ones (``compress_rope_theta``, YaRN when the config says so).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from indexcache import ops, reference
+
+from ..args import ATTN_CHUNK_ELEMS, ModelArgs
+from ..state import ForwardContext, row_chunks
+from .compressor import CSACompressor, HCACompressor, rope_tail, visible_entries
+from .norms import RMSNorm
+from .v4_cache import CSA, HCA, SLIDING, comp_slots, raw_slots, row_slots
+
+V4_HEAD = 512  # the shared K=V head width the native attention kernel takes
+_OP_TAKES_EXTRA = "extra_indices" in inspect.signature(ops.sparse_mla).parameters
+
+
+def attend(q: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, extra: torch.Tensor, scale: float,
+           sinks: torch.Tensor) -> torch.Tensor:
+    """Sparse attention of ``q [N, H, D]`` over pool rows ``indices`` ∪ ``extra`` (int32 slots, -1 none)
+    of ``pool [rows, D]`` (K = V = the row), with sinks: ``[N, H, D]`` in q's dtype."""
+    n, h, d = q.shape
+    out = q.new_empty(n, h, d)
+    both = torch.cat((indices, extra), dim=1).int()
+    for r0, r1 in row_chunks(n, both.shape[1] * (d + h), ATTN_CHUNK_ELEMS):
+        if _OP_TAKES_EXTRA and d == V4_HEAD:
+            out[r0:r1] = ops.sparse_mla(q[r0:r1], pool.view(-1, 1, 1, d), indices[r0:r1].int().contiguous(), scale, d,
+                                        sinks=sinks, extra_indices=extra[r0:r1].int().contiguous())[0]
+        else:  # the op's definition: one index set is the union of the two
+            out[r0:r1] = reference.sparse_mla(q[r0:r1], pool, both[r0:r1], scale, d, sinks=sinks)[0]
+    return out
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal ``[g · out_g, in_g]`` weight: group i's ``in_g`` inputs -> its ``out_g`` outputs."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, g, in_g]`` -> ``[N, g · out_g]``."""
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("ngi,goi->ngo", x, w).flatten(1)
+
+
+class V4Attention(nn.Module):
+    """One DeepSeek-V4 attention block; ``compressor`` None on sliding layers. ``indexer`` (the CSA
+    compressor's) is None on S CSA layers and on layers of other kinds."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool):
+        super().__init__()
+        self.layer_id, self.kind = layer_id, args.v4_layer_types[layer_id]
+        self.n_heads, self.head_dim, self.window = args.num_attention_heads, args.head_dim, args.sliding_window
+        self.eps, self.groups, self.scale = args.rms_norm_eps, args.o_groups, args.head_dim ** -0.5
+        self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // self.groups, self.groups * args.o_lora_rank,
+                                      self.groups)
+        self.o_b_proj = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads))
+        if self.kind not in (SLIDING, CSA, HCA):
+            raise ValueError(f"layer {layer_id}: unknown DeepSeek-V4 layer type {self.kind!r}")
+        self.compressor = (CSACompressor(args, layer_id, build_indexer) if self.kind == CSA
+                           else HCACompressor(args) if self.kind == HCA else None)
+
+    @property
+    def indexer(self):
+        return None if self.compressor is None else self.compressor.indexer
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta, v4, n = ctx.meta, ctx.v4, x.shape[0]
+        cos, sin = v4.rope["main" if self.kind == SLIDING else "compress"]
+        with ctx.stage(self.layer_id, "attn_proj"):
+            qr = self.q_a_norm(self.q_a_proj(x))
+            q = self.q_b_proj(qr).view(n, self.n_heads, self.head_dim)
+            q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+            q = rope_tail(q, cos, sin)
+            kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+            store = v4.store.layer(self.layer_id)
+            slots = row_slots(meta)
+            store.pool[slots] = kv.to(store.pool.dtype)
+        indices = self._compressed(x, qr, ctx, store, slots)
+        with ctx.stage(self.layer_id, "attn"):
+            offs = torch.arange(-self.window + 1, 1, device=x.device)
+            pos = meta.positions.unsqueeze(1) + offs
+            extra = raw_slots(meta, torch.where(pos >= 0, pos, -1), meta.req_of_row)
+            out = attend(q, store.pool, indices, extra, self.scale, self.sinks.float().contiguous())
+            out = rope_tail(out, cos, -sin)
+            return self.o_b_proj(self.o_a_proj(out.reshape(n, self.groups, -1)))
+
+    def _compressed(self, x, qr, ctx: ForwardContext, store, slots) -> torch.Tensor:
+        """The compressed entries' pool slots each row attends (int ``[N, k]``, -1 padded; ``[N, 0]``
+        on sliding layers), after this forward's windows have been compressed into the pool."""
+        meta, n = ctx.meta, x.shape[0]
+        comp = self.compressor
+        if comp is None:
+            return torch.empty(n, 0, dtype=torch.long, device=x.device)
+        with ctx.stage(self.layer_id, "compress"):
+            comp.update(x, meta, slots, ctx.v4, store, store.state, store.pool, base=True)
+            if comp.indexer is not None:  # its keys stay current even in a forward that reuses rows
+                comp.indexer.update(x, meta, slots, ctx.v4, store, store.index_state, store.index_k, base=False)
+        if self.kind == HCA:
+            entries = visible_entries(meta.positions, comp.rate)
+        elif ctx.is_full(self.layer_id):
+            if comp.indexer is None:
+                raise RuntimeError(f"layer {self.layer_id} is F in this forward but was built without an indexer")
+            with ctx.stage(self.layer_id, "indexer"):
+                entries = comp.indexer.select(x, qr, ctx, store)
+        else:  # IndexCache S: the entries the nearest earlier F CSA layer picked in this forward
+            if not ctx.topk_valid:
+                raise RuntimeError(f"layer {self.layer_id} reuses top-k rows but no F CSA layer wrote them")
+            entries = ctx.topk_rows
+        return comp_slots(meta, store, entries, meta.req_of_row, comp.rate)

@@ -1,0 +1,160 @@
+"""DeepSeek-V4's caches: where a layer's raw window entries, compressed entries and compressor
+state live, for a whole-prompt forward (``V4DenseStore``: this forward's tokens only) and for
+paged serving (``V4PagedCache``), through one slot arithmetic.
+
+One 512-wide **pool** per layer holds both kinds of attended rows, so that one sparse attention
+call with ``indices`` (compressed entries) + ``extra_indices`` (the window's raw entries) reads
+both:
+
+- raw entry of request position ``p``: ``slot = block_table[req, p // bs] * bs + p % bs`` (the
+  paged block table every family uses), rows ``[0, num_blocks * bs)``;
+- compressed entry ``e`` of a layer of rate ``r`` (window ``[e r, (e + 1) r)``): it belongs to the
+  raw block holding the window's first token, ``j = e r // bs``, which owns ``cpb = ceil(bs / r)``
+  compressed rows after the raw ones: ``slot = num_blocks * bs + block_table[req, j] * cpb +
+  (e r % bs) // r``. No second block table: a request's compressed rows come and go with its
+  raw blocks.
+
+The compressors' carried state (a window closes every ``r`` tokens, CSA windows overlap the
+previous one) is the per-token projections ``[kv | gate]`` kept at the token's raw slot in a
+``state`` tensor: a window closing in a later step reads its ``r`` (HCA) or ``2 r`` (CSA) tokens'
+rows back, whichever forward wrote them. The CSA indexer's compressed keys (``index_k``) live at
+the compressed slot numbering (no raw rows before them), its state beside the compressor's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from indexcache import ops
+
+from ..args import ModelArgs
+from ..state import BatchMeta, CacheManager
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def layer_rate(args: ModelArgs, layer_id: int) -> int:
+    """Tokens per compressed entry of a main layer (0: a sliding-window layer)."""
+    kind = args.v4_layer_types[layer_id]
+    return args.csa_rate if kind == CSA else args.hca_rate if kind == HCA else 0
+
+
+@dataclass
+class LayerStore:
+    """One layer's tensors in this forward: ``pool`` ``[raw_rows + comp_rows, head_dim]``, ``state``
+    ``[raw_rows, W]`` (None: sliding layer), ``index_k`` ``[comp_rows, index_head_dim]`` and
+    ``index_state`` ``[raw_rows, Wi]`` (None: no indexer)."""
+    pool: torch.Tensor
+    raw_rows: int
+    cpb: int
+    state: Optional[torch.Tensor] = None
+    index_k: Optional[torch.Tensor] = None
+    index_state: Optional[torch.Tensor] = None
+
+
+def _layer_widths(layer) -> tuple:
+    """(state width, index state width, index key width) of a decoder layer (0: none)."""
+    comp = layer.self_attn.compressor
+    if comp is None:
+        return 0, 0, 0
+    idx = comp.indexer
+    return comp.state_width, (idx.state_width if idx is not None else 0), (idx.width if idx is not None else 0)
+
+
+def _allocate(layer, rate: int, blocks: int, bs: int, head_dim: int, dtype, device) -> LayerStore:
+    cpb = -(-bs // rate) if rate else 0
+    raw = blocks * bs
+    w, wi, di = _layer_widths(layer)
+    z = lambda rows, width, dt=dtype: torch.zeros(rows, width, dtype=dt, device=device) if width else None  # noqa: E731
+    return LayerStore(torch.zeros(raw + blocks * cpb, head_dim, dtype=dtype, device=device), raw, cpb,
+                      z(raw, w), z(blocks * cpb, di, torch.float32), z(raw, wi))
+
+
+class V4DenseStore:
+    """A whole-prompt forward's stores (``BatchMeta.dense``: request b's block is b, of ``T`` tokens),
+    allocated per layer as the forward reaches it and dropped with it."""
+
+    def __init__(self, model, meta: BatchMeta):
+        self.model, self.meta = model, meta
+
+    def layer(self, layer_id: int) -> LayerStore:
+        layer = self.model.model.layers[layer_id]
+        return _allocate(layer, layer_rate(self.model.args, layer_id), self.meta.block_table.shape[0],
+                         self.meta.block_size, self.model.args.head_dim, self.model.dtype, self.model.device)
+
+
+class V4PagedCache:
+    """Paged caches of a DeepSeek-V4 model: one ``CacheManager`` (the raw blocks every request holds)
+    and per main layer a ``LayerStore`` (module docstring). ``kv_cache_dtype``: "auto" (the model's
+    dtype), "bf16" or "fp32" for the pools; the indexer's keys are fp32 (its scores are fp32)."""
+
+    def __init__(self, model, num_blocks: int, kv_cache_dtype: str = "auto", block_size: int = 64):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        table = {"auto": model.dtype, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+                 "float32": torch.float32}
+        if kv_cache_dtype not in table:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: DeepSeek-V4 caches take {', '.join(table)}")
+        self.device, self.block_size, self.num_blocks, self.kv_cache_dtype = model.device, block_size, num_blocks, kv_cache_dtype
+        self.manager = CacheManager(num_blocks, block_size)
+        args = model.args
+        self.layers = [_allocate(layer, layer_rate(args, i), num_blocks, block_size, args.head_dim, table[kv_cache_dtype],
+                                 self.device) for i, layer in enumerate(model.model.layers[:args.num_hidden_layers])]
+
+    def layer(self, layer_id: int) -> LayerStore:
+        return self.layers[layer_id]
+
+    def layer_bytes(self, layer_id: int) -> tuple[int, int]:
+        """(attention pool + compressor state bytes, indexer key + state bytes) of one layer."""
+        s = self.layers[layer_id]
+        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        return size(s.pool) + size(s.state), size(s.index_k) + size(s.index_state)
+
+    def nbytes(self) -> dict:
+        per = [self.layer_bytes(i) for i in range(len(self.layers))]
+        return {"kv": sum(p[0] for p in per), "index_k": sum(p[1] for p in per)}
+
+
+@dataclass
+class V4Batch:
+    """What DeepSeek-V4's blocks read from a ``ForwardContext`` (``ctx.v4``): the token ids (hash
+    routing), cos/sin fp32 ``[N, rope / 2]`` of the "main" (sliding layers) and "compress" (CSA /
+    HCA layers and their compressors) RoPE at the rows' positions, the compress inverse
+    frequencies (entries are rotated at their window's first position) and the stores."""
+    store: object
+    rope: dict
+    compress_inv_freq: torch.Tensor
+    input_ids: Optional[torch.Tensor] = None
+    _slots: dict = field(default_factory=dict)
+
+    def compress_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float().unsqueeze(-1) * self.compress_inv_freq
+        return angles.cos(), angles.sin()
+
+
+def raw_slots(meta: BatchMeta, positions: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+    """Raw slots (int64) of request positions ``[n, k]`` (-1 kept) of rows' requests ``req [n]``."""
+    return ops.positions_to_slots(positions.int().contiguous(), req.int().contiguous(), meta.block_table,
+                                  meta.block_size).long()
+
+
+def comp_slots(meta: BatchMeta, store: LayerStore, entries: torch.Tensor, req: torch.Tensor, rate: int,
+               base: bool = True) -> torch.Tensor:
+    """Compressed-entry slots (int64) of entry ids ``[n, k]`` (-1 kept): in the pool (``base``: after
+    its raw rows) or, without it, in ``index_k``."""
+    valid = entries >= 0
+    first = entries.clamp(min=0).long() * rate
+    bs = meta.block_size
+    block = meta.block_table.long()[req.long().unsqueeze(1), first // bs]
+    slot = block * store.cpb + (first % bs) // rate + (store.raw_rows if base else 0)
+    return torch.where(valid, slot, torch.full_like(slot, -1))
+
+
+def row_slots(meta: BatchMeta) -> torch.Tensor:
+    """The raw slot of each row of the batch (int64 ``[N]``)."""
+    if meta.slot_mapping is not None:
+        return meta.slot_mapping.long()
+    return raw_slots(meta, meta.positions.view(-1, 1), meta.req_of_row).view(-1)

@@ -1,0 +1,219 @@
+"""DeepSeek-V4 (``model_type: deepseek_v4``) against transformers' ``DeepseekV4ForCausalLM`` (issue 21).
+
+A tiny random checkpoint written by transformers (its own tensor names: DeepSeek's ``attn.wq_a``,
+``ffn.experts.E.w1``, ``hc_attn_fn``, ...) with sliding, CSA and HCA layers, hash-routed and
+sqrt-softplus-routed MoE and hyper-connections; compress rates 4 (CSA) and 8 (HCA) and a window
+of 8, so that several windows close within 40 tokens. IndexCache is checked against transformers
+patched so that an S CSA layer's indexer returns the nearest earlier F CSA layer's picks. Ties
+in the indexer's top-k go to the lower entry on both sides (``_stable_topk``).
+"""
+
+import warnings
+
+import pytest
+import torch
+from hf_weights import randomize_
+from test_model import run_paged
+
+from indexcache.models import DeepseekV4ForCausalLM, from_pretrained
+from indexcache.runtime.generation import generate
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("this transformers has no DeepseekV4ForCausalLM", allow_module_level=True)
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYERS = [SLIDING, CSA, HCA, CSA, CSA]  # CSA layers 1, 3, 4: the plan covers these three
+WIDTHS = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=5, num_attention_heads=4,
+              head_dim=64, q_lora_rank=16, partial_rotary_factor=16 / 64, num_experts_per_tok=2, n_routed_experts=4,
+              layer_types=LAYERS, compress_rates={CSA: 4, HCA: 8}, hc_mult=2, sliding_window=8, o_groups=2,
+              o_lora_rank=8, index_n_heads=16, index_head_dim=32, index_topk=3,
+              mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], max_position_embeddings=256)
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
+    values, order = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), order.narrow(dim, 0, k)))
+
+
+def hf_checkpoint(path, seed=0, **extra):
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**{**WIDTHS, **extra}))
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            if name.endswith("tid2eid"):  # token -> experts: distinct experts per token
+                t.copy_(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t.shape[0])]))
+    model.float().eval()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(path)
+    return model
+
+
+def hf_logits(model, ids, monkeypatch, shared=()):
+    """transformers' logits; ``shared``: CSA layer ids whose indexer returns the nearest earlier
+    F CSA layer's picks (IndexCache S, the patch this test owns)."""
+    indexer = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Indexer
+    original, last = indexer.forward, {}
+
+    def forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+        if layer_idx in shared:
+            return last["picks"]
+        last["picks"] = original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
+        return last["picks"]
+
+    monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)
+    monkeypatch.setattr(indexer, "forward", forward)
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits.float()
+    finally:
+        monkeypatch.undo()
+
+
+def ours(path, overrides=None, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every checkpoint tensor used (S layers' indexers never asked for)
+        return from_pretrained(path, hf_overrides=overrides, dtype=kw.pop("dtype", torch.float32), **kw)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, WIDTHS["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek_v4")
+    return path, hf_checkpoint(path)
+
+
+# ============================================================================ against transformers
+
+def test_prefill_equals_transformers(ckpt, ids, monkeypatch):
+    path, ref = ckpt
+    model = ours(path)
+    assert type(model) is DeepseekV4ForCausalLM
+    assert model.indexed == [1, 3, 4] and model.plan.pattern == "FFF"
+    assert [layer.self_attn.kind for layer in model.model.layers] == LAYERS
+    assert [layer.mlp.gate.hashed for layer in model.model.layers] == [True, True, False, False, False]
+    got, want = model(ids), hf_logits(ref, ids, monkeypatch)
+    assert rel(got, want) < 1e-4
+    # the indexer matters here: with index_topk 1 instead of 3 the logits move
+    assert rel(ours(path, {"index_topk": 1})(ids), want) > 1e-3
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    ({"use_index_cache": True, "index_topk_pattern": "FSS"}, "FSS"),
+    ({"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1}, "FSF"),
+])
+def test_index_cache_equals_patched_transformers(ckpt, ids, overrides, pattern, monkeypatch):
+    path, ref = ckpt
+    model = ours(path, overrides)
+    assert model.plan.pattern == pattern
+    shared = [layer for layer, c in zip(model.indexed, pattern) if c == "S"]
+    counts = model.indexer_param_count()
+    assert [counts[i] == 0 for i in model.indexed] == [c == "S" for c in pattern] and counts[0] == counts[2] == 0
+    for i in shared:  # an S CSA layer keeps its KV compressor, owns no indexer
+        assert model.model.layers[i].self_attn.compressor is not None and model.model.layers[i].self_attn.indexer is None
+    want = hf_logits(ref, ids, monkeypatch, shared)
+    assert rel(model(ids), want) < 1e-4
+    assert rel(want, hf_logits(ref, ids, monkeypatch)) > 1e-3  # the reuse changes the model's output
+
+
+def test_plan_covers_csa_layers_only(ckpt):
+    path, _ = ckpt
+    with pytest.raises(ValueError, match="index_topk_pattern has 4 entries"):
+        ours(path, {"use_index_cache": True, "index_topk_pattern": "FSSF"})
+    with pytest.raises(ValueError, match="starts with .S."):
+        ours(path, {"use_index_cache": True, "index_topk_pattern": "SFF"})
+    model = ours(path, {"use_index_cache": True, "indexer_types": ["full", "shared", "full"]})
+    assert model.plan.pattern == "FSF" and model.model.layers[3].self_attn.indexer is None
+
+
+def test_missing_tensor_is_a_clear_error(ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path, _ = ckpt
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.pop("model.layers.3.attn.compressor.ape")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.attn\.compressor\.ape is missing"):
+        ours(tmp_path)
+    # the indexer tensors of an S layer are not needed: the same file without them loads under FSS
+    for name in [n for n in tensors if n.startswith("model.layers.4.attn.indexer.")]:
+        tensors.pop(name)
+    tensors["model.layers.3.attn.compressor.ape"] = torch.zeros(4, 128)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert ours(tmp_path, {"use_index_cache": True, "index_topk_pattern": "FFS"}).plan.pattern == "FFS"
+    with pytest.raises(ValueError, match=r"model\.layers\.4\.attn\.indexer\..* is missing"):
+        ours(tmp_path)
+
+
+def test_config_errors(ckpt):
+    import json
+    cfg = json.loads((ckpt[0] / "config.json").read_text())
+    with pytest.raises(ValueError, match="layer_types"):
+        DeepseekV4ForCausalLM.from_config({**cfg, "layer_types": LAYERS[:4] + ["full_attention"]})
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        DeepseekV4ForCausalLM.from_config({**cfg, "mlp_layer_types": ["moe", "hash_moe", "moe", "moe", "moe"]})
+    with pytest.raises(ValueError, match="scoring_func"):
+        DeepseekV4ForCausalLM.from_config({**cfg, "scoring_func": "tanh"})
+
+
+# ============================================================================ serving paths
+
+@pytest.mark.parametrize("overrides", [None, {"use_index_cache": True, "index_topk_pattern": "FSF"}])
+def test_paged_decode_equals_prefill(ckpt, overrides):
+    model = ours(ckpt[0], overrides)
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, WIDTHS["vocab_size"], (n,), generator=g).tolist() for n in (37, 22)]
+    full = [model(torch.tensor([s]))[0] for s in seqs]
+    single = run_paged(model, seqs[:1], [5], chunk=10_000)  # decode from position 5: every window closes in decode
+    assert rel(single[0], full[0]) < 1e-5
+    batched = run_paged(model, seqs, [30, 9], chunk=7)  # chunks cut through windows and requests, mixing them
+    for got, want in zip(batched, full):
+        assert rel(got, want) < 1e-5
+
+
+def test_paged_cache_layout(ckpt):
+    model = ours(ckpt[0])
+    cache = model.allocate_cache(3, "fp32", block_size=16)
+    # one pool per layer: 3 x 16 raw rows, then ceil(16 / rate) compressed rows per block
+    assert [s.pool.shape[0] for s in cache.layers] == [48, 48 + 12, 48 + 6, 48 + 12, 48 + 12]
+    assert cache.layers[0].state is None and cache.layers[2].index_k is None and cache.layers[1].index_k.shape == (12, 32)
+    assert cache.nbytes()["index_k"] > 0
+    s = ours(ckpt[0], {"use_index_cache": True, "index_topk_pattern": "FSS"}).allocate_cache(3, "fp32", 16)
+    assert s.layers[3].index_k is None and s.nbytes()["index_k"] == cache.layer_bytes(1)[1]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        model.allocate_cache(3, "fp8_ds_mla")
+
+
+def test_generate_and_bf16(ckpt):
+    model = ours(ckpt[0])
+    s = torch.randint(0, WIDTHS["vocab_size"], (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    res = generate(model, [s[:10], s[:17]], 6, stop_tokens=[], prefill_chunk_size=8)
+    for p, toks in zip([s[:10], s[:17]], res.tokens):
+        seq = list(p)
+        for t in toks:
+            assert int(model(torch.tensor([seq]))[0, -1].argmax()) == t
+            seq.append(t)
+    bf = ours(ckpt[0], dtype=torch.bfloat16)
+    assert bf.model.layers[0].attn_hc.fn.dtype == torch.float32 and bf.model.layers[1].mlp.gate.tid2eid.dtype == torch.int64
+    want = model(torch.tensor([s]))[0]
+    assert rel(bf(torch.tensor([s]))[0], want) < 0.1
+    assert rel(run_paged(bf, [s], [12], chunk=8, kv_cache_dtype="bf16")[0], bf(torch.tensor([s]))[0]) < 0.02
+
+
+def test_random_init_runs_paged():
+    cfg = transformers.DeepseekV4Config(**WIDTHS).to_dict()
+    model = DeepseekV4ForCausalLM.from_config(cfg, seed=1)
+    ids = torch.randint(0, WIDTHS["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(1))
+    full = model(ids)
+    assert torch.isfinite(full).all()
+    paged = run_paged(model, [ids[0].tolist()], [3], chunk=64)
+    assert rel(paged[0], full[0]) < 1e-5
