@@ -217,3 +217,25 @@ def test_random_init_runs_paged():
     assert torch.isfinite(full).all()
     paged = run_paged(model, [ids[0].tolist()], [3], chunk=64)
     assert rel(paged[0], full[0]) < 1e-5
+
+
+def test_plan_cli_reports_the_csa_layers(ckpt, capsys):
+    import json
+
+    from indexcache.cli.app import main
+    path, _ = ckpt
+    assert main(["plan", "--config", str(path / "config.json"), "--context", "4000", "--json",
+                 "--hf-overrides", '{"use_index_cache": true, "index_topk_pattern": "FSS"}']) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pattern"] == "FSS" and out["num_hidden_layers"] == 3
+    assert [(r["main_layer"], r["type"], r["source_main_layer"]) for r in out["layers"]] == \
+        [(1, "F", 1), (3, "S", 1), (4, "S", 1)]
+    costs = out["costs"]
+    # per F CSA layer: projections (q_b_proj 16 x 32 from 16, weights_proj, the indexer compressor's two
+    # series of 32) + a ReLU-weighted score over each of the 1000 visible entries (4000 / rate 4)
+    per_layer = 2 * 16 * 16 * 32 + 2 * 32 * 16 + 8 * 32 * 32 + 1000 * (2 * 16 * 32 + 2 * 16)
+    assert costs["decode_flops_per_token"]["all_f"] == 3 * per_layer
+    assert costs["decode_flops_per_token"]["plan"] == per_layer
+    assert costs["index_k_cache_bytes_per_sequence"]["removed"] == 2 * 1000 * (32 + 4)
+    assert main(["plan", "--config", str(path / "config.json")]) == 0
+    assert "3 CSA layers, entries of 4 tokens" in capsys.readouterr().out

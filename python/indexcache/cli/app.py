@@ -40,17 +40,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config["num_hidden_layers"] = args.layers
     if args.mtp_layers is not None:
         config["num_nextn_predict_layers"] = args.mtp_layers
+    v4 = config.get("model_type") == "deepseek_v4"  # the plan covers its CSA layers only (DESIGN §2)
+    if v4:
+        from indexcache.models.deepseek_v4 import csa_indexer_costs, csa_layers_of
+        csa = csa_layers_of(config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = IndexCacheConfig.from_config(config, args.hf_overrides)
-        plan = cfg.plan()
+        plan = cfg.plan(len(csa), 0) if v4 else cfg.plan()
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     dims = {k: config[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in config}
-    costs = indexer_costs(plan, args.context, dims)
+    costs = csa_indexer_costs(config, plan, args.context) if v4 else indexer_costs(plan, args.context, dims)
     layers = []
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
         layers.append({"layer": layer, "type": "S" if skip else "F", "source_layer": src,
                        "mtp": layer >= plan.num_hidden_layers})
+        if v4:  # position among the CSA layers -> main layer ids
+            layers[-1].update(main_layer=csa[layer], source_main_layer=None if src is None else csa[src])
     scaleout = _scaleout(args, config, plan) if args.pp > 1 or args.tp > 1 or args.gpu_mem else None
     if args.json:
         print(json.dumps({
@@ -75,18 +81,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     head = cfg.describe(plan)
     print(head)
     print(f"pattern: {plan.pattern}")
-    print(f"{'layer':>5}  type  reads indices of")
+    key = "main_layer" if v4 else "layer"
+    print(f"{'layer':>5}  type  reads indices of" + ("  (DeepSeek-V4: the CSA layers, main layer ids)" if v4 else ""))
     for row in layers:
         kind = row["type"] + (" (MTP)" if row["mtp"] else "")
-        reads = "itself" if row["type"] == "F" else f"layer {row['source_layer']}"
-        print(f"{row['layer']:>5}  {kind:<9} {reads}")
-    print(f"\nAgainst all-F at context {args.context} tokens (main layers; "
+        src = row["source_main_layer"] if v4 else row["source_layer"]
+        reads = "itself" if row["type"] == "F" else f"layer {src}"
+        print(f"{row[key]:>5}  {kind:<9} {reads}")
+    what = f"{len(csa)} CSA layers, entries of {costs['csa_rate']} tokens" if v4 else "main layers"
+    print(f"\nAgainst all-F at context {args.context} tokens ({what}; "
           f"{costs['dims']['index_n_heads']} heads x {costs['dims']['index_head_dim']} indexer):")
+    k_bytes = costs["dims"]["index_head_dim"] + 4
     for key, label, unit in (
         ("decode_flops_per_token", "indexer FLOPs per generated token", "FLOP"),
         ("prefill_flops", f"indexer FLOPs per prefill of {args.context} tokens", "FLOP"),
-        ("index_k_cache_bytes_per_sequence", "index-K cache per sequence (132 B/token/layer)", "B"),
-    ):
+        ("index_k_cache_bytes_per_sequence", f"index-K cache per sequence ({k_bytes} B/entry/layer)" if v4
+         else "index-K cache per sequence (132 B/token/layer)", "B"),
+    ) + ((("index_k_bytes_per_token", "index-K bytes per token of context", "B"),) if v4 else ()):
         c = costs[key]
         print(f"  {label:<50} {_human(c['all_f'], unit):>12} -> {_human(c['plan'], unit):>12}"
               f"  (removes {_human(c['removed'], unit)}, {100 * c['removed_fraction']:.1f}%)")

@@ -241,3 +241,42 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ctx.v4.input_ids = input_ids  # hash routing reads the token ids
         return super().hidden_states(input_ids, ctx)
+
+
+def csa_layers_of(config: dict) -> list:
+    """The main layer ids of a DeepSeek-V4 config.json's CSA layers (the layers the plan covers)."""
+    n = int(config["num_hidden_layers"])
+    return [i for i, t in enumerate(_layer_types(config, n)) if t == CSA]
+
+
+def csa_indexer_costs(config: dict, plan, context: int) -> dict:
+    """What a plan over the CSA layers removes against all-F at ``context`` tokens, per sequence.
+
+    Per F CSA layer and token: the indexer's projections (``q_b_proj``, ``weights_proj``) and its
+    compressor (``kv_proj`` + ``gate_proj``, two series of ``index_head_dim``); per query, the
+    ReLU-weighted score over every visible compressed key (``(t + 1) // rate`` of them). Bytes:
+    the compressed index keys as the engines hold them (e4m3 key + one fp32 scale per entry, the
+    V3.2 index-K format over entries of ``rate`` tokens). Top-k selection is not counted."""
+    if context < 1:
+        raise ValueError(f"context must be >= 1 token, got {context}")
+    c = DeepseekV4ForCausalLM.family_config(config)
+    h, d, hidden, q_lora = (int(c.get(k) or v) for k, v in (("index_n_heads", 64), ("index_head_dim", 128),
+                                                              ("hidden_size", 4096), ("q_lora_rank", 1024)))
+    rate = c["csa_rate"]
+    proj = 2 * q_lora * h * d + 2 * hidden * h + 2 * 2 * hidden * 2 * d
+    per_key = 2 * h * d + 2 * h
+    entries = context // rate
+    # Σ_{t<C} (t + 1) // rate: the visible keys summed over a prefill's queries
+    visible = sum((t + 1) // rate for t in range(context)) if context <= 1 << 20 else context * context // (2 * rate)
+    layers = len(csa_layers_of(config))
+
+    def entry(per_layer):
+        full, kept = per_layer * layers, per_layer * plan.num_full
+        return {"all_f": full, "plan": kept, "removed": full - kept, "removed_fraction": (full - kept) / full if full else 0.0}
+
+    return {"context": context, "csa_rate": rate, "csa_layers": csa_layers_of(config),
+            "dims": {"hidden_size": hidden, "q_lora_rank": q_lora, "index_n_heads": h, "index_head_dim": d},
+            "decode_flops_per_token": entry(proj + entries * per_key),
+            "prefill_flops": entry(context * proj + visible * per_key),
+            "index_k_cache_bytes_per_sequence": entry(entries * (d + 4)),
+            "index_k_bytes_per_token": entry((d + 4) / rate)}
