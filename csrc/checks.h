@@ -136,7 +136,6 @@ inline MlaInsertParams make_mla_insert_params(const at::Tensor& kv_c, const at::
   IC_CHECK_DIM(k_pe, 2, "k_pe");
   IC_CHECK_CONTIG(kv_c, "kv_c");
   IC_CHECK_CONTIG(k_pe, "k_pe");
-  TORCH_CHECK(kv_c.size(1) == kMlaLatent, "kv_c must be [n, ", kMlaLatent, "], got ", kv_c.sizes());
   TORCH_CHECK(k_pe.size(1) == kMlaRope && k_pe.size(0) == kv_c.size(0), "k_pe must be [", kv_c.size(0), ", ",
               kMlaRope, "], got ", k_pe.sizes());
   IC_CHECK_CONTIG(cache, "mla_kv_cache");
@@ -146,17 +145,23 @@ inline MlaInsertParams make_mla_insert_params(const at::Tensor& kv_c, const at::
   if (cache.scalar_type() == at::kByte) {
     TORCH_CHECK(cache.size(-1) == kMlaFp8Bytes, "an fp8_ds_mla cache (uint8) must have rows of ", kMlaFp8Bytes,
                 " bytes, got ", cache.sizes());
+    TORCH_CHECK(kv_c.size(1) == kMlaLatent, "kv_c must be [n, ", kMlaLatent, "] for an fp8_ds_mla cache, got ",
+                kv_c.sizes());
     cache_dtype = DType::kFp8E4M3;
   } else {
     check_float_input(cache, "mla_kv_cache");
-    TORCH_CHECK(cache.size(-1) == kMlaDim, "a bf16/fp32 MLA cache must have rows of ", kMlaDim, " values, got ",
-                cache.sizes());
+    // DSA rows: 512 latent + 64 RoPE; DeepSeek-V4 rows: 448 + 64 (one K=V head of 512).
+    TORCH_CHECK(cache.size(-1) == kMlaDim || cache.size(-1) == kMlaLatent,
+                "a bf16/fp32 MLA cache must have rows of ", kMlaDim, " (DSA) or ", kMlaLatent,
+                " (DeepSeek-V4) values, got ", cache.sizes());
+    TORCH_CHECK(kv_c.size(1) + kMlaRope == cache.size(-1), "kv_c must be [n, ", cache.size(-1) - kMlaRope,
+                "] for cache rows of ", cache.size(-1), " (kv_c + 64 RoPE values), got ", kv_c.sizes());
     cache_dtype = to_dtype(cache.scalar_type(), "mla_kv_cache");
   }
   check_slot_mapping(slot_mapping, kv_c.size(0), cache);
   return MlaInsertParams{kv_c.data_ptr(), k_pe.data_ptr(), slot_mapping.data_ptr<int64_t>(), cache.data_ptr(),
                          kv_c.size(0), cache.numel() / cache.size(-1), to_dtype(kv_c.scalar_type(), "kv_c"),
-                         cache_dtype};
+                         cache_dtype, kv_c.size(1)};
 }
 
 inline void check_block_table(const at::Tensor& block_table, const at::Tensor& like) {
@@ -325,32 +330,51 @@ inline TopkOut make_topk_out(at::Tensor& out, int64_t rows, int64_t topk, const 
   return TopkOut{out.data_ptr<int32_t>(), out.stride(0), out.size(1), topk};
 }
 
+// An int32 [s_q, k] slot list of sparse MLA (indices or extra_indices).
+inline void check_mla_slot_list(const at::Tensor& idx, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(idx.scalar_type() == at::kInt, name, " must be Int, got ", idx.scalar_type());
+  TORCH_CHECK(idx.dim() == 2, name, " must have 2 dims, got shape ", idx.sizes());
+  TORCH_CHECK(idx.is_contiguous(), name, " must be contiguous, got strides ", idx.strides());
+  TORCH_CHECK(idx.device() == q.device(), name, " and q must be on one device, got ", idx.device(), " and ",
+              q.device());
+  TORCH_CHECK(idx.size(0) == q.size(0), name, " has ", idx.size(0), " rows for ", q.size(0), " queries");
+}
+
 inline SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Tensor& kv_cache,
                                               const at::Tensor& indices, double sm_scale, int64_t d_v,
                                               at::Tensor& out, at::Tensor& lse,
-                                              const std::optional<at::Tensor>& sinks = std::nullopt) {
+                                              const std::optional<at::Tensor>& sinks = std::nullopt,
+                                              const std::optional<at::Tensor>& extra_indices = std::nullopt) {
   check_float_input(q, "q");
   IC_CHECK_DIM(q, 3, "q");
   IC_CHECK_CONTIG(q, "q");
-  TORCH_CHECK(q.size(2) == kMlaDim, "q must be [s_q, h_q, ", kMlaDim, "] (absorbed), got ", q.sizes());
+  // 576: DSA (absorbed: 512 latent + 64 RoPE); 512: DeepSeek-V4's shared K=V head.
+  TORCH_CHECK(q.size(2) == kMlaDim || q.size(2) == kMlaLatent, "q must be [s_q, h_q, ", kMlaDim,
+              "] (absorbed DSA) or [s_q, h_q, ", kMlaLatent, "] (DeepSeek-V4), got ", q.sizes());
+  const int64_t d_qk = q.size(2);
   IC_CHECK_CONTIG(kv_cache, "kv_cache");
   IC_CHECK_SAME_DEVICE(kv_cache, q, "kv_cache", "q");
   DType kv_dtype;
   if (kv_cache.scalar_type() == at::kByte) {
     TORCH_CHECK(kv_cache.size(-1) == kMlaFp8Bytes, "an fp8_ds_mla cache (uint8) must have rows of ", kMlaFp8Bytes,
                 " bytes, got ", kv_cache.sizes());
+    TORCH_CHECK(d_qk == kMlaDim, "an fp8_ds_mla cache holds 576-wide rows, but q has d_qk ", d_qk,
+                " (DeepSeek-V4's 512-wide rows take a bf16 or fp32 cache)");
     kv_dtype = DType::kFp8E4M3;
   } else {
     check_float_input(kv_cache, "kv_cache");
-    TORCH_CHECK(kv_cache.size(-1) == kMlaDim, "a bf16/fp32 MLA cache must have rows of ", kMlaDim, " values, got ",
-                kv_cache.sizes());
+    TORCH_CHECK(kv_cache.size(-1) == d_qk, "a bf16/fp32 MLA cache must have rows of d_qk = ", d_qk,
+                " values (q's last dim), got ", kv_cache.sizes());
     kv_dtype = to_dtype(kv_cache.scalar_type(), "kv_cache");
   }
-  IC_CHECK_DTYPE(indices, at::kInt, "indices");
-  IC_CHECK_DIM(indices, 2, "indices");
-  IC_CHECK_CONTIG(indices, "indices");
-  IC_CHECK_SAME_DEVICE(indices, q, "indices", "q");
-  TORCH_CHECK(indices.size(0) == q.size(0), "indices has ", indices.size(0), " rows for ", q.size(0), " queries");
+  check_mla_slot_list(indices, q, "indices");
+  const int32_t* extra_ptr = nullptr;
+  int64_t n_extra = 0;
+  if (extra_indices.has_value()) {
+    check_mla_slot_list(*extra_indices, q, "extra_indices");
+    extra_ptr = extra_indices->data_ptr<int32_t>();
+    n_extra = extra_indices->size(1);
+  }
   TORCH_CHECK(d_v > 0 && d_v <= kMlaLatent && d_v % 64 == 0, "d_v must be a multiple of 64 in (0, ", kMlaLatent,
               "], got ", d_v);
   TORCH_CHECK(std::isfinite(sm_scale) && sm_scale > 0, "sm_scale must be a positive finite number, got ", sm_scale);
@@ -379,7 +403,7 @@ inline SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Ten
   return SparseMlaParams{q.data_ptr(), kv_cache.data_ptr(), indices.data_ptr<int32_t>(), out.data_ptr(),
                          lse.data_ptr<float>(), q.size(0), q.size(1), indices.size(1),
                          kv_cache.numel() / kv_cache.size(-1), d_v, static_cast<float>(sm_scale),
-                         to_dtype(q.scalar_type(), "q"), kv_dtype, sink_ptr};
+                         to_dtype(q.scalar_type(), "q"), kv_dtype, sink_ptr, extra_ptr, n_extra, d_qk};
 }
 
 inline TopkParams make_topk_params(const at::Tensor& logits, const at::Tensor& ks, const at::Tensor& ke,

@@ -31,13 +31,17 @@ TORCH_LIBRARY(indexcache, m) {
   m.def(
       "positions_to_slots(Tensor positions, Tensor req_of_row, Tensor block_table, int block_size, "
       "int num_blocks, Tensor(a!) slots) -> ()");
-  // MLA KV cache insert (bf16/fp32 [.., 576] or fp8_ds_mla uint8 [.., 656]).
+  // MLA KV cache insert: rows [kv_c | k_pe] into bf16/fp32 [.., 576] (DSA) or [.., 512]
+  // (DeepSeek-V4: kv_c 448 wide), or fp8_ds_mla uint8 [.., 656].
   m.def("mla_kv_cache_insert(Tensor kv_c, Tensor k_pe, Tensor slot_mapping, Tensor(a!) cache) -> ()");
-  // Absorbed sparse MLA over selected slots -> out [s_q, h_q, d_v], lse [s_q, h_q]; sinks: fp32
-  // [h_q] attention-sink logits joining each row's softmax denominator (DESIGN.md §5), or None.
+  // Sparse MLA over selected slots -> out [s_q, h_q, d_v], lse [s_q, h_q]. q [s_q, h_q, d_qk]:
+  // d_qk 576 (absorbed DSA) or 512 (DeepSeek-V4's shared K=V head, value = the whole row).
+  // sinks: fp32 [h_q] attention-sink logits joining each row's softmax denominator (DESIGN.md
+  // §5), or None. extra_indices: int32 [s_q, n_extra] more slots of the same cache (V4's
+  // sliding window), attended together with indices, or None.
   m.def(
       "sparse_mla(Tensor q, Tensor kv_cache, Tensor indices, float sm_scale, int d_v, Tensor(a!) out, "
-      "Tensor(a!) lse, Tensor? sinks=None) -> ()");
+      "Tensor(a!) lse, Tensor? sinks=None, Tensor? extra_indices=None) -> ()");
   // The int32 [1] error word of like's CUDA device: counts the out-of-range index entries the
   // CUDA ops met and treated as invalid (no host check unless INDEXCACHE_CHECK=1). CUDA only.
   m.def("cuda_error_word(Tensor like) -> Tensor");

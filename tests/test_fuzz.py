@@ -611,6 +611,68 @@ def test_fuzz_sparse_mla_minus_inf_sinks_are_no_sinks(data, seed, isa):
     assert same_bits(plain[0], minus[0]) and same_bits(plain[1], minus[1])
 
 
+def v4_case(draw, seed):
+    """DeepSeek-V4's form: d_qk 512 (K = V), a bf16/fp32 cache, a selected list and a window
+    list (extra_indices, maybe empty or absent) with -1 holes and repeats, maybe sinks, maybe
+    NaN / inf in q, the cache or the sinks."""
+    s_q, h = draw(st.integers(0, 4)), draw(st.integers(1, 40))
+    dt = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    q_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    bs, blocks = draw(st.sampled_from([1, 16, 64])), draw(st.integers(1, 3))
+    n = bs * blocks
+    e = draw(st.integers(-30, 30))
+    rows = rand((n, 512), seed, 2.0 ** e)
+    if draw(st.booleans()):
+        rows[draw(st.integers(0, n - 1)), draw(st.integers(0, 511))] = draw(st.sampled_from(NONFINITE))
+    cache = torch.zeros(blocks, bs, 1, 512, dtype=dt)
+    ref.mla_kv_cache_insert(rows[:, :448].contiguous(), rows[:, 448:].contiguous(), torch.arange(n), cache)
+    g = torch.Generator().manual_seed(seed)
+    lists = []
+    for width in (draw(st.integers(1, 80)), draw(st.integers(0, 40))):
+        ix = torch.randint(0, n, (s_q, width), generator=g, dtype=torch.int32)
+        ix[torch.rand(s_q, width, generator=g) < draw(st.sampled_from([0.0, 0.3, 1.0]))] = -1
+        lists.append(ix)
+    idx, extra = lists[0], (lists[1] if draw(st.booleans()) else None)
+    q = rand((s_q, h, 512), seed + 2, 2.0 ** -e).to(q_dtype)
+    if s_q and draw(st.booleans()):
+        q[draw(st.integers(0, s_q - 1)), draw(st.integers(0, h - 1)), draw(st.integers(0, 511))] = draw(
+            st.sampled_from(NONFINITE))
+    sinks = sinks_for(draw, h, seed) if draw(st.booleans()) else None
+    return q.contiguous(), cache, idx, extra, sinks, draw(st.sampled_from([512 ** -0.5, 0.01, 0.2]))
+
+
+@given(data=st.data(), seed=seeds, isa=isas)
+def test_fuzz_sparse_mla_v4(data, seed, isa):
+    """d_qk 512 with extra_indices and sinks on every CPU path: the reference's NaN / inf
+    pattern, the §8 bars, every element written, deterministic."""
+    set_isa(isa)
+    q, cache, idx, extra, sinks, sm_scale = v4_case(data.draw, seed)
+    s_q, h = q.shape[0], q.shape[1]
+    out, lse = poisoned((s_q, h, 512), q.dtype), poisoned((s_q, h), torch.float32)
+    ops.sparse_mla(q, cache, idx, sm_scale, out=out, lse=lse, sinks=sinks, extra_indices=extra)
+    assert_written(out)
+    assert_written(lse)
+    ro, rl = ref.sparse_mla(q, cache, idx, sm_scale, sinks=sinks, extra_indices=extra)
+    assert torch.equal(torch.isnan(out.float()), torch.isnan(ro.float()))
+    for pred in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(pred(lse), pred(rl)), pred.__name__
+    assert not torch.isinf(out.float()).any()
+    bar = 1e-5 if q.dtype == torch.float32 else 1e-2
+    ok = ~torch.isnan(rl)
+    if ok.any():
+        assert rel_err(out.float()[ok], ro.float()[ok]) < bar
+        fin = torch.isfinite(rl)
+        if fin.any():  # as test_fuzz_sparse_mla: lse moves by at most the largest score error
+            all_idx = idx if extra is None else torch.cat((idx, extra), 1)
+            kv = ref.mla_kv_cache_dequant(cache)[all_idx.long().clamp(min=0)]
+            mag = torch.einsum("thd,tkd->thk", q.float().abs(), kv.abs().nan_to_num(0.0, 0.0, 0.0)) * sm_scale
+            mag = mag.masked_fill((all_idx < 0).unsqueeze(1), 0.0).amax(dim=-1)
+            tol = 1e-4 * (1 + rl[fin].abs()) if bar < 1e-2 else 1e-3 * (1 + rl[fin].abs()) + 2.0 ** -8 * mag[fin]
+            assert ((lse[fin] - rl[fin]).abs() <= tol).all()
+    o2, l2 = ops.sparse_mla(q, cache, idx, sm_scale, sinks=sinks, extra_indices=extra)
+    assert same_bits(o2, out) and same_bits(l2, lse)
+
+
 def test_sparse_mla_nan_in_one_head_propagates():
     """The issue's probe: one NaN in q[0, 1] makes out/lse of (0, 1) NaN and nothing else,
     on every CPU path and in the reference."""

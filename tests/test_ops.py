@@ -641,8 +641,12 @@ def test_errors(device):
         ops.sparse_mla(qm, mcache, torch.full((2, 8), 64, dtype=torch.int32, device=device), 0.1)
     with pytest.raises(RuntimeError, match="indices holds -2"):
         ops.sparse_mla(qm, mcache, torch.full((2, 8), -2, dtype=torch.int32, device=device), 0.1)
-    with pytest.raises(RuntimeError, match="absorbed"):
+    with pytest.raises(ValueError, match="kv_cache rows must have d_qk = 512"):  # V4's width on a DSA cache
         ops.sparse_mla(qm[..., :512].contiguous(), mcache, idx, 0.1)
+    with pytest.raises(RuntimeError, match="absorbed DSA"):
+        torch.ops.indexcache.sparse_mla(qm[..., :320].contiguous(), mcache, idx, 0.1, 512,
+                                        torch.empty(2, 4, 512, dtype=torch.bfloat16, device=device),
+                                        torch.empty(2, 4, device=device))
     with pytest.raises(RuntimeError, match="rows of 656 bytes"):
         ops.sparse_mla(qm, torch.zeros(1, 64, 600, dtype=torch.uint8, device=device), idx, 0.1)
     with pytest.raises(RuntimeError, match="sm_scale must be a positive"):

@@ -101,11 +101,14 @@ FP8_DENSE, BF16_DENSE, FP8_PAGED = "IhLb0ELb0ELb1ELb0E", "ItLb0ELb0ELb1ELb0E", "
 PADDED = ["IhLb0ELb1ELb1ELb0E", "ItLb0ELb1ELb1ELb0E", "IhLb1ELb1ELb1ELb0E"]
 MISALIGNED = ["IhLb0ELb1ELb0ELb0E", "ItLb0ELb1ELb0ELb0E", "IhLb1ELb1ELb0ELb0E"]
 WGMMA = ["IhLb0ELb0ELb1ELb1E", "IhLb1ELb0ELb1ELb1E"]
-# sparse_mla_mma_kernel<NG, Vec>: NG head groups of 16 per CTA (1, 2, 4), Vec = 16-byte aligned
-# inputs (cp.async staging) or not (byte loads).
-SPARSE_MLA_ALIGNED = [f"sparse_mla_mma_kernelILi{ng}ELb1E" for ng in (1, 2, 4)]
-SPARSE_MLA_BYTES = [f"sparse_mla_mma_kernelILi{ng}ELb0E" for ng in (1, 2, 4)]
-SPARSE_MLA_MMA = SPARSE_MLA_ALIGNED + SPARSE_MLA_BYTES
+# sparse_mla_mma_kernel<NG, Vec, D>: NG head groups of 16 per CTA (1, 2, 4), Vec = 16-byte aligned
+# inputs (cp.async staging) or not (byte loads), D = d_qk (576: DSA, any cache; 512: DeepSeek-V4's
+# K=V head, bf16 / fp32 caches only, so no fp8 conversion in it).
+SPARSE_MLA_ALIGNED = [f"sparse_mla_mma_kernelILi{ng}ELb1ELi576E" for ng in (1, 2, 4)]
+SPARSE_MLA_BYTES = [f"sparse_mla_mma_kernelILi{ng}ELb0ELi576E" for ng in (1, 2, 4)]
+SPARSE_MLA_V4_ALIGNED = [f"sparse_mla_mma_kernelILi{ng}ELb1ELi512E" for ng in (1, 2, 4)]
+SPARSE_MLA_V4_BYTES = [f"sparse_mla_mma_kernelILi{ng}ELb0ELi512E" for ng in (1, 2, 4)]
+SPARSE_MLA_MMA = SPARSE_MLA_ALIGNED + SPARSE_MLA_BYTES + SPARSE_MLA_V4_ALIGNED + SPARSE_MLA_V4_BYTES
 MMA_KERNELS = [
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + BF16_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
@@ -118,7 +121,7 @@ NO_LOCAL = [
     "topk_rows_kernel", "topk_partial_kernel", "topk_merge_kernel", "fill_topk_buffer_kernel",
     "indexer_logits_kernel|" + FP8_DENSE, "indexer_logits_kernel|" + FP8_PAGED,
     "indexer_fused_kernel|" + FP8_DENSE, "indexer_fused_kernel|" + BF16_DENSE, "indexer_fused_kernel|" + FP8_PAGED,
-    "sparse_mla_fma_kernel", "sparse_mla_merge_kernel",
+    "sparse_mla_fma_kernelILi576E", "sparse_mla_fma_kernelILi512E", "sparse_mla_merge_kernel",
 ] + SPARSE_MLA_MMA
 
 
@@ -156,6 +159,22 @@ def test_sparse_mla_aligned_staging_is_cp_async(name):
     assert count(ops, "LDGSTS") > 0
     assert count(ops, "LDGDEPBAR") > 0 and count(ops, "DEPBAR") > 0  # commit_group, wait_group
     assert count(ops, "F2FP.F16.E4M3.UNPACK_B") > 0
+
+
+@pytest.mark.parametrize("name", SPARSE_MLA_V4_ALIGNED)
+def test_sparse_mla_v4_aligned_staging_is_cp_async(name):
+    # d_qk 512 (DeepSeek-V4): bf16 rows by cp.async 16 B only; q in 16-byte pieces; no byte loads.
+    ops = kernel(name)
+    assert count(ops, "LDGSTS") > 0 and count(ops, "LDG.E.128") > 0
+    assert [op for op in ops if op.startswith("LDG") and (".U8" in op or ".S8" in op)] == []
+
+
+@pytest.mark.parametrize("name", SPARSE_MLA_V4_BYTES)
+def test_sparse_mla_v4_byte_fallback_is_separate(name):
+    # The misaligned d_qk 512 instantiations stage with 16-bit loads and no cp.async.
+    ops = kernel(name)
+    assert count(ops, "LDGSTS") == 0
+    assert any(op.startswith("LDG") and ".U16" in op for op in ops)
 
 
 @pytest.mark.parametrize("name", SPARSE_MLA_BYTES)

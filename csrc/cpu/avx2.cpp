@@ -91,11 +91,12 @@ inline __m256 e4m3x8(const uint8_t* src) {
   return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
 }
 
-// Cache row `slot` as fp32 [576].
+// Cache row `slot` as fp32 [D] (D = d_qk: 576, or 512 for DeepSeek-V4, never fp8).
+template <int D>
 void load_row(const SparseMlaParams& p, int64_t slot, float* dst) {
   if (p.kv_dtype == DType::kBFloat16) {
-    bf16_to_f32(static_cast<const uint16_t*>(p.kv) + slot * kMlaDim, dst, kMlaDim);
-  } else if (p.kv_dtype == DType::kFp8E4M3) {
+    bf16_to_f32(static_cast<const uint16_t*>(p.kv) + slot * D, dst, D);
+  } else if (D == kMlaDim && p.kv_dtype == DType::kFp8E4M3) {
     const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
     float scales[kMlaLatent / kQuantGroup];
     std::memcpy(scales, row + kMlaLatent, sizeof(scales));
@@ -108,18 +109,19 @@ void load_row(const SparseMlaParams& p, int64_t slot, float* dst) {
     std::memcpy(rope, row + kMlaLatent + sizeof(scales), sizeof(rope));
     bf16_to_f32(rope, dst + kMlaLatent, kMlaRope);
   } else {
-    std::memcpy(dst, static_cast<const float*>(p.kv) + slot * kMlaDim, kMlaDim * sizeof(float));
+    std::memcpy(dst, static_cast<const float*>(p.kv) + slot * D, D * sizeof(float));
   }
 }
 
-// Kernel 1: st[r][0:16] = scale · Σ_c k[r][c] · qp[c][0:16] for kGroup rows of k.
+// Kernel 1: st[r][0:16] = scale · Σ_c k[r][c] · qp[c][0:16] for kGroup rows of k (rows of D).
+template <int D>
 inline void qk_block(const float* k, const float* qp, float scale, float* st, int64_t ld) {
   __m256 a0[kGroup], a1[kGroup];
   for (int r = 0; r < kGroup; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int c = 0; c < kMlaDim; ++c) {
+  for (int c = 0; c < D; ++c) {
     const __m256 b0 = _mm256_loadu_ps(qp + c * kPanel), b1 = _mm256_loadu_ps(qp + c * kPanel + 8);
     for (int r = 0; r < kGroup; ++r) {
-      const __m256 kv = _mm256_broadcast_ss(k + r * kMlaDim + c);
+      const __m256 kv = _mm256_broadcast_ss(k + r * D + c);
       a0[r] = _mm256_fmadd_ps(kv, b0, a0[r]);
       a1[r] = _mm256_fmadd_ps(kv, b1, a1[r]);
     }
@@ -131,8 +133,9 @@ inline void qk_block(const float* k, const float* qp, float scale, float* st, in
   }
 }
 
-// Kernel 2: ot[v][0:16] = α · ot[v][0:16] + Σ_j k[j][v] · pt[j][0:16] for R value columns v.
-template <int R>
+// Kernel 2: ot[v][0:16] = α · ot[v][0:16] + Σ_j k[j][v] · pt[j][0:16] for R value columns v
+// (k rows of D: the value is the row's first d_v).
+template <int D, int R>
 inline void pv_block(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot,
                      int64_t ldo) {
   __m256 a0[R], a1[R];
@@ -144,7 +147,7 @@ inline void pv_block(const float* k, const float* pt, int64_t ld, const float* a
   for (int64_t j = 0; j < nkeys; ++j) {
     const __m256 b0 = _mm256_loadu_ps(pt + j * ld), b1 = _mm256_loadu_ps(pt + j * ld + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 v = _mm256_broadcast_ss(k + j * kMlaDim + r);
+      const __m256 v = _mm256_broadcast_ss(k + j * D + r);
       a0[r] = _mm256_fmadd_ps(v, b0, a0[r]);
       a1[r] = _mm256_fmadd_ps(v, b1, a1[r]);
     }
@@ -155,22 +158,23 @@ inline void pv_block(const float* k, const float* pt, int64_t ld, const float* a
   }
 }
 
+template <int D>
 void pv_cols(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot, int64_t ldo,
              int rem) {
   switch (rem) {
-    case 1: pv_block<1>(k, pt, ld, alpha, nkeys, ot, ldo); break;
-    case 2: pv_block<2>(k, pt, ld, alpha, nkeys, ot, ldo); break;
-    case 3: pv_block<3>(k, pt, ld, alpha, nkeys, ot, ldo); break;
-    case 4: pv_block<4>(k, pt, ld, alpha, nkeys, ot, ldo); break;
-    case 5: pv_block<5>(k, pt, ld, alpha, nkeys, ot, ldo); break;
-    default: pv_block<6>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 1: pv_block<D, 1>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 2: pv_block<D, 2>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 3: pv_block<D, 3>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 4: pv_block<D, 4>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    case 5: pv_block<D, 5>(k, pt, ld, alpha, nkeys, ot, ldo); break;
+    default: pv_block<D, 6>(k, pt, ld, alpha, nkeys, ot, ldo); break;
   }
 }
 
 // One task's running state for heads [h0, h0 + nh), padded to hp (a multiple of kPanel).
 struct MlaState {
-  std::vector<float> kbuf;  // [kKeyTile][576] gathered fp32 rows
-  std::vector<float> qT;    // [hp / 16][576][16] query, heads across lanes
+  std::vector<float> kbuf;  // [kKeyTile][d_qk] gathered fp32 rows
+  std::vector<float> qT;    // [hp / 16][d_qk][16] query, heads across lanes
   std::vector<float> st;    // [kKeyTile][hp] scores, then probabilities
   std::vector<float> ot;    // [d_v][hp] unnormalised output
   std::vector<float> m, l, z, alpha;  // [hp] running max, sum, NaN flag (0 or NaN), rescale
@@ -181,12 +185,13 @@ float q_value(const SparseMlaParams& p, int64_t i) {
                                       : bf16_to_float(static_cast<const uint16_t*>(p.q)[i]);
 }
 
-// Runs keys slots[0:n) for row t, heads [h0, h0 + nh); leaves m, l, z and ot in `s`.
+// Runs keys slots[0:n) for row t, heads [h0, h0 + nh); leaves m, l, z and ot in `s`. D = d_qk.
+template <int D>
 void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const int32_t* slots, int64_t n,
               MlaState& s) {
   const int64_t hp = (nh + kPanel - 1) / kPanel * kPanel, panels = hp / kPanel;
-  s.kbuf.resize(kKeyTile * kMlaDim);
-  s.qT.resize(hp * kMlaDim);
+  s.kbuf.resize(kKeyTile * D);
+  s.qT.resize(hp * D);
   s.st.resize(kKeyTile * hp);
   s.ot.assign(p.d_v * hp, 0.f);
   s.m.assign(hp, -std::numeric_limits<float>::infinity());
@@ -196,25 +201,25 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
   for (int64_t pn = 0; pn < panels; ++pn)
     for (int64_t hh = 0; hh < kPanel; ++hh) {
       const int64_t h = pn * kPanel + hh;
-      float* dst = s.qT.data() + pn * kMlaDim * kPanel + hh;
+      float* dst = s.qT.data() + pn * D * kPanel + hh;
       if (h >= nh) {
-        for (int c = 0; c < kMlaDim; ++c) dst[c * kPanel] = 0.f;
+        for (int c = 0; c < D; ++c) dst[c * kPanel] = 0.f;
         continue;
       }
-      const int64_t base = (t * p.h_q + h0 + h) * kMlaDim;
-      for (int c = 0; c < kMlaDim; ++c) dst[c * kPanel] = q_value(p, base + c);
+      const int64_t base = (t * p.h_q + h0 + h) * D;
+      for (int c = 0; c < D; ++c) dst[c * kPanel] = q_value(p, base + c);
     }
   float* kb = s.kbuf.data();
   float* st = s.st.data();
   for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
     const int64_t nk = std::min<int64_t>(kKeyTile, n - j0);
     const int64_t groups = (nk + kGroup - 1) / kGroup;
-    for (int64_t j = 0; j < nk; ++j) load_row(p, slots[j0 + j], kb + j * kMlaDim);
-    std::fill(kb + nk * kMlaDim, kb + groups * kGroup * kMlaDim, 0.f);
+    for (int64_t j = 0; j < nk; ++j) load_row<D>(p, slots[j0 + j], kb + j * D);
+    std::fill(kb + nk * D, kb + groups * kGroup * D, 0.f);
     // Scores: each 6-row group of the tile against every head panel.
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t pn = 0; pn < panels; ++pn)
-        qk_block(kb + g * kGroup * kMlaDim, s.qT.data() + pn * kMlaDim * kPanel, p.sm_scale,
+        qk_block<D>(kb + g * kGroup * D, s.qT.data() + pn * D * kPanel, p.sm_scale,
                  st + g * kGroup * hp + pn * kPanel, hp);
     // Online softmax, 8 heads at a time: new max, rescale of the old sum, probabilities in place.
     // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
@@ -243,7 +248,7 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
     for (int64_t c0 = 0; c0 < p.d_v; c0 += kGroup) {
       const int rem = static_cast<int>(std::min<int64_t>(kGroup, p.d_v - c0));
       for (int64_t pn = 0; pn < panels; ++pn)
-        pv_cols(kb + c0, st + pn * kPanel, hp, s.alpha.data() + pn * kPanel, nk, s.ot.data() + c0 * hp + pn * kPanel,
+        pv_cols<D>(kb + c0, st + pn * kPanel, hp, s.alpha.data() + pn * kPanel, nk, s.ot.data() + c0 * hp + pn * kPanel,
                 hp, rem);
     }
   }
@@ -292,15 +297,16 @@ void merge_splits(const SparseMlaParams& p, int64_t th, int64_t splits, const fl
 
 void sparse_mla_avx2(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (and no split count to divide by)
-  // Each row's selected slots, -1s dropped (serial: a parallel region of its own costs more than
-  // this scan, a whole scheduler quantum on a loaded machine).
-  std::vector<int32_t> slots(p.s_q * p.topk);
+  // Each row's selected slots (indices, then extra_indices), -1s dropped (serial: a parallel
+  // region of its own costs more than this scan, a whole scheduler quantum on a loaded machine).
+  const int64_t entries = p.topk + p.n_extra;
+  std::vector<int32_t> slots(p.s_q * entries);
   std::vector<int64_t> count(p.s_q);
   for (int64_t t = 0; t < p.s_q; ++t) {
     int64_t c = 0;
-    for (int64_t j = 0; j < p.topk; ++j) {
-      const int32_t v = p.indices[t * p.topk + j];
-      slots[t * p.topk + c] = v;
+    for (int64_t j = 0; j < entries; ++j) {
+      const int32_t v = mla_entry(p, t, j);
+      slots[t * entries + c] = v;
       c += v >= 0;
     }
     count[t] = c;
@@ -312,7 +318,7 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
   int64_t splits = 1;
   if (p.s_q * hblocks < 2 * threads)
     splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + p.s_q * hblocks - 1) / (p.s_q * hblocks),
-                                                    p.topk / kMinSplitKeys));
+                                                    entries / kMinSplitKeys));
   // Partial results of split tasks: max, sum, NaN flag per (row, head, split), O [d_v]. The
   // task that finishes the last split of a (row, head block) merges it, in split order, inside
   // the same parallel region.
@@ -345,7 +351,11 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
       const int64_t a = std::min(n, sp * per), e = std::min(n, a + per);
       const int64_t hp = (nh + kPanel - 1) / kPanel * kPanel;
       if (e > a) {
-        mla_task(p, t, h0, nh, slots.data() + t * p.topk + a, e - a, s);
+        if (p.d_qk == kMlaDim) {
+          mla_task<kMlaDim>(p, t, h0, nh, slots.data() + t * entries + a, e - a, s);
+        } else {
+          mla_task<kMlaLatent>(p, t, h0, nh, slots.data() + t * entries + a, e - a, s);
+        }
       } else {  // an empty split (fewer keys than splits x per)
         s.m.assign(hp, -std::numeric_limits<float>::infinity());
         s.l.assign(hp, 0.f);

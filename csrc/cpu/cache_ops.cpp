@@ -125,13 +125,14 @@ void mla_insert_cpu(const MlaInsertParams& p) {
         uint16_t* rope = reinterpret_cast<uint16_t*>(row + kMlaLatent + 16);
         for (int j = 0; j < kMlaRope; ++j) rope[j] = float_to_bf16(load_value(p.k_pe, p.src_dtype, i * kMlaRope + j));
       } else {
-        for (int j = 0; j < kMlaDim; ++j) {
-          const float v = j < kMlaLatent ? load_value(p.kv_c, p.src_dtype, i * kMlaLatent + j)
-                                         : load_value(p.k_pe, p.src_dtype, i * kMlaRope + j - kMlaLatent);
+        const int64_t lat = p.d_latent, width = lat + kMlaRope;  // 576, or 512 for DeepSeek-V4
+        for (int64_t j = 0; j < width; ++j) {
+          const float v = j < lat ? load_value(p.kv_c, p.src_dtype, i * lat + j)
+                                  : load_value(p.k_pe, p.src_dtype, i * kMlaRope + j - lat);
           if (p.cache_dtype == DType::kFloat32) {
-            static_cast<float*>(p.cache)[slot * kMlaDim + j] = v;
+            static_cast<float*>(p.cache)[slot * width + j] = v;
           } else {
-            static_cast<uint16_t*>(p.cache)[slot * kMlaDim + j] = float_to_bf16(v);
+            static_cast<uint16_t*>(p.cache)[slot * width + j] = float_to_bf16(v);
           }
         }
       }

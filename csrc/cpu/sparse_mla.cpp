@@ -2,6 +2,9 @@
 // the selected cache slots. Two passes per (row, head block): scores for every selected
 // key, an exact softmax, then P·V. With AVX-512 BF16 both products run on vdpbf16ps with
 // fp32 accumulation over keys packed 32 at a time; fp32 inputs take a portable fp32 path.
+// Every path is a template on the row width D = d_qk (576 for DSA, 512 for DeepSeek-V4's K=V
+// head, whose value is the whole row), so the 576 loops keep their compile-time bounds; a row's
+// keys are the valid entries of indices and then of extra_indices (mla_entry).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -26,46 +29,52 @@ using cpu::exp_ps;
 
 constexpr int kTile = 32;
 constexpr int64_t kHeadBlock = 64;
-constexpr int kPairs = kMlaDim / 2;  // 288
-
 bool mla_use_bf16(const SparseMlaParams& p) {
   return p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32 && use_avx512bf16();
 }
 
-// Row s of the cache as fp32 [576].
+// Row s of the cache as fp32 [D] (fp8_ds_mla only for D = 576).
+template <int D>
 void load_kv_row(const SparseMlaParams& p, int64_t slot, float* dst) {
-  if (p.kv_dtype == DType::kFp8E4M3) {
-    const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
-    float scales[4];
-    std::memcpy(scales, row + kMlaLatent, 16);
-    for (int i = 0; i < kMlaLatent; ++i) dst[i] = e4m3_to_float(row[i]) * scales[i / kQuantGroup];
-    const uint8_t* rope = row + kMlaLatent + 16;
-    for (int i = 0; i < kMlaRope; ++i) {
-      uint16_t h;
-      std::memcpy(&h, rope + 2 * i, 2);
-      dst[kMlaLatent + i] = bf16_to_float(h);
+  if constexpr (D == kMlaDim) {
+    if (p.kv_dtype == DType::kFp8E4M3) {
+      const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
+      float scales[4];
+      std::memcpy(scales, row + kMlaLatent, 16);
+      for (int i = 0; i < kMlaLatent; ++i) dst[i] = e4m3_to_float(row[i]) * scales[i / kQuantGroup];
+      const uint8_t* rope = row + kMlaLatent + 16;
+      for (int i = 0; i < kMlaRope; ++i) {
+        uint16_t h;
+        std::memcpy(&h, rope + 2 * i, 2);
+        dst[kMlaLatent + i] = bf16_to_float(h);
+      }
+      return;
     }
-  } else if (p.kv_dtype == DType::kBFloat16) {
-    const uint16_t* row = static_cast<const uint16_t*>(p.kv) + slot * kMlaDim;
-    for (int i = 0; i < kMlaDim; ++i) dst[i] = bf16_to_float(row[i]);
+  }
+  if (p.kv_dtype == DType::kBFloat16) {
+    const uint16_t* row = static_cast<const uint16_t*>(p.kv) + slot * D;
+    for (int i = 0; i < D; ++i) dst[i] = bf16_to_float(row[i]);
   } else {
-    std::memcpy(dst, static_cast<const float*>(p.kv) + slot * kMlaDim, kMlaDim * sizeof(float));
+    std::memcpy(dst, static_cast<const float*>(p.kv) + slot * D, D * sizeof(float));
   }
 }
 
-// Row s of the cache as bf16 [576] (fp8 values are dequantized, then rounded to bf16).
+// Row s of the cache as bf16 [D] (fp8 values are dequantized, then rounded to bf16).
+template <int D>
 void load_kv_row_bf16(const SparseMlaParams& p, int64_t slot, uint16_t* dst) {
   if (p.kv_dtype == DType::kBFloat16) {
-    std::memcpy(dst, static_cast<const uint16_t*>(p.kv) + slot * kMlaDim, kMlaDim * 2);
+    std::memcpy(dst, static_cast<const uint16_t*>(p.kv) + slot * D, D * 2);
     return;
   }
-  if (p.kv_dtype == DType::kFp8E4M3) {
-    mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, dst);
-    return;
+  if constexpr (D == kMlaDim) {
+    if (p.kv_dtype == DType::kFp8E4M3) {
+      mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, dst);
+      return;
+    }
   }
-  float tmp[kMlaDim];
-  load_kv_row(p, slot, tmp);
-  for (int i = 0; i < kMlaDim; ++i) dst[i] = float_to_bf16(tmp[i]);
+  float tmp[D];
+  load_kv_row<D>(p, slot, tmp);
+  for (int i = 0; i < D; ++i) dst[i] = float_to_bf16(tmp[i]);
 }
 
 float q_elem(const SparseMlaParams& p, int64_t i) {
@@ -119,14 +128,14 @@ void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse, const
 
 constexpr int kLaneHeads = 32;  // heads per block: two 16-lane vectors
 
-// S^T[j][0:32] for keys j0..j0+KB-1 of one 32-head block.
-template <int KB>
+// S^T[j][0:32] for keys j0..j0+KB-1 of one 32-head block (rows of D bf16, D / 2 pairs).
+template <int D, int KB>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_keys(const uint32_t* qT, int64_t ldq,
                                                                               const uint32_t* const* krows,
                                                                               float scale, float* st) {
   __m512 a0[KB], a1[KB];
   for (int j = 0; j < KB; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
-  for (int p = 0; p < kPairs; ++p) {
+  for (int p = 0; p < D / 2; ++p) {
     const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qT + p * ldq);
     const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qT + p * ldq + 16);
     for (int j = 0; j < KB; ++j) {
@@ -180,8 +189,10 @@ __attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t*
   }
 }
 
+template <int D>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const SparseMlaParams& p, int64_t t,
                                                                         const std::vector<int32_t>& slots) {
+  constexpr int kPairs = D / 2;
   const int64_t n = static_cast<int64_t>(slots.size());
   const int64_t pairs = (n + 1) / 2;
   static thread_local std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [n][576]
@@ -190,12 +201,12 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
   krows.resize(pairs * 2);
   if (p.kv_dtype == DType::kBFloat16) {
     for (int64_t j = 0; j < n; ++j)
-      krows[j] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.kv) + slots[j] * kMlaDim);
+      krows[j] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.kv) + slots[j] * D);
   } else {
-    deq.resize(n * kMlaDim);
+    deq.resize(n * D);
     for (int64_t j = 0; j < n; ++j) {
-      load_kv_row_bf16(p, slots[j], deq.data() + j * kMlaDim);
-      krows[j] = reinterpret_cast<const uint32_t*>(deq.data() + j * kMlaDim);
+      load_kv_row_bf16<D>(p, slots[j], deq.data() + j * D);
+      krows[j] = reinterpret_cast<const uint32_t*>(deq.data() + j * D);
     }
   }
   if (n % 2) krows[n] = reinterpret_cast<const uint32_t*>(zero_row);
@@ -209,7 +220,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
   const int64_t h_pad = (p.h_q + kLaneHeads - 1) / kLaneHeads * kLaneHeads;
   static thread_local std::vector<uint32_t> qT;
   qT.assign(kPairs * h_pad, 0);
-  const uint32_t* qsrc = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + t * p.h_q * kMlaDim);
+  const uint32_t* qsrc = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + t * p.h_q * D);
   for (int64_t h = 0; h < p.h_q; ++h)
     for (int pp = 0; pp < kPairs; ++pp) qT[pp * h_pad + h] = qsrc[h * kPairs + pp];
   static thread_local std::vector<float> st, ot;
@@ -220,8 +231,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
   for (int64_t h0 = 0; h0 < p.h_q; h0 += kLaneHeads) {
     const uint32_t* qb = qT.data() + h0;
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) qk_keys<8>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
-    for (; j < n; ++j) qk_keys<1>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
+    for (; j + 8 <= n; j += 8) qk_keys<D, 8>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
+    for (; j < n; ++j) qk_keys<D, 1>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
     // Softmax over keys, 32 heads at a time.
     // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
     // out and lse (docs/ops.md), one subtraction per score instead of a pass over the inputs.
@@ -307,27 +318,28 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
 
 // ------------------------------------------------------------------ portable fp32 path
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const SparseMlaParams& p, int64_t t,
-                                                                          int64_t h0, int64_t nh,
-                                                                          const std::vector<int32_t>& slots) {
+// The body of row_f32 for rows of D, inlined into each of its ISA clones.
+template <int D>
+__attribute__((always_inline)) inline void row_f32_body(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh,
+                                                        const std::vector<int32_t>& slots) {
   const int64_t n = static_cast<int64_t>(slots.size());
-  std::vector<float> kv(n * kMlaDim);
-  for (int64_t j = 0; j < n; ++j) load_kv_row(p, slots[j], kv.data() + j * kMlaDim);
-  std::vector<float> q(nh * kMlaDim), s(nh * n), o(nh * p.d_v, 0.f), lse(nh);
-  for (int64_t i = 0; i < nh * kMlaDim; ++i) q[i] = q_elem(p, (t * p.h_q + h0) * kMlaDim + i);
+  std::vector<float> kv(n * D);
+  for (int64_t j = 0; j < n; ++j) load_kv_row<D>(p, slots[j], kv.data() + j * D);
+  std::vector<float> q(nh * D), s(nh * n), o(nh * p.d_v, 0.f), lse(nh);
+  for (int64_t i = 0; i < nh * D; ++i) q[i] = q_elem(p, (t * p.h_q + h0) * D + i);
   for (int64_t hh = 0; hh < nh; ++hh)
     for (int64_t j = 0; j < n; ++j) {
       float acc = 0.f;
-      const float* kr = kv.data() + j * kMlaDim;
-      const float* qr = q.data() + hh * kMlaDim;
-      for (int c = 0; c < kMlaDim; ++c) acc += qr[c] * kr[c];
+      const float* kr = kv.data() + j * D;
+      const float* qr = q.data() + hh * D;
+      for (int c = 0; c < D; ++c) acc += qr[c] * kr[c];
       s[hh * n + j] = acc * p.sm_scale;
     }
   softmax_rows(s.data(), nh, n, n, lse.data(), p.sinks != nullptr ? p.sinks + h0 : nullptr);
   for (int64_t hh = 0; hh < nh; ++hh)
     for (int64_t j = 0; j < n; ++j) {
       const float w = s[hh * n + j];
-      const float* vr = kv.data() + j * kMlaDim;
+      const float* vr = kv.data() + j * D;
       float* orow = o.data() + hh * p.d_v;
       for (int64_t c = 0; c < p.d_v; ++c) orow[c] += w * vr[c];
     }
@@ -336,6 +348,16 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
     const bool bad = lse[i] != lse[i];  // a non-finite score (softmax_rows)
     for (int64_t c = 0; c < p.d_v; ++c)
       store_out(p, (t * p.h_q + h0 + i) * p.d_v + c, bad ? quiet_nan() : o[i * p.d_v + c]);
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const SparseMlaParams& p, int64_t t,
+                                                                          int64_t h0, int64_t nh,
+                                                                          const std::vector<int32_t>& slots) {
+  if (p.d_qk == kMlaDim) {
+    row_f32_body<kMlaDim>(p, t, h0, nh, slots);
+  } else {
+    row_f32_body<kMlaLatent>(p, t, h0, nh, slots);
   }
 }
 
@@ -357,8 +379,8 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
       const int64_t t = task / head_blocks;
       const int64_t h0 = (task % head_blocks) * hb, nh = std::min(hb, p.h_q - h0);
       slots.clear();
-      for (int64_t j = 0; j < p.topk; ++j) {
-        const int32_t s = p.indices[t * p.topk + j];
+      for (int64_t j = 0; j < p.topk + p.n_extra; ++j) {
+        const int32_t s = mla_entry(p, t, j);
         if (s >= 0) slots.push_back(s);
       }
       if (slots.empty()) {  // out 0; lse log(exp(sink)), -inf without sinks
@@ -369,7 +391,12 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
         continue;
       }
       if (bf16) {
-        row_bf16(p, t, slots);  // one task per row: hb == h_q on this path
+        // one task per row: hb == h_q on this path
+        if (p.d_qk == kMlaDim) {
+          row_bf16<kMlaDim>(p, t, slots);
+        } else {
+          row_bf16<kMlaLatent>(p, t, slots);
+        }
       } else {
         row_f32(p, t, h0, nh, slots);
       }
@@ -380,9 +407,11 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
 namespace {
 
 void sparse_mla_op(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices, double sm_scale,
-                   int64_t d_v, at::Tensor& out, at::Tensor& lse, const std::optional<at::Tensor>& sinks) {
-  const SparseMlaParams p = make_sparse_mla_params(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks);
+                   int64_t d_v, at::Tensor& out, at::Tensor& lse, const std::optional<at::Tensor>& sinks,
+                   const std::optional<at::Tensor>& extra_indices) {
+  const SparseMlaParams p = make_sparse_mla_params(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks, extra_indices);
   check_slots_in_range(indices, p.num_slots, "indices");
+  if (extra_indices.has_value()) check_slots_in_range(*extra_indices, p.num_slots, "extra_indices");
   sparse_mla_cpu(p);
 }
 

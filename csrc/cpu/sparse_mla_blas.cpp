@@ -1,6 +1,6 @@
 // Sparse MLA on the "blas" path (blas.h): per query row, the selected cache rows are
 // gathered kBlock at a time into the layouts oneDNN's brgemm takes for B (bf16 pairs), and
-//   S = Q[h, 576] · Kᵀ          (one brgemm, fp32 out)
+//   S = Q[h, d_qk] · Kᵀ         (one brgemm, fp32 out; d_qk 576, or 512 for DeepSeek-V4)
 //   O += P[h, kBlock] · V        (one brgemm, accumulating in fp32)
 // with an online softmax between them (running max and sum per head, O rescaled when the
 // max grows). Rows with few query rows split their selected keys across threads; the task
@@ -34,11 +34,10 @@ using cpu::exp_ps;
 
 constexpr int64_t kBlock = 128;          // selected keys per brgemm pair (N of S, K of P·V)
 constexpr int64_t kMinSplitKeys = 256;   // a key split keeps at least this many selections
-constexpr int kPairs = kMlaDim / 2;      // 288
 
 struct Work {
   std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [kBlock][576]
-  std::vector<uint32_t> kb;   // Kᵀ as pairs [288][kBlock]
+  std::vector<uint32_t> kb;   // Kᵀ as pairs [d_qk / 2][kBlock]
   std::vector<uint32_t> vb;   // V as key pairs [kBlock/2][d_v]
   std::vector<float> s;       // [h][kBlock]
   std::vector<uint16_t> pb;   // P bf16 [h][kBlock]
@@ -46,9 +45,11 @@ struct Work {
   std::vector<float> m, l, z; // per head: running max, sum, NaN once a score is non-finite
 };
 
-// Cache row `slot` as bf16 (fp8 rows are dequantized into `tmp`, then rounded to bf16).
+// Cache row `slot` (D values) as bf16 (fp8 rows, D = 576 only, are dequantized into `tmp`, then
+// rounded to bf16).
+template <int D>
 const uint16_t* kv_row(const SparseMlaParams& p, int64_t slot, uint16_t* tmp) {
-  if (p.kv_dtype == DType::kBFloat16) return static_cast<const uint16_t*>(p.kv) + slot * kMlaDim;
+  if (D != kMlaDim || p.kv_dtype == DType::kBFloat16) return static_cast<const uint16_t*>(p.kv) + slot * D;
   mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, tmp);
   return tmp;
 }
@@ -106,21 +107,23 @@ float softmax_block_scalar(float* s, int64_t n, float scale, float& m, float& l,
   return alpha;
 }
 
-// Attention of row t over the selected slots sl[0:n) into w.o / w.m / w.l / w.z.
+// Attention of row t over the selected slots sl[0:n) into w.o / w.m / w.l / w.z; rows of D.
+template <int D>
 void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, Work& w) {
   const int64_t h = p.h_q, dv = p.d_v;
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.f);
   std::fill(w.z.begin(), w.z.end(), 0.f);
   if (n == 0) return;
-  const at::BFloat16* q = reinterpret_cast<const at::BFloat16*>(static_cast<const uint16_t*>(p.q) + t * h * kMlaDim);
+  constexpr int kPairs = D / 2;
+  const at::BFloat16* q = reinterpret_cast<const at::BFloat16*>(static_cast<const uint16_t*>(p.q) + t * h * D);
   const bool avx512 = cpu_features().avx512bf16;  // AVX-512F/BW/BF16
   static const uint16_t zero_row[kMlaDim] = {};
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, n - j0);
     const uint16_t* rows[kBlock];
     for (int64_t j = 0; j < kBlock; ++j)
-      rows[j] = j < nb ? kv_row(p, sl[j0 + j], w.deq.data() + j * kMlaDim) : zero_row;
+      rows[j] = j < nb ? kv_row<D>(p, sl[j0 + j], w.deq.data() + j * kMlaDim) : zero_row;
     for (int pp = 0; pp < kPairs; ++pp) {
       uint32_t* dst = w.kb.data() + pp * kBlock;
       for (int64_t j = 0; j < kBlock; ++j) {
@@ -135,7 +138,7 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
       uint32_t* dst = w.vb.data() + kp * dv;
       for (int64_t c = 0; c < dv; ++c) dst[c] = static_cast<uint32_t>(a[c]) | (static_cast<uint32_t>(b[c]) << 16);
     }
-    at::native::cpublas::brgemm(h, kBlock, kMlaDim, kMlaDim, kBlock, kBlock, false, q,
+    at::native::cpublas::brgemm(h, kBlock, D, D, kBlock, kBlock, false, q,
                                 reinterpret_cast<const at::BFloat16*>(w.kb.data()), w.s.data(), true);
     const bool first = j0 == 0;
     for (int64_t hh = 0; hh < h; ++hh) {
@@ -174,11 +177,12 @@ void store_row(const SparseMlaParams& p, int64_t t, int64_t hh, const float* o, 
 bool sparse_mla_blas(const SparseMlaParams& p) {
   if (p.q_dtype != DType::kBFloat16 || p.kv_dtype == DType::kFloat32) return false;
   const int64_t h = p.h_q, dv = p.d_v;
+  const int64_t entries = p.topk + p.n_extra;  // indices, then extra_indices
   const int64_t threads = at::get_num_threads();
   int64_t splits = 1;
   if (p.s_q < 2 * threads)
     splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + p.s_q - 1) / std::max<int64_t>(1, p.s_q),
-                                                    p.topk / kMinSplitKeys));
+                                                    entries / kMinSplitKeys));
   // Partials of split rows: O [h][dv], then m, l, z [h] per (row, split).
   const int64_t part_len = h * (dv + 3);
   std::vector<float> part(splits > 1 ? p.s_q * splits * part_len : 0);
@@ -216,7 +220,7 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
     TileRelease release;
     static thread_local Work w;
     w.deq.resize(kBlock * kMlaDim);
-    w.kb.resize(kPairs * kBlock);
+    w.kb.resize(kMlaDim / 2 * kBlock);
     w.vb.resize(kBlock / 2 * dv);
     w.s.resize(h * kBlock);
     w.pb.resize(h * kBlock);
@@ -229,14 +233,18 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / splits, sp = task % splits;
       slots.clear();
-      for (int64_t j = 0; j < p.topk; ++j) {
-        const int32_t s = p.indices[t * p.topk + j];
+      for (int64_t j = 0; j < entries; ++j) {
+        const int32_t s = mla_entry(p, t, j);
         if (s >= 0) slots.push_back(s);
       }
       const int64_t n = static_cast<int64_t>(slots.size());
       const int64_t per = ((n + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
       const int64_t a = std::min(n, sp * per), b = std::min(n, a + per);
-      attend(p, t, slots.data() + a, b - a, w);
+      if (p.d_qk == kMlaDim) {
+        attend<kMlaDim>(p, t, slots.data() + a, b - a, w);
+      } else {
+        attend<kMlaLatent>(p, t, slots.data() + a, b - a, w);
+      }
       if (splits == 1) {
         for (int64_t hh = 0; hh < h; ++hh)
           store_row(p, t, hh, w.o.data() + hh * dv, w.m[hh], w.l[hh], w.z[hh] != w.z[hh]);

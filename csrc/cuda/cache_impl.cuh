@@ -172,13 +172,14 @@ __global__ void __launch_bounds__(kThreads) mla_insert_kernel(MlaInsertParams p,
       rope[2 * c + 1] = static_cast<uint8_t>(h >> 8);
     }
   } else {
-    for (int c = lane; c < kMlaDim; c += 32) {
-      const float v = c < kMlaLatent ? load_value(p.kv_c, p.src_dtype, i * kMlaLatent + c)
-                                     : load_value(p.k_pe, p.src_dtype, i * kMlaRope + c - kMlaLatent);
+    const int lat = static_cast<int>(p.d_latent), width = lat + kMlaRope;  // 576, or 512 (DeepSeek-V4)
+    for (int c = lane; c < width; c += 32) {
+      const float v = c < lat ? load_value(p.kv_c, p.src_dtype, i * lat + c)
+                              : load_value(p.k_pe, p.src_dtype, i * kMlaRope + c - lat);
       if (p.cache_dtype == DType::kFloat32) {
-        static_cast<float*>(p.cache)[slot * kMlaDim + c] = v;
+        static_cast<float*>(p.cache)[slot * width + c] = v;
       } else {
-        static_cast<uint16_t*>(p.cache)[slot * kMlaDim + c] = float_to_bf16(v);
+        static_cast<uint16_t*>(p.cache)[slot * width + c] = float_to_bf16(v);
       }
     }
   }

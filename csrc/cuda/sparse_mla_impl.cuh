@@ -13,6 +13,10 @@
 //     sparse_mla_merge_kernel combines their partial results by log-sum-exp.
 //   - fp32 q or an fp32 cache (sparse_mla_fma_kernel, 256 threads, 16 heads, tiles of 16
 //     keys): plain fp32 FMAs, for the 1e-5 bar.
+// Both kernels are templates on the row width D = d_qk: 576 (DSA, absorbed) or 512 (DeepSeek-V4's
+// shared K=V head: the value is the key row itself, so the value tile is the key tile; no fp8).
+// A row's key list is its indices followed by its extra_indices (mla_entry): the compaction
+// walks both, and every later stage (tiles, splits, merge) sees one list.
 // Deterministic: fixed summation orders, no atomics.
 #pragma once
 
@@ -34,13 +38,17 @@ constexpr int kMmaKeys = 32;    // keys per tile
 constexpr int kMinSplitEntries = 256;  // index entries per split at least
 constexpr int kMaxSplits = 32;
 constexpr int kMergeThreads = 128;
-constexpr int kLdKv = kMlaDim + 8;  // 584: conflict-free fragment loads
+// Shared-memory row stride of a D-wide bf16 row: D + 8 (584 / 520: 292 / 260 words, 4 mod 32,
+// so the 8 rows of an ldmatrix / fragment load hit distinct banks).
+template <int D>
+constexpr int ld_kv() { return D + 8; }
 constexpr int kLdP = kMmaKeys + 8;  // 40
 constexpr int kFmaThreads = 256;
 constexpr int kFmaKeys = 16;
-constexpr int kLdF = kMlaDim + 1;   // 577
 
+template <int D>
 struct MlaFmaSmem {
+  static constexpr int kLdF = D + 1;  // 577 / 513: odd, conflict-free column reads
   float q[kMlaHeads * kLdF];
   float kv[kFmaKeys * kLdF];
   float p[kFmaKeys][kMlaHeads];
@@ -52,19 +60,23 @@ struct MlaFmaSmem {
   uint32_t scan[32];
 };
 
-// Column c of cache row `slot` as fp32 (dequantized for fp8_ds_mla), byte-safe loads.
+// Column c of cache row `slot` (D wide) as fp32 (dequantized for fp8_ds_mla), byte-safe loads.
+template <int D>
 __device__ __forceinline__ float kv_elem(const SparseMlaParams& p, int64_t slot, int c) {
-  if (p.kv_dtype == DType::kFp8E4M3) {
-    const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
-    if (c < kMlaLatent) return e4m3_to_float(row[c]) * load_f32_bytes(row + kMlaLatent + 4 * (c / kQuantGroup));
-    const uint8_t* r = row + kMlaLatent + 16 + 2 * (c - kMlaLatent);
-    return bf16_to_float(static_cast<uint16_t>(r[0] | (r[1] << 8)));
+  if constexpr (D == kMlaDim) {
+    if (p.kv_dtype == DType::kFp8E4M3) {
+      const uint8_t* row = static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes;
+      if (c < kMlaLatent) return e4m3_to_float(row[c]) * load_f32_bytes(row + kMlaLatent + 4 * (c / kQuantGroup));
+      const uint8_t* r = row + kMlaLatent + 16 + 2 * (c - kMlaLatent);
+      return bf16_to_float(static_cast<uint16_t>(r[0] | (r[1] << 8)));
+    }
   }
-  if (p.kv_dtype == DType::kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(p.kv)[slot * kMlaDim + c]);
-  return static_cast<const float*>(p.kv)[slot * kMlaDim + c];
+  if (p.kv_dtype == DType::kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(p.kv)[slot * D + c]);
+  return static_cast<const float*>(p.kv)[slot * D + c];
 }
 
-// Stable compaction of indices [c0, c0 + NT) of row t into list; returns how many are valid.
+// Stable compaction of entries [c0, c0 + NT) of row t's key list (indices, then extra_indices)
+// into list; returns how many are valid.
 // Entries other than -1 outside [0, num_slots) are dropped too and counted in err (which
 // only the first head group of a row passes, so each entry counts once).
 template <int NT>
@@ -72,7 +84,7 @@ __device__ __forceinline__ int compact_indices(const SparseMlaParams& p, int64_t
                                                int32_t* list, uint32_t* scan, int32_t* err) {
   const int64_t j = c0 + threadIdx.x;
   int32_t s = -1;
-  if (j < end) s = p.indices[t * p.topk + j];
+  if (j < end) s = mla_entry(p, t, j);
   const bool valid = s >= 0 && s < p.num_slots;
   if (!valid && s != -1) count_error(err);
   uint32_t total;
@@ -115,53 +127,65 @@ __device__ __forceinline__ float warp_max_f(float x) {
 // index list (split): it then writes fp32 partial O (not normalised) and (m, l) to scratch and
 // sparse_mla_merge_kernel combines the splits in a fixed order.
 
-// Cache row `slot`, 16-byte piece `part` (of 72) -> 8 bf16 in shared memory, byte-safe loads
+// Cache row `slot`, 16-byte piece `part` (of D / 8) -> 8 bf16 in shared memory, byte-safe loads
 // (caches that are not 16-byte aligned).
+template <int D>
 __device__ __forceinline__ void stage_kv_piece_bytes(const SparseMlaParams& p, int64_t slot, uint16_t* dst, int part) {
   uint16_t v[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = float_to_bf16(kv_elem(p, slot, part * 8 + i));
+  for (int i = 0; i < 8; ++i) v[i] = float_to_bf16(kv_elem<D>(p, slot, part * 8 + i));
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(v[2 * i]) | (static_cast<uint32_t>(v[2 * i + 1]) << 16);
   *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-constexpr int kKvTileElems = kMmaKeys * kLdKv;                 // one bf16 tile
-constexpr int kKvTileBytes = kKvTileElems * 2;                 // 37376
+template <int D>
+constexpr int kv_tile_elems() { return kMmaKeys * ld_kv<D>(); }  // one bf16 tile
+template <int D>
+constexpr int kv_tile_bytes() { return kv_tile_elems<D>() * 2; }  // 37376 / 33280
 constexpr int kRawTileBytes = kMmaKeys * kMlaFp8Bytes;         // 20992: 32 raw fp8_ds_mla rows
 constexpr int kFp8Pieces = kMlaFp8Bytes / 16;                  // 41 16-byte pieces per row
-constexpr int kKvRegion = kKvTileBytes + 2 * kRawTileBytes;    // >= 2 bf16 tiles (74752)
-static_assert(kKvRegion >= 2 * kKvTileBytes, "region holds two bf16 tiles");
-static_assert(kMlaFp8Bytes % 16 == 0 && kKvTileBytes % 16 == 0 && (kLdKv * 2) % 16 == 0, "16-byte pieces");
+// The KV region: two bf16 tiles, or (576, aligned fp8_ds_mla) one bf16 tile + two raw buffers.
+template <int D>
+constexpr int kv_region_bytes() {
+  return D == kMlaDim ? kv_tile_bytes<D>() + 2 * kRawTileBytes : 2 * kv_tile_bytes<D>();
+}
+static_assert(kv_region_bytes<kMlaDim>() >= 2 * kv_tile_bytes<kMlaDim>(), "region holds two bf16 tiles");
+static_assert(kMlaFp8Bytes % 16 == 0 && kv_tile_bytes<kMlaDim>() % 16 == 0 && kv_tile_bytes<kMlaLatent>() % 16 == 0 &&
+                  (ld_kv<kMlaDim>() * 2) % 16 == 0 && (ld_kv<kMlaLatent>() * 2) % 16 == 0,
+              "16-byte pieces");
 
 // Starts the copy (or, misaligned, does it) of tile `it` (valid slots list[32 it ...]) into
 // buffer b: bf16 tile b of the region, or (aligned fp8_ds_mla) raw buffer b. Rows past the
 // last valid slot become zeros in the bf16 tile (their P is 0, and 0 * garbage could be NaN).
-template <int NT, bool Vec>
+template <int NT, bool Vec, int D>
 __device__ __forceinline__ void issue_kv_tile(const SparseMlaParams& p, const int32_t* list, int nv, int it, int b,
                                               unsigned char* region) {
+  constexpr int kLdKv = ld_kv<D>();
   const int k0 = it * kMmaKeys;
   const int nk = nv - k0 < kMmaKeys ? nv - k0 : kMmaKeys;
-  uint16_t* const tile = reinterpret_cast<uint16_t*>(region) + b * kKvTileElems;
-  constexpr int kChunks = kMlaDim / 8;
+  uint16_t* const tile = reinterpret_cast<uint16_t*>(region) + b * kv_tile_elems<D>();
+  constexpr int kChunks = D / 8;
   if constexpr (Vec) {
-    if (p.kv_dtype == DType::kFp8E4M3) {
-      unsigned char* const rb = region + kKvTileBytes + b * kRawTileBytes;
-      const uint8_t* const kvb = static_cast<const uint8_t*>(p.kv);
-      for (int c = threadIdx.x; c < nk * kFp8Pieces; c += NT) {
-        const int j = c / kFp8Pieces, piece = c % kFp8Pieces;
-        cp_async_16(rb + j * kMlaFp8Bytes + piece * 16,
-                    kvb + static_cast<int64_t>(list[k0 + j]) * kMlaFp8Bytes + piece * 16);
+    if constexpr (D == kMlaDim) {
+      if (p.kv_dtype == DType::kFp8E4M3) {
+        unsigned char* const rb = region + kv_tile_bytes<D>() + b * kRawTileBytes;
+        const uint8_t* const kvb = static_cast<const uint8_t*>(p.kv);
+        for (int c = threadIdx.x; c < nk * kFp8Pieces; c += NT) {
+          const int j = c / kFp8Pieces, piece = c % kFp8Pieces;
+          cp_async_16(rb + j * kMlaFp8Bytes + piece * 16,
+                      kvb + static_cast<int64_t>(list[k0 + j]) * kMlaFp8Bytes + piece * 16);
+        }
+        return;
       }
-      return;
     }
     const uint16_t* const kvh = static_cast<const uint16_t*>(p.kv);
     for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += NT) {
       const int j = c / kChunks, part = c % kChunks;
       uint16_t* d = tile + j * kLdKv + part * 8;
       if (j < nk) {
-        cp_async_16(d, kvh + static_cast<int64_t>(list[k0 + j]) * kMlaDim + part * 8);
+        cp_async_16(d, kvh + static_cast<int64_t>(list[k0 + j]) * D + part * 8);
       } else {
         *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
       }
@@ -171,7 +195,7 @@ __device__ __forceinline__ void issue_kv_tile(const SparseMlaParams& p, const in
       const int j = c / kChunks, part = c % kChunks;
       uint16_t* d = tile + j * kLdKv + part * 8;
       if (j < nk) {
-        stage_kv_piece_bytes(p, list[k0 + j], d, part);
+        stage_kv_piece_bytes<D>(p, list[k0 + j], d, part);
       } else {
         *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
       }
@@ -184,6 +208,7 @@ __device__ __forceinline__ void issue_kv_tile(const SparseMlaParams& p, const in
 template <int NT>
 __device__ __forceinline__ void dequant_raw_tile(const unsigned char* rb, int nk, uint16_t* tile) {
   constexpr int kChunks = kMlaDim / 8;
+  constexpr int kLdKv = ld_kv<kMlaDim>();
   for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += NT) {
     const int j = c / kChunks, part = c % kChunks;
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -200,15 +225,15 @@ __device__ __forceinline__ void dequant_raw_tile(const unsigned char* rb, int nk
   }
 }
 
-template <int NG>
+template <int NG, int D>
 struct MlaMmaSmem {
   static constexpr int kHeads = kMlaHeads * NG;
   // Index entries compacted per pass (the pipeline drains at each pass's end). NG = 1 keeps
-  // it at 1024 so that two CTAs fit an SM (112,064 B each).
+  // it at 1024 so that two CTAs fit an SM (112,064 B each at D = 576).
   static constexpr int kIdxChunk = NG == 1 ? 1024 : 2048;
-  // KV tiles: bf16 tiles 0 and 1, or (aligned fp8) bf16 tile 0 + raw buffers 0 and 1.
-  alignas(16) unsigned char region[kKvRegion];
-  alignas(16) uint16_t q[kHeads * kLdKv];  // A fragments are read from here (registers are full)
+  // KV tiles: bf16 tiles 0 and 1, or (576, aligned fp8) bf16 tile 0 + raw buffers 0 and 1.
+  alignas(16) unsigned char region[kv_region_bytes<D>()];
+  alignas(16) uint16_t q[kHeads * ld_kv<D>()];  // A fragments are read from here (registers are full)
   float sp[NG][4][kMlaHeads][kMmaKeys];  // per-warp partial scores of each head group
   uint16_t p[kHeads * kLdP];             // probabilities, bf16
   float alpha[kHeads];
@@ -229,13 +254,14 @@ struct MlaSplit {
   float* ml = nullptr;      // [splits][s_q][h_q][2]: running max (NaN: a non-finite score), sum
 };
 
-template <int NG, bool Vec>
+template <int NG, bool Vec, int D>
 __global__ void __launch_bounds__(NG * kGroupThreads, 1)
     sparse_mla_mma_kernel(SparseMlaParams p, MlaSplit sp, int32_t* err) {
   constexpr int NT = NG * kGroupThreads;
   constexpr int kHeads = kMlaHeads * NG;
+  constexpr int kLdKv = ld_kv<D>();
   IC_DYNAMIC_SMEM(smem_raw);
-  MlaMmaSmem<NG>& sm = *reinterpret_cast<MlaMmaSmem<NG>*>(smem_raw);
+  MlaMmaSmem<NG, D>& sm = *reinterpret_cast<MlaMmaSmem<NG, D>*>(smem_raw);
   const int64_t hctas = (p.h_q + kHeads - 1) / kHeads;
   const int split = static_cast<int>(blockIdx.x % static_cast<unsigned>(sp.splits));
   const int64_t rest = blockIdx.x / static_cast<unsigned>(sp.splits);
@@ -248,26 +274,27 @@ __global__ void __launch_bounds__(NG * kGroupThreads, 1)
   const int hg = kMlaHeads * gi;            // the group's first head in the CTA
   const bool active = hg < nh;              // warp-uniform: the group has a real head
   const int g = lane >> 2, tq = lane & 3;
-  constexpr int kChunks = kMlaDim / 8;  // 16-byte pieces per 576-value bf16 row
+  constexpr int kChunks = D / 8;  // 16-byte pieces per D-value bf16 row
   uint16_t* const tiles = reinterpret_cast<uint16_t*>(sm.region);
-  const bool raw_fp8 = Vec && p.kv_dtype == DType::kFp8E4M3;
+  const bool raw_fp8 = Vec && D == kMlaDim && p.kv_dtype == DType::kFp8E4M3;
 
   // q rows (bf16) -> shared, zeros past the last head.
-  const uint16_t* qg = static_cast<const uint16_t*>(p.q) + (t * p.h_q + h0) * kMlaDim;
+  const uint16_t* qg = static_cast<const uint16_t*>(p.q) + (t * p.h_q + h0) * D;
   for (int c = threadIdx.x; c < kHeads * kChunks; c += NT) {
     const int hh = c / kChunks, part = c % kChunks;
     uint16_t* d = sm.q + hh * kLdKv + part * 8;
     if (hh >= nh) {
       *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
     } else if (Vec) {
-      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(qg + hh * kMlaDim + part * 8);
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(qg + hh * D + part * 8);
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) d[i] = qg[hh * kMlaDim + part * 8 + i];
+      for (int i = 0; i < 8; ++i) d[i] = qg[hh * D + part * 8 + i];
     }
   }
   // (The first barrier inside the loop orders these stores before the fragment loads.)
-  constexpr int kSteps = kMlaDim / 16 / 4;  // 9 k-steps: this warp's quarter of the 576 dims
+  constexpr int kSteps = D / 16 / 4;  // 9 (576) or 8 (512) k-steps: this warp's quarter of the dims
+  static_assert(D % 64 == 0, "the four warps of a group split D in k-steps of 16");
 
   const int cw = static_cast<int>(p.d_v) / 4;  // value columns per warp (multiple of 16)
   const int nts = cw / 8;
@@ -284,29 +311,31 @@ __global__ void __launch_bounds__(NG * kGroupThreads, 1)
   }
 
   const int64_t e0 = split * sp.chunk;
-  const int64_t e1 = std::min<int64_t>(p.topk, e0 + sp.chunk);
-  constexpr int kIdxChunk = MlaMmaSmem<NG>::kIdxChunk;
+  const int64_t e1 = std::min<int64_t>(p.topk + p.n_extra, e0 + sp.chunk);
+  constexpr int kIdxChunk = MlaMmaSmem<NG, D>::kIdxChunk;
   for (int64_t c0 = e0; c0 < e1; c0 += kIdxChunk) {
     const int nv = compact_chunk<NT>(p, t, c0, std::min<int64_t>(e1, c0 + kIdxChunk), sm.list, sm.scan, row_err);
     const int ntiles = (nv + kMmaKeys - 1) / kMmaKeys;
     if (ntiles > 0) {
-      issue_kv_tile<NT, Vec>(p, sm.list, nv, 0, 0, sm.region);
+      issue_kv_tile<NT, Vec, D>(p, sm.list, nv, 0, 0, sm.region);
       cp_async_commit();
     }
     for (int it = 0; it < ntiles; ++it) {
       const int b = it & 1;
       // The next tile's buffer was last read before the previous iteration's final barrier.
-      if (it + 1 < ntiles) issue_kv_tile<NT, Vec>(p, sm.list, nv, it + 1, b ^ 1, sm.region);
+      if (it + 1 < ntiles) issue_kv_tile<NT, Vec, D>(p, sm.list, nv, it + 1, b ^ 1, sm.region);
       cp_async_commit();
       cp_async_wait<1>();  // this thread's copies of tile `it` have landed
       __syncthreads();     // ... and everyone's
       const int nk = nv - it * kMmaKeys < kMmaKeys ? nv - it * kMmaKeys : kMmaKeys;
-      const uint16_t* kv = tiles + (raw_fp8 ? 0 : b * kKvTileElems);
-      if (raw_fp8) {
-        dequant_raw_tile<NT>(sm.region + kKvTileBytes + b * kRawTileBytes, nk, tiles);
-        __syncthreads();
+      const uint16_t* kv = tiles + (raw_fp8 ? 0 : b * kv_tile_elems<D>());
+      if constexpr (D == kMlaDim) {
+        if (raw_fp8) {
+          dequant_raw_tile<NT>(sm.region + kv_tile_bytes<D>() + b * kRawTileBytes, nk, tiles);
+          __syncthreads();
+        }
       }
-      // Partial S over this warp's 144 dims: 16 heads x 32 keys.
+      // Partial S over this warp's D / 4 dims (144 / 128): 16 heads x 32 keys.
       if (active) {
         float acc[kMmaKeys / 8][4];
 #pragma unroll
@@ -358,7 +387,8 @@ __global__ void __launch_bounds__(NG * kGroupThreads, 1)
         }
       }
       __syncthreads();
-      // O[group's heads, warp's columns] = alpha * O + P V.
+      // O[group's heads, warp's columns] = alpha * O + P V; V is the first d_v columns of the
+      // same tile (for D = 512 and d_v = 512 the whole key row: K = V).
       if (active) {
         const float a_lo = sm.alpha[hg + g], a_hi = sm.alpha[hg + g + 8];
 #pragma unroll
@@ -480,20 +510,22 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(SparseM
 
 // ------------------------------------------------------------------ fp32 FMA path
 
+template <int D>
 __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaParams p, int32_t* err) {
   IC_DYNAMIC_SMEM(smem_raw);
-  MlaFmaSmem& sm = *reinterpret_cast<MlaFmaSmem*>(smem_raw);
+  MlaFmaSmem<D>& sm = *reinterpret_cast<MlaFmaSmem<D>*>(smem_raw);
+  constexpr int kLdF = MlaFmaSmem<D>::kLdF;
   const int64_t groups = (p.h_q + kMlaHeads - 1) / kMlaHeads;
   const int64_t t = blockIdx.x / groups;
   const int64_t h0 = (blockIdx.x % groups) * kMlaHeads;
   const int nh = static_cast<int>(std::min<int64_t>(kMlaHeads, p.h_q - h0));
   int32_t* const row_err = h0 == 0 ? err : nullptr;
   const bool q32 = p.q_dtype == DType::kFloat32;
-  for (int idx = threadIdx.x; idx < kMlaHeads * kMlaDim; idx += kFmaThreads) {
-    const int hh = idx / kMlaDim, c = idx % kMlaDim;
+  for (int idx = threadIdx.x; idx < kMlaHeads * D; idx += kFmaThreads) {
+    const int hh = idx / D, c = idx % D;
     float v = 0.f;
     if (hh < nh) {
-      const int64_t at = (t * p.h_q + h0 + hh) * kMlaDim + c;
+      const int64_t at = (t * p.h_q + h0 + hh) * D + c;
       v = q32 ? static_cast<const float*>(p.q)[at] : bf16_to_float(static_cast<const uint16_t*>(p.q)[at]);
     }
     sm.q[hh * kLdF + c] = v;
@@ -505,20 +537,21 @@ __global__ void __launch_bounds__(kFmaThreads) sparse_mla_fma_kernel(SparseMlaPa
   float acc[kMlaHeads][2];
 #pragma unroll
   for (int h = 0; h < kMlaHeads; ++h) acc[h][0] = acc[h][1] = 0.f;
-  for (int64_t c0 = 0; c0 < p.topk; c0 += kFmaThreads) {
-    const int nv = compact_indices<kFmaThreads>(p, t, c0, p.topk, sm.list, sm.scan, row_err);  // barrier inside
+  const int64_t entries = p.topk + p.n_extra;  // indices, then extra_indices
+  for (int64_t c0 = 0; c0 < entries; c0 += kFmaThreads) {
+    const int nv = compact_indices<kFmaThreads>(p, t, c0, entries, sm.list, sm.scan, row_err);  // barrier inside
     for (int k0 = 0; k0 < nv; k0 += kFmaKeys) {
       const int nk = nv - k0 < kFmaKeys ? nv - k0 : kFmaKeys;
-      for (int idx = threadIdx.x; idx < kFmaKeys * kMlaDim; idx += kFmaThreads) {
-        const int jj = idx / kMlaDim, c = idx % kMlaDim;
-        sm.kv[jj * kLdF + c] = jj < nk ? kv_elem(p, sm.list[k0 + jj], c) : 0.f;
+      for (int idx = threadIdx.x; idx < kFmaKeys * D; idx += kFmaThreads) {
+        const int jj = idx / D, c = idx % D;
+        sm.kv[jj * kLdF + c] = jj < nk ? kv_elem<D>(p, sm.list[k0 + jj], c) : 0.f;
       }
       __syncthreads();
       const float* qr = sm.q + hh * kLdF;
       const float* kr = sm.kv + j * kLdF;
       float d = 0.f;
 #pragma unroll 8
-      for (int c = 0; c < kMlaDim; ++c) d = fmaf(qr[c], kr[c], d);
+      for (int c = 0; c < D; ++c) d = fmaf(qr[c], kr[c], d);
       const bool valid = j < nk;
       const float s = valid ? d * p.sm_scale : -__int_as_float(0x7f800000);
       // The 16 threads of head hh are 16 consecutive lanes of one warp.
@@ -607,25 +640,40 @@ inline int mla_num_splits(int64_t base_ctas, int64_t topk, int sms) {
   return static_cast<int>(std::max<int64_t>(s, 1));
 }
 
-template <int NG, bool Vec>
+template <int NG, bool Vec, int D>
 void launch_mma(const SparseMlaParams& p, const MlaSplit& sp, int64_t ctas, const DeviceEnv& env) {
-  const int smem = mla_smem(sparse_mla_mma_kernel<NG, Vec>, static_cast<int>(sizeof(MlaMmaSmem<NG>)), env);
-  IC_LAUNCH((sparse_mla_mma_kernel<NG, Vec>), dim3(static_cast<unsigned>(ctas)), NG * kGroupThreads, smem,
+  const int smem = mla_smem(sparse_mla_mma_kernel<NG, Vec, D>, static_cast<int>(sizeof(MlaMmaSmem<NG, D>)), env);
+  IC_LAUNCH((sparse_mla_mma_kernel<NG, Vec, D>), dim3(static_cast<unsigned>(ctas)), NG * kGroupThreads, smem,
             env.stream, p, sp, env.err);
 }
 
-inline int mma_smem_bytes(int ng) {
-  return static_cast<int>(ng == 4 ? sizeof(MlaMmaSmem<4>) : (ng == 2 ? sizeof(MlaMmaSmem<2>) : sizeof(MlaMmaSmem<1>)));
+template <int D>
+int mma_smem_bytes(int ng) {
+  return static_cast<int>(ng == 4 ? sizeof(MlaMmaSmem<4, D>)
+                                  : (ng == 2 ? sizeof(MlaMmaSmem<2, D>) : sizeof(MlaMmaSmem<1, D>)));
 }
+// Shared memory per CTA on the H100 / H200 (227 KB opt-in): the 64-head CTAs must fit.
+static_assert(sizeof(MlaMmaSmem<4, kMlaDim>) <= 232448 && sizeof(MlaMmaSmem<4, kMlaLatent>) <= 232448,
+              "a 64-head sparse MLA CTA fits sm_90's 227 KB of shared memory");
 
-template <bool Vec>
+template <bool Vec, int D>
 void launch_mma_heads(int ng, const SparseMlaParams& p, const MlaSplit& sp, int64_t ctas, const DeviceEnv& env) {
   if (ng == 4) {
-    launch_mma<4, Vec>(p, sp, ctas, env);
+    launch_mma<4, Vec, D>(p, sp, ctas, env);
   } else if (ng == 2) {
-    launch_mma<2, Vec>(p, sp, ctas, env);
+    launch_mma<2, Vec, D>(p, sp, ctas, env);
   } else {
-    launch_mma<1, Vec>(p, sp, ctas, env);
+    launch_mma<1, Vec, D>(p, sp, ctas, env);
+  }
+}
+
+template <int D>
+void launch_mma_aligned(bool vec, int ng, const SparseMlaParams& p, const MlaSplit& sp, int64_t ctas,
+                        const DeviceEnv& env) {
+  if (vec) {
+    launch_mma_heads<true, D>(ng, p, sp, ctas, env);
+  } else {
+    launch_mma_heads<false, D>(ng, p, sp, ctas, env);
   }
 }
 
@@ -633,21 +681,25 @@ void launch_mma_heads(int ng, const SparseMlaParams& p, const MlaSplit& sp, int6
 
 void sparse_mla_cuda(const SparseMlaParams& p, const DeviceEnv& env) {
   using namespace mla_detail;
+  TORCH_CHECK(p.d_qk == kMlaDim || (p.d_qk == kMlaLatent && p.kv_dtype != DType::kFp8E4M3),
+              "the CUDA sparse_mla takes d_qk 576 (any cache) or 512 (bf16/fp32 cache), got ", p.d_qk);
   if (p.s_q == 0 || p.h_q == 0) return;
+  const bool wide = p.d_qk == kMlaDim;
+  const int64_t entries = p.topk + p.n_extra;  // indices, then extra_indices: one list per row
   if (p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32) {
     // Heads per CTA: 64, or h_q rounded up to 16 when smaller (16 or 32); fewer where the
     // device's shared memory per block cannot hold that CTA (A100: 163 KB takes 32 heads).
     int ng = p.h_q > 2 * kMlaHeads ? 4 : (p.h_q > kMlaHeads ? 2 : 1);
-    while (ng > 1 && mma_smem_bytes(ng) > env.smem_optin) ng /= 2;
+    while (ng > 1 && (wide ? mma_smem_bytes<kMlaDim>(ng) : mma_smem_bytes<kMlaLatent>(ng)) > env.smem_optin) ng /= 2;
     const int64_t heads = kMlaHeads * ng;
     const int64_t base = p.s_q * ((p.h_q + heads - 1) / heads);
     MlaSplit sp;
-    sp.chunk = p.topk;
-    const int want = mla_num_splits(base, p.topk, env.sms);
+    sp.chunk = entries;
+    const int want = mla_num_splits(base, entries, env.sms);
     if (want > 1) {
       // Whole tiles per split where possible; the last split may be shorter.
-      sp.chunk = ((p.topk + want - 1) / want + kMmaKeys - 1) / kMmaKeys * kMmaKeys;
-      sp.splits = static_cast<int>((p.topk + sp.chunk - 1) / sp.chunk);
+      sp.chunk = ((entries + want - 1) / want + kMmaKeys - 1) / kMmaKeys * kMmaKeys;
+      sp.splits = static_cast<int>((entries + sp.chunk - 1) / sp.chunk);
     }
     const int64_t ctas = base * sp.splits;
     TORCH_CHECK(ctas <= INT_MAX && p.s_q * p.h_q <= INT_MAX,
@@ -660,10 +712,10 @@ void sparse_mla_cuda(const SparseMlaParams& p, const DeviceEnv& env) {
     const uintptr_t qa = reinterpret_cast<uintptr_t>(p.q), ka = reinterpret_cast<uintptr_t>(p.kv);
     // bf16 rows are 1152 B, fp8 rows 656 B: both keep 16-byte alignment from the base.
     const bool vec = (qa % 16 == 0) && (ka % 16 == 0);
-    if (vec) {
-      launch_mma_heads<true>(ng, p, sp, ctas, env);
+    if (wide) {
+      launch_mma_aligned<kMlaDim>(vec, ng, p, sp, ctas, env);
     } else {
-      launch_mma_heads<false>(ng, p, sp, ctas, env);
+      launch_mma_aligned<kMlaLatent>(vec, ng, p, sp, ctas, env);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (sp.splits > 1) {
@@ -675,8 +727,16 @@ void sparse_mla_cuda(const SparseMlaParams& p, const DeviceEnv& env) {
   }
   const int64_t ctas = p.s_q * ((p.h_q + kMlaHeads - 1) / kMlaHeads);
   TORCH_CHECK(ctas <= INT_MAX, "too many (query, head group) pairs for the CUDA sparse MLA: ", ctas);
-  const int smem = mla_smem(sparse_mla_fma_kernel, static_cast<int>(sizeof(MlaFmaSmem)), env);
-  IC_LAUNCH(sparse_mla_fma_kernel, dim3(static_cast<unsigned>(ctas)), kFmaThreads, smem, env.stream, p, env.err);
+  if (wide) {
+    const int smem = mla_smem(sparse_mla_fma_kernel<kMlaDim>, static_cast<int>(sizeof(MlaFmaSmem<kMlaDim>)), env);
+    IC_LAUNCH(sparse_mla_fma_kernel<kMlaDim>, dim3(static_cast<unsigned>(ctas)), kFmaThreads, smem, env.stream, p,
+              env.err);
+  } else {
+    const int smem =
+        mla_smem(sparse_mla_fma_kernel<kMlaLatent>, static_cast<int>(sizeof(MlaFmaSmem<kMlaLatent>)), env);
+    IC_LAUNCH(sparse_mla_fma_kernel<kMlaLatent>, dim3(static_cast<unsigned>(ctas)), kFmaThreads, smem, env.stream,
+              p, env.err);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

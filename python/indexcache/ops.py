@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (registers the ops)
+from .formats import MLA_KV_WIDTH, MLA_LATENT
 
 _ops = torch.ops.indexcache
 
@@ -141,11 +142,13 @@ def positions_to_slots(positions, req_of_row, block_table, block_size: int, num_
 
 
 def mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache) -> None:
-    """Write latents ``kv_c [n, 512]`` and RoPE keys ``k_pe [n, 64]`` into the MLA cache, in place.
+    """Write rows ``[kv_c | k_pe]`` into the MLA cache at their slots, in place.
 
-    cache bf16/fp32 ``[num_blocks, block_size, 576]`` or uint8 ``[num_blocks, block_size, 656]``
-    (fp8_ds_mla: 512 e4m3, 4 fp32 scales = max(amax, 1e-4) / 448 per 128, 64 bf16 RoPE).
-    slot_mapping int64 ``[n]``, -1 skips.
+    DSA: latents ``kv_c [n, 512]``, RoPE keys ``k_pe [n, 64]``, cache bf16/fp32 ``[num_blocks,
+    block_size, 576]`` or uint8 ``[num_blocks, block_size, 656]`` (fp8_ds_mla: 512 e4m3, 4 fp32
+    scales = max(amax, 1e-4) / 448 per 128, 64 bf16 RoPE). DeepSeek-V4: the K=V row split as
+    ``kv_c [n, 448]`` + ``k_pe [n, 64]`` (its last 64, RoPE applied) into a bf16/fp32 ``[..,
+    512]`` cache. kv_c and k_pe contiguous, one dtype. slot_mapping int64 ``[n]``, -1 skips.
     """
     _ops.mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache)
 
@@ -164,25 +167,63 @@ def _check_sinks(sinks, q) -> None:
         raise ValueError(f"sinks must be contiguous, got strides {sinks.stride()}")
 
 
-def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, lse=None, sinks=None):
-    """Absorbed sparse MLA over selected slots (DESIGN.md §5).
+def _check_mla_shapes(q, kv_cache, extra_indices) -> None:
+    """ValueError naming the problem for the d_qk / cache / extra_indices contract (the C++ op
+    checks the same with TORCH_CHECK; index values out of range raise there, as for indices)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[-1] not in (MLA_LATENT, MLA_KV_WIDTH):
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must be [s_q, h_q, d_qk] with d_qk 576 (DSA: 512 latent + 64 RoPE) or 512 "
+                         f"(DeepSeek-V4's K=V head), got {got}")
+    d_qk = q.shape[-1]
+    if kv_cache.dtype == torch.uint8:
+        if d_qk != MLA_KV_WIDTH:
+            raise ValueError(f"an fp8_ds_mla cache (uint8) holds 576-wide rows, but q has d_qk {d_qk}; "
+                             "DeepSeek-V4's 512-wide rows take a bf16 or fp32 cache")
+    elif kv_cache.shape[-1] != d_qk:
+        raise ValueError(f"kv_cache rows must have d_qk = {d_qk} values (q's last dim), got {tuple(kv_cache.shape)}")
+    if extra_indices is None:
+        return
+    if not isinstance(extra_indices, torch.Tensor):
+        raise ValueError(f"extra_indices must be an int32 tensor [s_q, n_extra] or None, got {type(extra_indices).__name__}")
+    if extra_indices.dtype != torch.int32:
+        raise ValueError(f"extra_indices must be int32 physical slots, got {extra_indices.dtype}")
+    if extra_indices.dim() != 2 or extra_indices.shape[0] != q.shape[0]:
+        raise ValueError(f"extra_indices must be [s_q, n_extra] = [{q.shape[0]}, n_extra], got {tuple(extra_indices.shape)}")
+    if extra_indices.device != q.device:
+        raise ValueError(f"extra_indices and q must be on one device, got {extra_indices.device} and {q.device}")
+    if not extra_indices.is_contiguous():
+        raise ValueError(f"extra_indices must be contiguous, got strides {extra_indices.stride()}")
 
-    q bf16/fp32 ``[s_q, h_q, 576]``; kv_cache as :func:`mla_kv_cache_insert`; indices int32
-    ``[s_q, topk]`` physical slots, -1 = none. Returns ``(out [s_q, h_q, d_v] in q's dtype,
-    lse fp32 [s_q, h_q])``; rows with no valid slot give 0 and -inf.
+
+def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, lse=None, sinks=None,
+               extra_indices=None):
+    """Sparse attention of one shared K=V cache head over selected slots (DESIGN.md §5, §6).
+
+    q bf16/fp32 ``[s_q, h_q, d_qk]``: d_qk 576 (DSA's absorbed form: 512 latent + 64 RoPE) or
+    512 (DeepSeek-V4's shared K=V head, RoPE on its last 64 already applied). kv_cache as
+    :func:`mla_kv_cache_insert`, rows of d_qk (fp8_ds_mla only for 576); the value is the first
+    d_v dims of each row (for 512: the whole row, K = V). indices int32 ``[s_q, topk]`` physical
+    slots, -1 = none. Returns ``(out [s_q, h_q, d_v] in q's dtype, lse fp32 [s_q, h_q])``; rows
+    with no valid slot give 0 and -inf.
 
     sinks: fp32 ``[h_q]`` (contiguous, q's device) or None: one attention-sink logit per head
-    that joins every row's softmax denominator with no value row (HY-V4). lse includes it; a
-    row with no valid slot still gives 0, with lse = the sink. -inf is no sink; NaN / +inf make
-    the head's out and lse NaN on rows with a valid slot (docs/ops.md).
+    that joins every row's softmax denominator with no value row (HY-V4, DeepSeek-V4). lse
+    includes it; a row with no valid slot still gives 0, with lse = the sink. -inf is no sink;
+    NaN / +inf make the head's out and lse NaN on rows with a valid slot (docs/ops.md).
+
+    extra_indices: int32 ``[s_q, n_extra]`` (contiguous, q's device) or None: a second list of
+    physical slots into the same cache (V4: the sliding window of raw entries, with indices the
+    selected compressed entries). The softmax runs over both lists together; each listed valid
+    slot counts once per listing, as duplicates within indices do.
     """
+    _check_mla_shapes(q, kv_cache, extra_indices)
     if sinks is not None:
         _check_sinks(sinks, q)
     if out is None:
         out = q.new_empty((q.shape[0], q.shape[1], d_v))
     if lse is None:
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-    _ops.sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks)
+    _ops.sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks, extra_indices)
     return out, lse
 
 

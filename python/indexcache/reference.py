@@ -298,12 +298,15 @@ def positions_to_slots(positions: torch.Tensor, req_of_row: torch.Tensor, block_
 # ----------------------------------------------------------------------------- MLA KV cache
 
 def mla_kv_cache_insert(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor) -> None:
-    """Write the 512-d latent and 64-d RoPE key of n tokens into the MLA cache at their slots.
+    """Write the rows ``[kv_c | k_pe]`` of n tokens into the MLA cache at their slots.
 
-    cache ``[num_blocks, block_size, 576]`` bf16/fp32, or uint8 ``[num_blocks, block_size, 656]``
-    in the ``fp8_ds_mla`` format: 512 e4m3, four fp32 scales (max(amax, 1e-4) / 448 per 128
-    values), 64 bf16 RoPE values.
+    DSA: kv_c ``[n, 512]`` latents, k_pe ``[n, 64]`` RoPE keys, cache ``[num_blocks, block_size,
+    576]`` bf16/fp32, or uint8 ``[num_blocks, block_size, 656]`` in the ``fp8_ds_mla`` format: 512
+    e4m3, four fp32 scales (max(amax, 1e-4) / 448 per 128 values), 64 bf16 RoPE values.
+    DeepSeek-V4: kv_c ``[n, 448]``, k_pe ``[n, 64]`` (the K=V row's last 64, RoPE applied), cache
+    ``[.., 512]`` bf16/fp32.
     """
+    lat = kv_c.shape[1]
     flat = cache.view(-1, cache.shape[-1])
     for i in range(kv_c.shape[0]):
         slot = int(slot_mapping[i])
@@ -320,12 +323,12 @@ def mla_kv_cache_insert(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: to
             flat[slot, MLA_LATENT:MLA_FP8_SCALE_END] = scale.view(torch.uint8)
             flat[slot, MLA_FP8_SCALE_END:] = k_pe[i].to(torch.bfloat16).view(torch.uint8)
         else:
-            flat[slot, :MLA_LATENT] = kv_c[i].to(cache.dtype)
-            flat[slot, MLA_LATENT:] = k_pe[i].to(cache.dtype)
+            flat[slot, :lat] = kv_c[i].to(cache.dtype)
+            flat[slot, lat:] = k_pe[i].to(cache.dtype)
 
 
 def mla_kv_cache_dequant(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as fp32 ``[num_slots, 576]`` (dequantized when fp8_ds_mla)."""
+    """The cache as fp32 ``[num_slots, row width]``: 576 (dequantized when fp8_ds_mla) or 512."""
     flat = cache.reshape(-1, cache.shape[-1])
     if cache.dtype != torch.uint8:
         return flat.float()
@@ -348,15 +351,22 @@ def mla_softmax_scale(qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64, m
 
 
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-               d_v: int = MLA_LATENT, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed sparse MLA over the selected cache slots (DESIGN.md §5).
+               d_v: int = MLA_LATENT, sinks: Optional[torch.Tensor] = None,
+               extra_indices: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention of one shared K=V cache head over the selected slots (DESIGN.md §5, §6).
 
-    q ``[s_q, h_q, 576]`` (bf16/fp32); kv_cache as :func:`mla_kv_cache_insert`; indices int32
-    ``[s_q, topk]`` physical slots, -1 = none. Returns ``out [s_q, h_q, d_v]`` in q's dtype
-    and ``lse`` fp32 ``[s_q, h_q]`` (natural log of the softmax denominator of the scaled
-    scores); a row with no valid slot gives out 0 and lse -inf. A (row, head) with a valid
-    slot whose score is NaN or +-inf (a NaN/inf in q[t, h] or in a selected cache row, or an
-    fp32 overflow) gets NaN in all of out[t, h] and in lse[t, h].
+    q ``[s_q, h_q, d_qk]`` (bf16/fp32): d_qk 576 is DSA's absorbed form (512 latent + 64 RoPE),
+    512 DeepSeek-V4's shared K=V head (RoPE on its last 64, applied). kv_cache as
+    :func:`mla_kv_cache_insert`, rows of d_qk; the value is the first d_v dims of each row (the
+    latent for 576, the whole row for V4). indices int32 ``[s_q, topk]`` physical slots, -1 =
+    none. extra_indices int32 ``[s_q, n_extra]`` or None: more slots of the same cache (V4: the
+    sliding window of raw entries, indices the selected compressed ones); the softmax runs over
+    both lists together, each listed valid slot counting once per listing (as duplicates within
+    indices do). Returns ``out [s_q, h_q, d_v]`` in q's dtype and ``lse`` fp32 ``[s_q, h_q]``
+    (natural log of the softmax denominator of the scaled scores); a row with no valid slot
+    gives out 0 and lse -inf. A (row, head) with a valid slot whose score is NaN or +-inf (a
+    NaN/inf in q[t, h] or in a selected cache row, or an fp32 overflow) gets NaN in all of
+    out[t, h] and in lse[t, h].
 
     sinks: fp32 ``[h_q]`` or None, one attention-sink logit per head (HY-V4, DeepSeek-V4). It
     joins every row's softmax denominator and has no value row:
@@ -366,10 +376,10 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     out and lse NaN on every row of that head with a valid slot (docs/ops.md).
     """
     kv = mla_kv_cache_dequant(kv_cache)
-    idx = indices.long()
+    idx = indices.long() if extra_indices is None else torch.cat((indices, extra_indices), dim=1).long()
     valid = idx >= 0
     # -1 entries read nothing: a NaN in whatever row they would point at must not leak in.
-    gathered = torch.where(valid.unsqueeze(-1), kv[idx.clamp(min=0)], torch.zeros(()))  # [s_q, topk, 576]
+    gathered = torch.where(valid.unsqueeze(-1), kv[idx.clamp(min=0)], torch.zeros(()))  # [s_q, topk + n_extra, d_qk]
     scores = torch.einsum("thd,tkd->thk", q.float(), gathered) * sm_scale
     bad = (~torch.isfinite(scores) & valid.unsqueeze(1)).any(dim=-1)  # [s_q, h_q]
     if sinks is not None:
@@ -387,7 +397,6 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
     out = torch.where(bad.unsqueeze(-1), torch.full_like(out, math.nan), out)
     lse = torch.where(bad, torch.full_like(lse, math.nan), lse)
     return out.to(q.dtype), lse
-
 
 
 # ----------------------------------------------------------------------------- MiniMax-M3 block-sparse ops

@@ -7,6 +7,12 @@
 #include <cstdint>
 #include <limits>
 
+#if defined(__CUDACC__)
+#define INDEXCACHE_HD __host__ __device__
+#else
+#define INDEXCACHE_HD
+#endif
+
 namespace indexcache {
 
 enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFp8E4M3 = 2 };
@@ -105,10 +111,17 @@ struct SlotParams {
   int64_t num_blocks;          // block ids must be < num_blocks
 };
 
-// Sparse MLA, absorbed form (DESIGN.md §5).
+// Sparse MLA, absorbed form (DESIGN.md §5), and DeepSeek-V4's shared-KV attention (§6): one
+// K=V head per cache row of d_qk values, the value the first d_v of them.
+//   d_qk 576: DSA models (512 latent + 64 RoPE; value = the latent), any cache format.
+//   d_qk 512: DeepSeek-V4 (RoPE on the last 64, applied; value = the whole row), bf16/fp32.
+// The keys of row t are the valid entries of indices[t] followed by those of
+// extra_indices[t] (V4: the selected compressed entries, then the sliding window of raw
+// entries, both physical slots of the same cache); every listed valid entry counts once per
+// listing, as duplicates in one list do.
 struct SparseMlaParams {
-  const void* q;             // [s_q, h_q, 576] q_dtype (fp32 or bf16)
-  const void* kv;            // [num_slots, kv_row_bytes]: fp32/bf16 576 values or 656 B fp8_ds_mla
+  const void* q;             // [s_q, h_q, d_qk] q_dtype (fp32 or bf16)
+  const void* kv;            // [num_slots, kv_row]: d_qk fp32/bf16 values, or 656 B fp8_ds_mla (d_qk 576)
   const int32_t* indices;    // [s_q, topk] physical slots, -1 = none
   void* out;                 // [s_q, h_q, d_v] q_dtype
   float* lse;                // [s_q, h_q] natural-log softmax denominators
@@ -116,16 +129,24 @@ struct SparseMlaParams {
   int64_t h_q;
   int64_t topk;
   int64_t num_slots;
-  int64_t d_v;               // 512
+  int64_t d_v;               // 512 (<= 512 and <= d_qk)
   float sm_scale;
   DType q_dtype;
   DType kv_dtype;            // kFp8E4M3 means the 656-byte fp8_ds_mla layout
   // [h_q] fp32 attention-sink logit per head, or nullptr (none). Joins each row's softmax
   // denominator with no value row; lse includes it; a NaN / +inf sink makes its head's out and
-  // lse NaN on rows with a valid slot, -inf is no sink (docs/ops.md). Last, so the initialisers
-  // written before sinks existed still mean "no sinks".
+  // lse NaN on rows with a valid slot, -inf is no sink (docs/ops.md). The members from here on
+  // have defaults, so initialisers written before they existed keep their meaning.
   const float* sinks = nullptr;
+  const int32_t* extra_indices = nullptr;  // [s_q, n_extra] physical slots, -1 = none; or nullptr
+  int64_t n_extra = 0;       // 0 when extra_indices is nullptr
+  int64_t d_qk = 576;        // 576 or 512: the width of q and of a bf16/fp32 cache row
 };
+
+// Entry j of row t's key list, j in [0, topk + n_extra): indices, then extra_indices.
+INDEXCACHE_HD inline int32_t mla_entry(const SparseMlaParams& p, int64_t t, int64_t j) {
+  return j < p.topk ? p.indices[t * p.topk + j] : p.extra_indices[t * p.n_extra + (j - p.topk)];
+}
 
 // Finishes one (row, head) of sparse MLA from its softmax state over the valid keys: m the
 // max score, l = Σ exp(s - m) (0: no valid key), bad: a score was NaN or ±inf. sink is the
@@ -134,11 +155,6 @@ struct SparseMlaParams {
 // without a valid key (kernels that divide use (x * num) / den). Without a sink (-inf) the
 // arithmetic is the sink-free one exactly: max(m, -inf) = m, exp(0) = 1 and exp(-inf) = 0, so
 // num = 1, den = l, scale = 1 / l and lse = m + log(l) to the bit.
-#if defined(__CUDACC__)
-#define INDEXCACHE_HD __host__ __device__
-#else
-#define INDEXCACHE_HD
-#endif
 struct MlaFinish {
   float lse;
   float scale;
@@ -161,16 +177,18 @@ INDEXCACHE_HD inline float mla_sink(const SparseMlaParams& p, int64_t h) {
   return p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<float>::infinity();
 }
 
-// MLA KV cache insert.
+// MLA KV cache insert: a row is [kv_c | k_pe]. DSA models: 512 + 64 = 576 (any format);
+// DeepSeek-V4: 448 + 64 = 512, the K=V row with RoPE on its last 64 (bf16/fp32 caches).
 struct MlaInsertParams {
-  const void* kv_c;            // [n, 512] src_dtype
+  const void* kv_c;            // [n, d_latent] src_dtype
   const void* k_pe;            // [n, 64] src_dtype
   const int64_t* slot_mapping; // [n], -1 = skip
-  void* cache;                 // [num_slots, 576] cache_dtype, or [num_slots, 656] bytes (fp8)
+  void* cache;                 // [num_slots, d_latent + 64] cache_dtype, or [num_slots, 656] bytes (fp8)
   int64_t n;
   int64_t num_slots;
   DType src_dtype;
   DType cache_dtype;
+  int64_t d_latent = 512;      // 512, or 448 (bf16/fp32 caches only)
 };
 
 void quantize_fp8_cpu(const QuantParams& p);

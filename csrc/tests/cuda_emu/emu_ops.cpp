@@ -236,4 +236,22 @@ int emu_sparse_mla_sinks(const void* q, const void* kv, const int32_t* indices, 
   });
 }
 
+// emu_sparse_mla generalised (DeepSeek-V4): rows of d_qk (576 or 512), sinks fp32 [h_q] or
+// nullptr, extra_indices int32 [s_q, n_extra] or nullptr (attended together with indices).
+int emu_sparse_mla_v4(const void* q, const void* kv, const int32_t* indices, const int32_t* extra_indices,
+                      void* out, float* lse, int64_t s_q, int64_t h_q, int64_t topk, int64_t n_extra,
+                      int64_t num_slots, int64_t d_v, float sm_scale, int q_dtype, int kv_dtype, const float* sinks,
+                      int64_t d_qk) {
+  return guarded([&] {
+    Scratch s;
+    SparseMlaParams p{q, kv, indices, out, lse, s_q, h_q, topk, num_slots, d_v, sm_scale,
+                      static_cast<DType>(q_dtype), static_cast<DType>(kv_dtype)};
+    p.sinks = sinks;
+    p.extra_indices = extra_indices;
+    p.n_extra = extra_indices != nullptr ? n_extra : 0;
+    p.d_qk = d_qk;
+    sparse_mla_cuda(p, env(s));
+  });
+}
+
 }  // extern "C"
