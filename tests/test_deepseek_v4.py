@@ -154,6 +154,33 @@ def test_missing_tensor_is_a_clear_error(ckpt, tmp_path):
         ours(tmp_path)
 
 
+def test_deepseek_layout_and_fp8_checkpoints(ckpt, tmp_path, ids):
+    """DeepSeek's own names (no ``model.`` prefix, ``embed.weight``, ``hc_head_fn``) load too, and a
+    block-FP8 checkpoint loads held FP8 or dequantized."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+    path, _ = ckpt
+    want = ours(path)(ids)
+    tensors = load_file(str(path / "model.safetensors"))
+    official = {re.sub(r"^model\.", "", re.sub(r"^model\.hc_head\.hc_", "hc_head_",
+                                                re.sub(r"^model\.embed_tokens\.", "embed.", n))): t
+                for n, t in tensors.items()}
+    assert "embed.weight" in official and "hc_head_fn" in official and "layers.1.attn.indexer.wq_b.weight" in official
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "config.json").write_text((path / "config.json").read_text())
+    save_file(official, str(tmp_path / "ds" / "model.safetensors"))
+    model = ours(tmp_path / "ds", {"use_index_cache": True, "index_topk_pattern": "FSF"})
+    assert model.official_layout and model.model.layers[3].self_attn.indexer is None
+    assert torch.equal(ours(tmp_path / "ds")(ids), want)
+    ours(path).save_pretrained(tmp_path / "fp8", fp8=True)
+    names = set(load_file(str(tmp_path / "fp8" / "model.safetensors")))
+    assert "model.layers.1.attn.wq_a.weight_scale_inv" in names and "model.layers.0.ffn.experts.3.w1.weight_scale_inv" in names
+    held, deq = ours(tmp_path / "fp8", weights="fp8"), ours(tmp_path / "fp8", weights="bf16", dtype=torch.float32)
+    assert held.model.layers[0].mlp.experts[3].gate_proj.weight.dtype == torch.float8_e4m3fn
+    assert rel(held(ids), deq(ids)) < 1e-5 and 1e-6 < rel(deq(ids), want) < 0.3  # e4m3 weights of a tiny random model
+
+
 def test_config_errors(ckpt):
     import json
     cfg = json.loads((ckpt[0] / "config.json").read_text())

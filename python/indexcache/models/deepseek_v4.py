@@ -22,8 +22,10 @@ blocks use transformers' names).
 
 from __future__ import annotations
 
+import contextvars
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,7 +42,9 @@ from .blocks.v4_cache import CSA, HCA, SLIDING, V4Batch, V4DenseStore, V4PagedCa
 from .dsa import DSAForCausalLM
 from .state import BatchMeta, ForwardContext
 
-_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.attn\.indexer\.")
+_LAYER_TENSOR = re.compile(r"^(?:model\.)?layers\.(\d+)\.attn\.indexer\.")
+# set while from_pretrained builds a model for a checkpoint in DeepSeek's own layout (no "model." prefix)
+_OFFICIAL_LAYOUT = contextvars.ContextVar("deepseek_v4_official_layout", default=False)
 _RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 
 
@@ -181,6 +185,29 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
         if par is not None and (par.tp_size > 1 or par.pp_size > 1):
             raise ValueError("DeepSeek-V4 runs in one process for now (no tensor or pipeline parallelism)")
         super().__init__(args, plan, **kwargs)
+        self.official_layout = _OFFICIAL_LAYOUT.get()
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> "DeepseekV4ForCausalLM":
+        """As ``DSAForCausalLM.from_pretrained``; reads both layouts of the names: transformers'
+        (``model.layers.N.attn.wq_a.weight``, ``model.embed_tokens.weight``) and DeepSeek's own
+        (``layers.N.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``, ``norm.weight``)."""
+        from indexcache import loader
+        p = Path(path)
+        names = set(loader._weight_files(p)) if p.is_dir() else set()
+        token = _OFFICIAL_LAYOUT.set("embed.weight" in names and "model.embed_tokens.weight" not in names)
+        try:
+            return super().from_pretrained(path, **kwargs)
+        finally:
+            _OFFICIAL_LAYOUT.reset(token)
+
+    def checkpoint_name(self, name: str) -> str:
+        name = super().checkpoint_name(name)
+        if getattr(self, "official_layout", False):
+            name = re.sub(r"^model\.embed_tokens\.", "embed.", name)
+            name = re.sub(r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name)
+            name = re.sub(r"^model\.", "", name)
+        return name
 
     def drops_checkpoint_tensor(self, name: str) -> bool:
         if name.startswith("mtp.") or ".mtp." in name:

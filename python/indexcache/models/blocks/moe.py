@@ -211,7 +211,7 @@ class V4MoE(MoE):
         super().__init__(args, par)
         self.gate = V4Gate(args, layer_id < args.hash_moe_layers)
         # stored expert by expert (``ffn.experts.E.w1/w3/w2``), clamped like the shared one
-        self.experts = nn.ModuleList(ClampedMLP(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+        self.experts = nn.ModuleList(ClampedMLP(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, self.par)
                                      for _ in range(args.n_routed_experts))
         self.shared_experts = ClampedMLP(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, self.par)
 
