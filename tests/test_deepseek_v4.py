@@ -266,3 +266,79 @@ def test_plan_cli_reports_the_csa_layers(ckpt, capsys):
     assert costs["index_k_cache_bytes_per_sequence"]["removed"] == 2 * 1000 * (32 + 4)
     assert main(["plan", "--config", str(path / "config.json")]) == 0
     assert "3 CSA layers, entries of 4 tokens" in capsys.readouterr().out
+
+
+def test_native_widths_through_the_ops(tmp_path, monkeypatch):
+    """The production widths (K=V head 512 with RoPE 64, indexer 128): attention through
+    ``ops.sparse_mla(..., extra_indices=)``, the indexer through ``ops.indexer_topk`` (fp32)."""
+    from indexcache.models.blocks import v4_attention
+    ref = hf_checkpoint(tmp_path, seed=1, head_dim=512, partial_rotary_factor=64 / 512, index_head_dim=128,
+                        num_hidden_layers=3, layer_types=[SLIDING, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe"],
+                        num_attention_heads=2, index_n_heads=8)
+    calls = []
+    real = v4_attention.ops.sparse_mla
+    monkeypatch.setattr(v4_attention.ops, "sparse_mla", lambda *a, **k: calls.append(k) or real(*a, **k))
+    model = ours(tmp_path)
+    assert model.args.native_mla and model.args.native_indexer
+    ids = torch.randint(0, WIDTHS["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(2))
+    got = model(ids)
+    assert len(calls) == 3 and all(k["extra_indices"].shape[1] == WIDTHS["sliding_window"] for k in calls)
+    monkeypatch.undo()
+    assert rel(got, hf_logits(ref, ids, monkeypatch)) < 1e-4
+    s = ids[0].tolist()
+    assert rel(run_paged(model, [s], [9], chunk=64)[0], got[0]) < 1e-5
+
+
+PAR_IDS = torch.tensor([[(3 * i + 1) % 64 for i in range(30)]])
+PAR_PROMPTS = [[(7 * i + 3) % 64 for i in range(20)], [(5 * i + 11) % 64 for i in range(13)]]
+PAR_PATTERN = {"use_index_cache": True, "index_topk_pattern": "FSF"}  # pp2: stage 1 begins on S CSA layer 3
+PAR_LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2)]
+
+
+def _par_outputs(model):
+    return {"logits": model(PAR_IDS), "rows": model.topk_buffer[:PAR_IDS.numel()].clone(),
+            "tokens": generate(model, PAR_PROMPTS, 4, stop_tokens=[]).tokens}
+
+
+def _par_worker(rank, world, path, out_dir):
+    import traceback
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=world)
+        for name, tp, pp in PAR_LAYOUTS:
+            model = DeepseekV4ForCausalLM.from_pretrained(path, hf_overrides=PAR_PATTERN, tp_size=tp, pp_size=pp,
+                                                          dtype=torch.float32)
+            res = _par_outputs(model)
+            res["params"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            out[name] = res
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        out["failure"] = traceback.format_exc()
+    torch.save(out, out_dir / f"rank{rank}.pt")
+
+
+def test_tensor_and_pipeline_parallel(ckpt, tmp_path):
+    import torch.multiprocessing as mp
+
+    path = ckpt[0]
+    want = _par_outputs(ours(path, PAR_PATTERN))
+    mp.start_processes(_par_worker, args=(2, path, tmp_path), nprocs=2, join=True, start_method="spawn")
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r, o in enumerate(outs):
+        assert "failure" not in o, f"rank {r}:\n{o['failure']}"
+        for name, _, _ in PAR_LAYOUTS:
+            got = o[name]
+            assert rel(got["logits"], want["logits"]) < 1e-5, (name, r)
+            assert torch.equal(got["rows"], want["rows"]) and got["tokens"] == want["tokens"], (name, r)
+    tp = [o["tp2"]["params"] for o in outs]
+    # experts split 2 + 2 by id, the shared expert by columns, attention and hyper-connections replicated
+    assert "model.layers.0.mlp.experts.2.gate_proj.weight" in tp[1] and "model.layers.0.mlp.experts.0.gate_proj.weight" in tp[0]
+    assert "model.layers.0.mlp.experts.2.gate_proj.weight" not in tp[0]
+    assert tp[0]["model.layers.0.mlp.shared_experts.gate_proj.weight"] == (8, 32)
+    assert tp[0]["model.layers.1.self_attn.q_b_proj.weight"] == (256, 16) and tp[0]["model.layers.0.attn_hc.fn"] == (8, 64)
+    pp = [set(o["pp2"]["params"]) for o in outs]
+    assert "model.hc_head.hc_fn" in pp[1] and "model.hc_head.hc_fn" not in pp[0]

@@ -181,9 +181,8 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
         return [i for i, t in enumerate(args.v4_layer_types) if t == CSA]
 
     def __init__(self, args: ModelArgs, plan, **kwargs):
-        par = kwargs.get("parallel")
-        if par is not None and (par.tp_size > 1 or par.pp_size > 1):
-            raise ValueError("DeepSeek-V4 runs in one process for now (no tensor or pipeline parallelism)")
+        # tensor parallel: attention, compressors, indexers and hyper-connections replicated (as
+        # transformers' plan has them), routed experts split by expert, the shared expert column/row
         super().__init__(args, plan, **kwargs)
         self.official_layout = _OFFICIAL_LAYOUT.get()
 

@@ -156,8 +156,8 @@ class MoE(nn.Module):
 class ClampedMLP(MLP):
     """SwiGLU with DeepSeek-V4's clamp (gate at most ``limit``, up within ``±limit``): its shared expert."""
 
-    def __init__(self, dim: int, inter: int, limit: float, par: ParallelContext | None = None):
-        super().__init__(dim, inter, par)
+    def __init__(self, dim: int, inter: int, limit: float, par: ParallelContext | None = None, shard: bool = False):
+        super().__init__(dim, inter, par, shard)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,10 +210,14 @@ class V4MoE(MoE):
     def __init__(self, args: ModelArgs, layer_id: int, par: ParallelContext | None = None):
         super().__init__(args, par)
         self.gate = V4Gate(args, layer_id < args.hash_moe_layers)
-        # stored expert by expert (``ffn.experts.E.w1/w3/w2``), clamped like the shared one
-        self.experts = nn.ModuleList(ClampedMLP(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, self.par)
-                                     for _ in range(args.n_routed_experts))
-        self.shared_experts = ClampedMLP(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, self.par)
+        # stored expert by expert (``ffn.experts.E.w1/w3/w2``), clamped like the shared one; under
+        # tensor parallelism this rank's experts [e0, e1) keyed by their global id, the shared one split
+        d, i, lim, par = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, self.par
+        if par.tp_size == 1:
+            self.experts = nn.ModuleList(ClampedMLP(d, i, lim, par) for _ in range(args.n_routed_experts))
+        else:
+            self.experts = nn.ModuleDict({str(e): ClampedMLP(d, i, lim, par) for e in range(self.e0, self.e1)})
+        self.shared_experts = ClampedMLP(d, i, lim, par, shard=True)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, sync_free: bool = False) -> torch.Tensor:
         idx, weights = self.gate(x, input_ids)

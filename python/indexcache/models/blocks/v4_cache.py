@@ -101,7 +101,9 @@ class V4PagedCache:
         self.device, self.block_size, self.num_blocks, self.kv_cache_dtype = model.device, block_size, num_blocks, kv_cache_dtype
         self.manager = CacheManager(num_blocks, block_size)
         args = model.args
-        self.layers = [_allocate(layer, layer_rate(args, i), num_blocks, block_size, args.head_dim, table[kv_cache_dtype],
+        # a layer of another pipeline stage (no self_attn) keeps its caches there
+        self.layers = [None if layer.self_attn is None else
+                       _allocate(layer, layer_rate(args, i), num_blocks, block_size, args.head_dim, table[kv_cache_dtype],
                                  self.device) for i, layer in enumerate(model.model.layers[:args.num_hidden_layers])]
 
     def layer(self, layer_id: int) -> LayerStore:
@@ -110,6 +112,8 @@ class V4PagedCache:
     def layer_bytes(self, layer_id: int) -> tuple[int, int]:
         """(attention pool + compressor state bytes, indexer key + state bytes) of one layer."""
         s = self.layers[layer_id]
+        if s is None:
+            return 0, 0
         size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         return size(s.pool) + size(s.state), size(s.index_k) + size(s.index_state)
 
