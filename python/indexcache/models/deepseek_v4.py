@@ -185,6 +185,7 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
         # transformers' plan has them), routed experts split by expert, the shared expert column/row
         super().__init__(args, plan, **kwargs)
         self.official_layout = _OFFICIAL_LAYOUT.get()
+        self.indexer_fp8 = False  # the CSA indexer scores in fp32, as transformers' (no fp8 path yet)
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "DeepseekV4ForCausalLM":

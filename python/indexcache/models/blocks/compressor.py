@@ -10,9 +10,11 @@ rows ``Ca`` of window ``e - 1`` and ``Cb`` of window ``e`` (window 0 has no pred
 windows do not overlap. Entry ``e`` is visible to query position ``t`` once its window has closed:
 ``e < (t + 1) // rate``.
 
-Per token the projections ``[kv | gate]`` are written to the layer's ``state`` at its raw slot
-(``v4_cache``); a window closes when its last token arrives, in whichever forward that is, and
-reads its tokens' rows back.
+The carried state is an online softmax per window and series (running max, denominator and
+numerator of each feature, fp32) at the window's compressed slot (``v4_cache``): every token
+folds into its own window's accumulator as it arrives, in whichever forward; when a window's
+last token arrives its entry is the accumulator (merged, on CSA, with the previous window's Ca
+series) divided out. Memory per window, not per token.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..args import INDEX_HEAD_DIM, INDEXER_CHUNK_ELEMS, ModelArgs
 from ..state import BatchMeta, ForwardContext, row_chunks
 from .norms import RMSNorm
 from .rope import apply_rope
-from .v4_cache import LayerStore, V4Batch, comp_slots, raw_slots
+from .v4_cache import LayerStore, V4Batch, comp_slots
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -49,42 +51,59 @@ class Compressor(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, m * width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(rate, m * width))
         self.kv_norm = RMSNorm(width, args.rms_norm_eps)
-        self.state_width = 2 * m * width
+        self.acc_width = 3 * m * width  # per window: running max, denominator, numerator of each series
 
-    def update(self, x: torch.Tensor, meta: BatchMeta, slots: torch.Tensor, v4: V4Batch, store: LayerStore,
-               state: torch.Tensor, out: torch.Tensor, base: bool) -> None:
-        """Write this forward's tokens' ``[kv | gate]`` (rows ``x [N, hidden]`` at raw ``slots``) into
-        ``state``, then close every window whose last token is in this forward: its entry goes to
-        ``out`` (the pool, ``base``, or ``index_k``) at its compressed slot."""
-        state[slots] = torch.cat((self.kv_proj(x), self.gate_proj(x)), dim=-1).to(state.dtype)
-        pos = meta.positions
-        closing = ((pos + 1) % self.rate == 0).nonzero().view(-1)
+    def update(self, x: torch.Tensor, meta: BatchMeta, v4: V4Batch, store: LayerStore, acc: torch.Tensor,
+               out: torch.Tensor, base: bool) -> None:
+        """Fold this forward's tokens (rows ``x [N, hidden]``) into their windows' accumulators
+        ``acc`` (one fp32 row per window, at the window's compressed slot), then close every window
+        whose last token is in this forward: its entry goes to ``out`` (the pool, ``base``, or
+        ``index_k``) at its compressed slot."""
+        r, pos, req = self.rate, meta.positions, meta.req_of_row
+        own = comp_slots(meta, store, (pos // r).view(-1, 1), req, r, base=False).view(-1)
+        self._fold(acc, own, pos, self.kv_proj(x).float(), self.gate_proj(x).float())
+        closing = ((pos + 1) % r == 0).nonzero().view(-1)
         if closing.numel() == 0:
             return
-        entries = (pos[closing] + 1) // self.rate - 1
-        req = meta.req_of_row[closing]
-        comp = self.entries(state, meta, entries, req)
-        cos, sin = v4.compress_rope(entries * self.rate)
-        comp = rope_tail(comp, cos, sin)
-        out[comp_slots(meta, store, entries.view(-1, 1), req, self.rate, base).view(-1)] = comp.to(out.dtype)
+        entries = pos[closing] // r
+        comp = self.kv_norm(self._entries(acc, meta, store, entries, req[closing], own[closing]).to(x.dtype))
+        cos, sin = v4.compress_rope(entries * r)
+        slots = comp_slots(meta, store, entries.view(-1, 1), req[closing], r, base).view(-1)
+        out[slots] = rope_tail(comp, cos, sin).to(out.dtype)
 
-    def entries(self, state: torch.Tensor, meta: BatchMeta, entries: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
-        """The compressed entries ``[n, width]`` (before RoPE) of windows ``entries [n]`` of requests ``req``."""
-        r, w = self.rate, self.width
-        lo = -r if self.overlap else 0
-        offs = torch.arange(lo, r, device=entries.device)
-        pos = entries.unsqueeze(1) * r + offs  # [n, window rows]
-        slots = raw_slots(meta, torch.where(pos >= 0, pos, -1), req)
-        rows = state[slots.clamp(min=0)]
+    def _fold(self, acc: torch.Tensor, own: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor):
+        """Online softmax over each window's tokens, per feature: ``(max, Σ e^(g - max), Σ e^(g - max) kv)``."""
+        mw = kv.shape[1]
+        fresh = own[pos % self.rate == 0]  # a window's first token: its (possibly reused) slot starts over
+        acc[fresh] = torch.cat((torch.full((fresh.numel(), mw), -math.inf, device=acc.device),
+                                acc.new_zeros(fresh.numel(), 2 * mw)), dim=1)
+        gate = gate + self.position_bias.float()[pos % self.rate]
+        uniq, inv = torch.unique(own, return_inverse=True)
+        old_max, den, num = acc[uniq].split(mw, dim=1)
+        top = torch.full_like(old_max, -math.inf).scatter_reduce(0, inv.unsqueeze(1).expand_as(gate), gate, "amax")
+        new_max = torch.maximum(old_max, top)
+        keep = torch.where(old_max == -math.inf, 0.0, torch.exp(old_max - new_max))
+        e = torch.exp(gate - new_max[inv])
+        den = den * keep + torch.zeros_like(den).index_add_(0, inv, e)
+        num = num * keep + torch.zeros_like(num).index_add_(0, inv, e * kv)
+        acc[uniq] = torch.cat((new_max, den, num), dim=1)
+
+    def _entries(self, acc, meta, store, entries, req, own) -> torch.Tensor:
+        """fp32 entries ``[n, width]`` (before the norm) of windows ``entries``: the window's own series
+        (Cb when windows overlap) merged with the previous window's Ca."""
+        w = self.width
         m = 2 if self.overlap else 1
-        kv, gate = rows[..., :m * w], rows[..., m * w:].float() + self.position_bias.float()[(offs % r)]
-        if self.overlap:  # Ca of the previous window's tokens, Cb of this window's
-            kv = torch.cat((kv[:, :r, :w], kv[:, r:, w:]), dim=1)
-            gate = torch.cat((gate[:, :r, :w], gate[:, r:, w:]), dim=1)
-        missing = (slots < 0).unsqueeze(-1)
-        kv = kv.masked_fill(missing, 0.0)
-        gate = gate.masked_fill(missing, -math.inf)
-        return self.kv_norm((kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1))
+        mx, den, num = (t[:, (m - 1) * w:] for t in acc[own].split(m * w, dim=1))
+        if self.overlap:
+            prev = comp_slots(meta, store, torch.where(entries > 0, entries - 1, -1).view(-1, 1), req, self.rate,
+                              base=False).view(-1)
+            pm, pd, pn = (t[:, :w] for t in acc[prev.clamp(min=0)].split(2 * w, dim=1))
+            pm = torch.where((prev >= 0).unsqueeze(1), pm, -math.inf)
+            top = torch.maximum(mx, pm)
+            a = torch.where(pm == -math.inf, 0.0, torch.exp(pm - top))
+            b = torch.exp(mx - top)
+            den, num = den * b + pd * a, num * b + pn * a
+        return num / den
 
 
 class IndexerScorer(nn.Module):

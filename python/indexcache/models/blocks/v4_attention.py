@@ -104,7 +104,7 @@ class V4Attention(nn.Module):
             store = v4.store.layer(self.layer_id)
             slots = row_slots(meta)
             store.pool[slots] = kv.to(store.pool.dtype)
-        indices = self._compressed(x, qr, ctx, store, slots)
+        indices = self._compressed(x, qr, ctx, store)
         with ctx.stage(self.layer_id, "attn"):
             offs = torch.arange(-self.window + 1, 1, device=x.device)
             pos = meta.positions.unsqueeze(1) + offs
@@ -113,7 +113,7 @@ class V4Attention(nn.Module):
             out = rope_tail(out, cos, -sin)
             return self.o_b_proj(self.o_a_proj(out.reshape(n, self.groups, -1)))
 
-    def _compressed(self, x, qr, ctx: ForwardContext, store, slots) -> torch.Tensor:
+    def _compressed(self, x, qr, ctx: ForwardContext, store) -> torch.Tensor:
         """The compressed entries' pool slots each row attends (int ``[N, k]``, -1 padded; ``[N, 0]``
         on sliding layers), after this forward's windows have been compressed into the pool."""
         meta, n = ctx.meta, x.shape[0]
@@ -121,9 +121,9 @@ class V4Attention(nn.Module):
         if comp is None:
             return torch.empty(n, 0, dtype=torch.long, device=x.device)
         with ctx.stage(self.layer_id, "compress"):
-            comp.update(x, meta, slots, ctx.v4, store, store.state, store.pool, base=True)
+            comp.update(x, meta, ctx.v4, store, store.acc, store.pool, base=True)
             if comp.indexer is not None:  # its keys stay current even in a forward that reuses rows
-                comp.indexer.update(x, meta, slots, ctx.v4, store, store.index_state, store.index_k, base=False)
+                comp.indexer.update(x, meta, ctx.v4, store, store.index_acc, store.index_k, base=False)
         if self.kind == HCA:
             entries = visible_entries(meta.positions, comp.rate)
         elif ctx.is_full(self.layer_id):

@@ -15,10 +15,10 @@ both:
   raw blocks.
 
 The compressors' carried state (a window closes every ``r`` tokens, CSA windows overlap the
-previous one) is the per-token projections ``[kv | gate]`` kept at the token's raw slot in a
-``state`` tensor: a window closing in a later step reads its ``r`` (HCA) or ``2 r`` (CSA) tokens'
-rows back, whichever forward wrote them. The CSA indexer's compressed keys (``index_k``) live at
-the compressed slot numbering (no raw rows before them), its state beside the compressor's.
+previous one) is one fp32 accumulator row per window (``acc``: an online softmax per series,
+``blocks/compressor.py``) at the window's compressed slot numbering (no raw rows before it), so
+it costs per window what an entry costs, not per token. The CSA indexer's compressed keys
+(``index_k``) and accumulators (``index_acc``) use the same numbering.
 """
 
 from __future__ import annotations
@@ -44,33 +44,33 @@ def layer_rate(args: ModelArgs, layer_id: int) -> int:
 
 @dataclass
 class LayerStore:
-    """One layer's tensors in this forward: ``pool`` ``[raw_rows + comp_rows, head_dim]``, ``state``
-    ``[raw_rows, W]`` (None: sliding layer), ``index_k`` ``[comp_rows, index_head_dim]`` and
-    ``index_state`` ``[raw_rows, Wi]`` (None: no indexer)."""
+    """One layer's tensors in this forward: ``pool`` ``[raw_rows + comp_rows, head_dim]``, ``acc``
+    fp32 ``[comp_rows, W]`` (None: sliding layer), ``index_k`` fp32 ``[comp_rows, index_head_dim]``
+    and ``index_acc`` fp32 ``[comp_rows, Wi]`` (None: no indexer)."""
     pool: torch.Tensor
     raw_rows: int
     cpb: int
-    state: Optional[torch.Tensor] = None
+    acc: Optional[torch.Tensor] = None
     index_k: Optional[torch.Tensor] = None
-    index_state: Optional[torch.Tensor] = None
+    index_acc: Optional[torch.Tensor] = None
 
 
 def _layer_widths(layer) -> tuple:
-    """(state width, index state width, index key width) of a decoder layer (0: none)."""
+    """(accumulator width, index accumulator width, index key width) of a decoder layer (0: none)."""
     comp = layer.self_attn.compressor
     if comp is None:
         return 0, 0, 0
     idx = comp.indexer
-    return comp.state_width, (idx.state_width if idx is not None else 0), (idx.width if idx is not None else 0)
+    return comp.acc_width, (idx.acc_width if idx is not None else 0), (idx.width if idx is not None else 0)
 
 
 def _allocate(layer, rate: int, blocks: int, bs: int, head_dim: int, dtype, device) -> LayerStore:
     cpb = -(-bs // rate) if rate else 0
     raw = blocks * bs
     w, wi, di = _layer_widths(layer)
-    z = lambda rows, width, dt=dtype: torch.zeros(rows, width, dtype=dt, device=device) if width else None  # noqa: E731
-    return LayerStore(torch.zeros(raw + blocks * cpb, head_dim, dtype=dtype, device=device), raw, cpb,
-                      z(raw, w), z(blocks * cpb, di, torch.float32), z(raw, wi))
+    comp = blocks * cpb
+    z = lambda width: torch.zeros(comp, width, dtype=torch.float32, device=device) if width else None  # noqa: E731
+    return LayerStore(torch.zeros(raw + comp, head_dim, dtype=dtype, device=device), raw, cpb, z(w), z(di), z(wi))
 
 
 class V4DenseStore:
@@ -110,12 +110,12 @@ class V4PagedCache:
         return self.layers[layer_id]
 
     def layer_bytes(self, layer_id: int) -> tuple[int, int]:
-        """(attention pool + compressor state bytes, indexer key + state bytes) of one layer."""
+        """(attention pool + compressor accumulator bytes, indexer key + accumulator bytes) of one layer."""
         s = self.layers[layer_id]
         if s is None:
             return 0, 0
         size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        return size(s.pool) + size(s.state), size(s.index_k) + size(s.index_state)
+        return size(s.pool) + size(s.acc), size(s.index_k) + size(s.index_acc)
 
     def nbytes(self) -> dict:
         per = [self.layer_bytes(i) for i in range(len(self.layers))]
