@@ -125,6 +125,16 @@ def test_index_cache_equals_patched_transformers(ckpt, ids, overrides, pattern, 
     assert rel(want, hf_logits(ref, ids, monkeypatch)) > 1e-3  # the reuse changes the model's output
 
 
+def test_yarn_compress_rope_equals_transformers(tmp_path, ids, monkeypatch):
+    # V4's configs put YaRN on the compressed branches only ("compress", cos/sin unscaled)
+    ref = hf_checkpoint(tmp_path, seed=2, rope_parameters={"rope_type": "yarn", "factor": 16.0, "beta_fast": 32,
+                                                            "original_max_position_embeddings": 16, "beta_slow": 1})
+    model = ours(tmp_path)
+    assert model.args.compress_rope_scaling["factor"] == 16.0 and model.args.rope_scaling is None
+    assert torch.equal(model.v4_inv_freq["compress"], ref.model.rotary_emb.compress_inv_freq.float())
+    assert rel(model(ids), hf_logits(ref, ids, monkeypatch)) < 1e-4
+
+
 def test_plan_covers_csa_layers_only(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="index_topk_pattern has 4 entries"):
@@ -179,6 +189,13 @@ def test_deepseek_layout_and_fp8_checkpoints(ckpt, tmp_path, ids):
     held, deq = ours(tmp_path / "fp8", weights="fp8"), ours(tmp_path / "fp8", weights="bf16", dtype=torch.float32)
     assert held.model.layers[0].mlp.experts[3].gate_proj.weight.dtype == torch.float8_e4m3fn
     assert rel(held(ids), deq(ids)) < 1e-5 and 1e-6 < rel(deq(ids), want) < 0.3  # e4m3 weights of a tiny random model
+
+
+def test_no_training_forward_yet(ckpt):
+    from indexcache.models.state import TorchPass
+    model = ours(ckpt[0])
+    with pytest.raises(ValueError, match="no differentiable"):
+        model.torch_pass_context(TorchPass(1, 8, "causal", [(0, 8)]))
 
 
 def test_config_errors(ckpt):
