@@ -304,6 +304,8 @@ def test_native_widths_through_the_ops(tmp_path, monkeypatch):
     assert rel(got, hf_logits(ref, ids, monkeypatch)) < 1e-4
     s = ids[0].tolist()
     assert rel(run_paged(model, [s], [9], chunk=64)[0], got[0]) < 1e-5
+    with pytest.raises(ValueError, match="fp32 indexer"):  # no sync-free decode step: "auto" runs eager steps
+        generate(model, [s[:5]], 2, stop_tokens=[], decode_step="static")
 
 
 PAR_IDS = torch.tensor([[(3 * i + 1) % 64 for i in range(30)]])

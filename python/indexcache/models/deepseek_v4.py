@@ -257,6 +257,8 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
                         torch_pass=None) -> ForwardContext:
         if torch_pass is not None:
             raise ValueError("DeepSeek-V4 has no differentiable (training) forward yet")
+        if sync_free:  # its compressors and indexer read window closings and lengths on the host
+            raise ValueError("DeepSeek-V4 has no sync-free (CUDA graph) decode step yet: use decode_step='eager'")
         ctx = super().forward_context(meta, cache, timer, sync_free=sync_free, full=full)
         rope = {}
         for kind, inv in self.v4_inv_freq.items():

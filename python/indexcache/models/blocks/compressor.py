@@ -121,6 +121,7 @@ class V4Indexer(Compressor):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__(args, args.index_head_dim, args.csa_rate, overlap=True)
         self.layer_id, self.n_heads, self.topk = layer_id, args.index_n_heads, args.index_topk
+        self.fp8 = False  # fp32 scores (transformers'); the sync-free decode step refuses it (runtime/cuda_graph.py)
         self.q_b_proj = nn.Linear(args.q_lora_rank, self.n_heads * self.width, bias=False)
         self.scorer = IndexerScorer(args)
 
