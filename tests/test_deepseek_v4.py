@@ -283,6 +283,8 @@ def test_plan_cli_reports_the_csa_layers(ckpt, capsys):
     assert costs["index_k_cache_bytes_per_sequence"]["removed"] == 2 * 1000 * (32 + 4)
     assert main(["plan", "--config", str(path / "config.json")]) == 0
     assert "3 CSA layers, entries of 4 tokens" in capsys.readouterr().out
+    assert main(["plan", "--config", str(path / "config.json"), "--tp", "2"]) != 0
+    assert "DeepSeek-V4's are not sized yet" in capsys.readouterr().err
 
 
 def test_native_widths_through_the_ops(tmp_path, monkeypatch):

@@ -44,6 +44,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if v4:
         from indexcache.models.deepseek_v4 import csa_indexer_costs, csa_layers_of
         csa = csa_layers_of(config)
+        if args.pp > 1 or args.tp > 1 or args.gpu_mem:
+            raise ValueError("--tp / --pp / --gpu-mem size V3.2-layout caches; DeepSeek-V4's are not sized yet")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = IndexCacheConfig.from_config(config, args.hf_overrides)
