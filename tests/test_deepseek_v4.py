@@ -224,6 +224,29 @@ def test_paged_decode_equals_prefill(ckpt, overrides):
         assert rel(got, want) < 1e-5
 
 
+def test_reused_blocks_start_clean(ckpt):
+    """A request whose blocks another request used before (compressed rows, window accumulators,
+    index keys all left behind) decodes exactly as on a fresh cache."""
+    from indexcache.models import BatchMeta
+    model = ours(ckpt[0])
+    g = torch.Generator().manual_seed(11)
+    first, second = (torch.randint(0, WIDTHS["vocab_size"], (n,), generator=g) for n in (40, 26))
+    cache = model.allocate_cache(1, "fp32", block_size=64)
+
+    def run(rid, seq, prefill):
+        cache.manager.allocate(rid, len(seq))
+        out = [model.compute_logits(model.forward_tokens(seq[:prefill], BatchMeta.paged_batch(cache, [rid], [0], [prefill]),
+                                                         cache))]
+        for p in range(prefill, len(seq)):
+            meta = BatchMeta.paged_batch(cache, [rid], [p], [1])
+            out.append(model.compute_logits(model.forward_tokens(seq[p:p + 1], meta, cache)))
+        cache.manager.free(rid)
+        return torch.cat(out)
+
+    run("a", first, 7)
+    assert rel(run("b", second, 6), model(second.view(1, -1))[0]) < 1e-5
+
+
 def test_paged_cache_layout(ckpt):
     model = ours(ckpt[0])
     cache = model.allocate_cache(3, "fp32", block_size=16)
