@@ -295,8 +295,7 @@ def test_plan_cli_reports_the_csa_layers(ckpt, capsys):
                  "--hf-overrides", '{"use_index_cache": true, "index_topk_pattern": "FSS"}']) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["pattern"] == "FSS" and out["num_hidden_layers"] == 3
-    assert [(r["main_layer"], r["type"], r["source_main_layer"]) for r in out["layers"]] == \
-        [(1, "F", 1), (3, "S", 1), (4, "S", 1)]
+    assert [(r["layer"], r["type"], r["source_layer"]) for r in out["layers"]] == [(1, "F", 1), (3, "S", 1), (4, "S", 1)]
     costs = out["costs"]
     # per F CSA layer: projections (q_b_proj 16 x 32 from 16, weights_proj, the indexer compressor's two
     # series of 32) + a ReLU-weighted score over each of the 1000 visible entries (4000 / rate 4)

@@ -53,12 +53,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     dims = {k: config[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in config}
     costs = csa_indexer_costs(config, plan, args.context) if v4 else indexer_costs(plan, args.context, dims)
+    main_id = (lambda i: csa[i]) if v4 else (lambda i: i)  # plan position -> main layer id
     layers = []
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
-        layers.append({"layer": layer, "type": "S" if skip else "F", "source_layer": src,
-                       "mtp": layer >= plan.num_hidden_layers})
-        if v4:  # position among the CSA layers -> main layer ids
-            layers[-1].update(main_layer=csa[layer], source_main_layer=None if src is None else csa[src])
+        layers.append({"layer": main_id(layer), "type": "S" if skip else "F", "source_layer": main_id(src),
+                       "mtp": layer >= plan.num_hidden_layers, "indexed_position": layer})
     scaleout = _scaleout(args, config, plan) if args.pp > 1 or args.tp > 1 or args.gpu_mem else None
     if args.json:
         print(json.dumps({
@@ -83,13 +82,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     head = cfg.describe(plan)
     print(head)
     print(f"pattern: {plan.pattern}")
-    key = "main_layer" if v4 else "layer"
-    print(f"{'layer':>5}  type  reads indices of" + ("  (DeepSeek-V4: the CSA layers, main layer ids)" if v4 else ""))
+    if v4:
+        print(f"over the CSA layers {', '.join(map(str, csa))} (the others run no indexer)")
+    print(f"{'layer':>5}  type  reads indices of")
     for row in layers:
         kind = row["type"] + (" (MTP)" if row["mtp"] else "")
-        src = row["source_main_layer"] if v4 else row["source_layer"]
-        reads = "itself" if row["type"] == "F" else f"layer {src}"
-        print(f"{row[key]:>5}  {kind:<9} {reads}")
+        reads = "itself" if row["type"] == "F" else f"layer {row['source_layer']}"
+        print(f"{row['layer']:>5}  {kind:<9} {reads}")
     what = f"{len(csa)} CSA layers, entries of {costs['csa_rate']} tokens" if v4 else "main layers"
     print(f"\nAgainst all-F at context {args.context} tokens ({what}; "
           f"{costs['dims']['index_n_heads']} heads x {costs['dims']['index_head_dim']} indexer):")
