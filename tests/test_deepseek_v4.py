@@ -135,6 +135,18 @@ def test_yarn_compress_rope_equals_transformers(tmp_path, ids, monkeypatch):
     assert rel(model(ids), hf_logits(ref, ids, monkeypatch)) < 1e-4
 
 
+def test_layers_run_one_by_one(ckpt, ids):
+    """As the pattern tools run a model (context first, then the embedding, then each layer):
+    hash routing finds the token ids the embedding read."""
+    from indexcache.models import BatchMeta
+    model = ours(ckpt[0], {"use_index_cache": True, "index_topk_pattern": "FSF"})
+    ctx = model.forward_context(BatchMeta.dense(2, 40, "cpu"))
+    x = model.model.embed(ids.reshape(-1))
+    for layer in model.model.layers:
+        x = layer(x, ctx)
+    assert rel(model.compute_logits(model.model.final_norm(x)).view(2, 40, -1), model(ids)) < 1e-6
+
+
 def test_plan_covers_csa_layers_only(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="index_topk_pattern has 4 entries"):

@@ -67,7 +67,7 @@ class V4DecoderLayer(nn.Module):
         x = mix_streams(x, post, comb, self.self_attn(self.input_layernorm(h), ctx))
         with ctx.stage(self.layer_id, "moe"):
             post, comb, h = self.ffn_hc(x)
-            y = self.mlp(self.post_attention_layernorm(h), ctx.v4.input_ids, ctx.sync_free)
+            y = self.mlp(self.post_attention_layernorm(h), ctx.v4.token_ids(h.shape[0]), ctx.sync_free)
             return mix_streams(x, post, comb, y)
 
 
@@ -186,6 +186,13 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
         super().__init__(args, plan, **kwargs)
         self.official_layout = _OFFICIAL_LAYOUT.get()
         self.indexer_fp8 = False  # the CSA indexer scores in fp32, as transformers' (no fp8 path yet)
+        self._embedded_ids = None
+        embed = self.model.embed
+
+        def remember(input_ids: torch.Tensor) -> torch.Tensor:  # hash routing needs the ids of the rows
+            self._embedded_ids = input_ids
+            return embed(input_ids)
+        self.model.embed = remember
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "DeepseekV4ForCausalLM":
@@ -264,7 +271,8 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
         for kind, inv in self.v4_inv_freq.items():
             angles = meta.positions.float().unsqueeze(1) * inv.unsqueeze(0)
             rope[kind] = (angles.cos(), angles.sin())
-        ctx.v4 = V4Batch(cache if meta.paged else V4DenseStore(self, meta), rope, self.v4_inv_freq["compress"])
+        ctx.v4 = V4Batch(cache if meta.paged else V4DenseStore(self, meta), rope, self.v4_inv_freq["compress"],
+                         embedded_ids=lambda: self._embedded_ids)
         return ctx
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

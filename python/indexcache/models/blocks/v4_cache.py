@@ -132,7 +132,17 @@ class V4Batch:
     rope: dict
     compress_inv_freq: torch.Tensor
     input_ids: Optional[torch.Tensor] = None
+    embedded_ids: Optional[object] = None  # () -> the ids the model's embedding read last (callers that run the layers themselves)
     _slots: dict = field(default_factory=dict)
+
+    def token_ids(self, n: int) -> Optional[torch.Tensor]:
+        """The ``n`` token ids of this forward's rows (hash routing): the ones ``hidden_states`` was
+        given, else those the embedding read last when they are ``n`` (the pattern tools embed and
+        run the layers themselves); None when neither is known."""
+        if self.input_ids is not None:
+            return self.input_ids
+        ids = self.embedded_ids() if self.embedded_ids is not None else None
+        return ids if ids is not None and ids.numel() == n else None
 
     def compress_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float().unsqueeze(-1) * self.compress_inv_freq
