@@ -219,6 +219,12 @@ def test_config_errors(ckpt):
         DeepseekV4ForCausalLM.from_config({**cfg, "mlp_layer_types": ["moe", "hash_moe", "moe", "moe", "moe"]})
     with pytest.raises(ValueError, match="scoring_func"):
         DeepseekV4ForCausalLM.from_config({**cfg, "scoring_func": "tanh"})
+    with pytest.raises(ValueError, match="compress_rates must be >= 1"):
+        DeepseekV4ForCausalLM.from_config({**cfg, "compress_rates": {CSA: 0, HCA: 8}})
+    with pytest.raises(ValueError, match="o_groups 3 must divide num_attention_heads 4"):
+        DeepseekV4ForCausalLM.from_config({**cfg, "o_groups": 3})
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        DeepseekV4ForCausalLM.from_config({**cfg, "sliding_window": -1})
 
 
 # ============================================================================ serving paths

@@ -100,6 +100,22 @@ def _hash_layers(c: dict, n: int) -> int:
     return k
 
 
+def _check_widths(c: dict) -> None:
+    """The DeepSeek-V4 widths the blocks rely on, each a clear ValueError."""
+    heads, groups = int(c["num_attention_heads"]), int(c.get("o_groups") or 8)
+    problems = []
+    if min(c["csa_rate"], c["hca_rate"]) < 1:
+        problems.append(f"compress_rates must be >= 1 (CSA {c['csa_rate']}, HCA {c['hca_rate']})")
+    if int(c.get("sliding_window") or 128) < 1:
+        problems.append(f"sliding_window must be >= 1, got {c.get('sliding_window')}")
+    if groups < 1 or heads % groups:
+        problems.append(f"o_groups {groups} must divide num_attention_heads {heads}")
+    if c["qk_rope_head_dim"] % 2 or not 2 <= c["qk_rope_head_dim"] <= c["head_dim"]:
+        problems.append(f"the rotary dims ({c['qk_rope_head_dim']}) must be even and within head_dim {c['head_dim']}")
+    if problems:
+        raise ValueError("DeepSeek-V4 config: " + "; ".join(problems))
+
+
 def _ropes(c: dict) -> tuple:
     """(main theta, compress theta, compress YaRN or None) from nested or flat rope parameters."""
     rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
@@ -174,6 +190,7 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
                  compress_rope_scaling=comp_scaling, num_nextn_predict_layers=0)
         if c["moe_scoring"] not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"scoring_func {c['moe_scoring']!r} is not supported (sqrtsoftplus, sigmoid or softmax)")
+        _check_widths(c)
         return c
 
     @classmethod
