@@ -18,8 +18,6 @@ compressors the "compress" ones (``compress_rope_theta``, YaRN when the config s
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
@@ -32,7 +30,6 @@ from .norms import RMSNorm
 from .v4_cache import CSA, HCA, SLIDING, comp_slots, raw_slots, row_slots
 
 V4_HEAD = 512  # the shared K=V head width the native attention kernel takes
-_OP_TAKES_EXTRA = "extra_indices" in inspect.signature(ops.sparse_mla).parameters
 
 
 def attend(q: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, extra: torch.Tensor, scale: float,
@@ -43,7 +40,7 @@ def attend(q: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, extra: to
     out = q.new_empty(n, h, d)
     both = torch.cat((indices, extra), dim=1).int()
     for r0, r1 in row_chunks(n, both.shape[1] * (d + h), ATTN_CHUNK_ELEMS):
-        if _OP_TAKES_EXTRA and d == V4_HEAD:
+        if d == V4_HEAD:
             out[r0:r1] = ops.sparse_mla(q[r0:r1], pool.view(-1, 1, 1, d), indices[r0:r1].int().contiguous(), scale, d,
                                         sinks=sinks, extra_indices=extra[r0:r1].int().contiguous())[0]
         else:  # the op's definition: one index set is the union of the two

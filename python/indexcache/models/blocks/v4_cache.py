@@ -23,7 +23,7 @@ it costs per window what an entry costs, not per token. The CSA indexer's compre
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -133,7 +133,6 @@ class V4Batch:
     compress_inv_freq: torch.Tensor
     input_ids: Optional[torch.Tensor] = None
     embedded_ids: Optional[object] = None  # () -> the ids the model's embedding read last (callers that run the layers themselves)
-    _slots: dict = field(default_factory=dict)
 
     def token_ids(self, n: int) -> Optional[torch.Tensor]:
         """The ``n`` token ids of this forward's rows (hash routing): the ones ``hidden_states`` was
