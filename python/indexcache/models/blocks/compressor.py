@@ -11,10 +11,11 @@ windows do not overlap. Entry ``e`` is visible to query position ``t`` once its 
 ``e < (t + 1) // rate``.
 
 The carried state is an online softmax per window and series (running max, denominator and
-numerator of each feature, fp32) at the window's compressed slot (``v4_cache``): every token
-folds into its own window's accumulator as it arrives, in whichever forward; when a window's
-last token arrives its entry is the accumulator (merged, on CSA, with the previous window's Ca
-series) divided out. Memory per window, not per token.
+numerator of each feature, fp32): every token folds into its own window's accumulator as it
+arrives, in whichever forward; when a window's last token arrives its entry is the accumulator
+(merged, on CSA, with the previous window's Ca series) divided out. Between forwards a request
+keeps only its last two windows' accumulators, in a two-row ring at its first block's row
+(``v4_cache``): memory per request, not per token.
 """
 
 from __future__ import annotations
@@ -53,52 +54,74 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(width, args.rms_norm_eps)
         self.acc_width = 3 * m * width  # per window: running max, denominator, numerator of each series
 
-    def update(self, x: torch.Tensor, meta: BatchMeta, v4: V4Batch, store: LayerStore, acc: torch.Tensor,
+    def update(self, x: torch.Tensor, meta: BatchMeta, v4: V4Batch, store: LayerStore, ring: torch.Tensor,
                out: torch.Tensor, base: bool) -> None:
-        """Fold this forward's tokens (rows ``x [N, hidden]``) into their windows' accumulators
-        ``acc`` (one fp32 row per window, at the window's compressed slot), then close every window
-        whose last token is in this forward: its entry goes to ``out`` (the pool, ``base``, or
-        ``index_k``) at its compressed slot."""
-        r, pos, req = self.rate, meta.positions, meta.req_of_row
-        own = comp_slots(meta, store, (pos // r).view(-1, 1), req, r, base=False).view(-1)
-        self._fold(acc, own, pos, self.kv_proj(x).float(), self.gate_proj(x).float())
+        """Fold this forward's tokens (rows ``x [N, hidden]``) into their windows' accumulators, then
+        close every window whose last token is in this forward: its entry goes to ``out`` (the pool,
+        ``base``, or ``index_k``) at its compressed slot. ``ring`` fp32 ``[blocks, 2, acc_width]``
+        carries each request's last two windows between forwards, at its first block's row."""
+        r, pos, req = self.rate, meta.positions, meta.req_of_row.long()
+        first = meta.block_table[:, 0].long()  # a request's first block: its row of the ring
+        win = pos // r
+        uniq, inv = torch.unique(req * (1 << 40) + win, return_inverse=True)  # (request, window) pairs here
+        u_req, u_win = uniq >> 40, uniq & ((1 << 40) - 1)
+        ctx = torch.tensor(meta.ctx_lens, device=pos.device)[u_req]
+        acc = self._start(ring, first[u_req], u_win, u_win * r < ctx)
+        self._fold(acc, inv, pos, self.kv_proj(x).float(), self.gate_proj(x).float())
         closing = ((pos + 1) % r == 0).nonzero().view(-1)
-        if closing.numel() == 0:
-            return
-        entries = pos[closing] // r
-        comp = self.kv_norm(self._entries(acc, meta, store, entries, req[closing], own[closing]).to(x.dtype))
-        cos, sin = v4.compress_rope(entries * r)
-        slots = comp_slots(meta, store, entries.view(-1, 1), req[closing], r, base).view(-1)
-        out[slots] = rope_tail(comp, cos, sin).to(out.dtype)
+        if closing.numel():
+            entries = win[closing]
+            prev = self._previous(acc, ring, uniq, first, req[closing], entries)
+            comp = self.kv_norm(self._entries(acc[inv[closing]], prev).to(x.dtype))
+            cos, sin = v4.compress_rope(entries * r)
+            slots = comp_slots(meta, store, entries.view(-1, 1), req[closing], r, base).view(-1)
+            out[slots] = rope_tail(comp, cos, sin).to(out.dtype)
+        last = (meta.seq_lens.long()[u_req] - 1) // r  # keep each request's last two windows for later forwards
+        keep = u_win >= last - 1
+        ring[first[u_req[keep]], u_win[keep] % 2] = acc[keep]
 
-    def _fold(self, acc: torch.Tensor, own: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor):
+    def _start(self, ring, rows, wins, earlier) -> torch.Tensor:
+        """Accumulators of the windows touched: a window begun in an earlier forward from the ring,
+        a new one empty (max -inf)."""
+        mw = self.acc_width // 3
+        acc = torch.cat((torch.full((rows.numel(), mw), -math.inf, device=ring.device),
+                         ring.new_zeros(rows.numel(), 2 * mw)), dim=1)
+        acc[earlier] = ring[rows[earlier], wins[earlier] % 2]
+        return acc
+
+    def _fold(self, acc: torch.Tensor, inv: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor):
         """Online softmax over each window's tokens, per feature: ``(max, Σ e^(g - max), Σ e^(g - max) kv)``."""
         mw = kv.shape[1]
-        fresh = own[pos % self.rate == 0]  # a window's first token: its (possibly reused) slot starts over
-        acc[fresh] = torch.cat((torch.full((fresh.numel(), mw), -math.inf, device=acc.device),
-                                acc.new_zeros(fresh.numel(), 2 * mw)), dim=1)
         gate = gate + self.position_bias.float()[pos % self.rate]
-        uniq, inv = torch.unique(own, return_inverse=True)
-        old_max, den, num = acc[uniq].split(mw, dim=1)
+        old_max, den, num = acc.split(mw, dim=1)
         top = torch.full_like(old_max, -math.inf).scatter_reduce(0, inv.unsqueeze(1).expand_as(gate), gate, "amax")
         new_max = torch.maximum(old_max, top)
         keep = torch.where(old_max == -math.inf, 0.0, torch.exp(old_max - new_max))
         e = torch.exp(gate - new_max[inv])
         den = den * keep + torch.zeros_like(den).index_add_(0, inv, e)
         num = num * keep + torch.zeros_like(num).index_add_(0, inv, e * kv)
-        acc[uniq] = torch.cat((new_max, den, num), dim=1)
+        acc.copy_(torch.cat((new_max, den, num), dim=1))
 
-    def _entries(self, acc, meta, store, entries, req, own) -> torch.Tensor:
-        """fp32 entries ``[n, width]`` (before the norm) of windows ``entries``: the window's own series
-        (Cb when windows overlap) merged with the previous window's Ca."""
+    def _previous(self, acc, ring, uniq, first, req, entries) -> torch.Tensor | None:
+        """CSA: the accumulators of the windows before ``entries`` (their Ca series): touched in this
+        forward, else the ring's (the last window before it); rows of entry 0 have max -inf."""
+        if not self.overlap:
+            return None
+        key = req * (1 << 40) + (entries - 1).clamp(min=0)
+        at = torch.searchsorted(uniq, key).clamp(max=uniq.numel() - 1)
+        here = uniq[at] == key
+        prev = torch.where(here.unsqueeze(1), acc[at], ring[first[req], (entries - 1).clamp(min=0) % 2])
+        prev[entries == 0, :self.acc_width // 3] = -math.inf
+        return prev
+
+    def _entries(self, own: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
+        """fp32 entries ``[n, width]`` (before the norm): the window's own series (Cb when windows
+        overlap) merged with the previous window's Ca."""
         w = self.width
         m = 2 if self.overlap else 1
-        mx, den, num = (t[:, (m - 1) * w:] for t in acc[own].split(m * w, dim=1))
-        if self.overlap:
-            prev = comp_slots(meta, store, torch.where(entries > 0, entries - 1, -1).view(-1, 1), req, self.rate,
-                              base=False).view(-1)
-            pm, pd, pn = (t[:, :w] for t in acc[prev.clamp(min=0)].split(2 * w, dim=1))
-            pm = torch.where((prev >= 0).unsqueeze(1), pm, -math.inf)
+        mx, den, num = (t[:, (m - 1) * w:] for t in own.split(m * w, dim=1))
+        if prev is not None:
+            pm, pd, pn = (t[:, :w] for t in prev.split(2 * w, dim=1))
             top = torch.maximum(mx, pm)
             a = torch.where(pm == -math.inf, 0.0, torch.exp(pm - top))
             b = torch.exp(mx - top)

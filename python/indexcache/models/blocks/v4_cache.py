@@ -15,10 +15,11 @@ both:
   raw blocks.
 
 The compressors' carried state (a window closes every ``r`` tokens, CSA windows overlap the
-previous one) is one fp32 accumulator row per window (``acc``: an online softmax per series,
-``blocks/compressor.py``) at the window's compressed slot numbering (no raw rows before it), so
-it costs per window what an entry costs, not per token. The CSA indexer's compressed keys
-(``index_k``) and accumulators (``index_acc``) use the same numbering.
+previous one) is a request's last two windows' accumulators (``acc``: an online softmax per
+series, ``blocks/compressor.py``), a two-row ring at the row of the request's **first block**
+(unique among live requests): per request, not per token. The CSA indexer's compressed keys
+(``index_k``) use the compressed numbering (no raw rows before it); its accumulators
+(``index_acc``) a ring of their own.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def layer_rate(args: ModelArgs, layer_id: int) -> int:
 @dataclass
 class LayerStore:
     """One layer's tensors in this forward: ``pool`` ``[raw_rows + comp_rows, head_dim]``, ``acc``
-    fp32 ``[comp_rows, W]`` (None: sliding layer), ``index_k`` fp32 ``[comp_rows, index_head_dim]``
-    and ``index_acc`` fp32 ``[comp_rows, Wi]`` (None: no indexer)."""
+    fp32 ``[blocks, 2, W]`` (None: sliding layer), ``index_k`` fp32 ``[comp_rows, index_head_dim]``
+    and ``index_acc`` fp32 ``[blocks, 2, Wi]`` (None: no indexer)."""
     pool: torch.Tensor
     raw_rows: int
     cpb: int
@@ -69,8 +70,9 @@ def _allocate(layer, rate: int, blocks: int, bs: int, head_dim: int, dtype, devi
     raw = blocks * bs
     w, wi, di = _layer_widths(layer)
     comp = blocks * cpb
-    z = lambda width: torch.zeros(comp, width, dtype=torch.float32, device=device) if width else None  # noqa: E731
-    return LayerStore(torch.zeros(raw + comp, head_dim, dtype=dtype, device=device), raw, cpb, z(w), z(di), z(wi))
+    ring = lambda width: torch.zeros(blocks, 2, width, device=device) if width else None  # noqa: E731
+    keys = torch.zeros(comp, di, device=device) if di else None
+    return LayerStore(torch.zeros(raw + comp, head_dim, dtype=dtype, device=device), raw, cpb, ring(w), keys, ring(wi))
 
 
 class V4DenseStore:
