@@ -270,7 +270,9 @@ def test_paged_cache_layout(ckpt):
     cache = model.allocate_cache(3, "fp32", block_size=16)
     # one pool per layer: 3 x 16 raw rows, then ceil(16 / rate) compressed rows per block
     assert [s.pool.shape[0] for s in cache.layers] == [48, 48 + 12, 48 + 6, 48 + 12, 48 + 12]
-    assert cache.layers[0].acc is None and cache.layers[2].acc.shape == (3, 2, 3 * 64) and cache.layers[2].index_k is None and cache.layers[1].index_k.shape == (12, 32)
+    # accumulator rings: 2 windows per block (HCA: one series of 64 x max / denominator / numerator)
+    assert cache.layers[0].acc is None and cache.layers[2].acc.shape == (3, 2, 3 * 64)
+    assert cache.layers[2].index_k is None and cache.layers[1].index_k.shape == (12, 32)
     assert cache.nbytes()["index_k"] > 0
     s = ours(ckpt[0], {"use_index_cache": True, "index_topk_pattern": "FSS"}).allocate_cache(3, "fp32", 16)
     assert s.layers[3].index_k is None and s.nbytes()["index_k"] == cache.layer_bytes(1)[1]

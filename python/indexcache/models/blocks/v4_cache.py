@@ -100,7 +100,8 @@ class V4PagedCache:
                  "float32": torch.float32}
         if kv_cache_dtype not in table:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: DeepSeek-V4 caches take {', '.join(table)}")
-        self.device, self.block_size, self.num_blocks, self.kv_cache_dtype = model.device, block_size, num_blocks, kv_cache_dtype
+        self.device, self.block_size, self.num_blocks = model.device, block_size, num_blocks
+        self.kv_cache_dtype = kv_cache_dtype
         self.manager = CacheManager(num_blocks, block_size)
         args = model.args
         # a layer of another pipeline stage (no self_attn) keeps its caches there
@@ -134,7 +135,8 @@ class V4Batch:
     rope: dict
     compress_inv_freq: torch.Tensor
     input_ids: Optional[torch.Tensor] = None
-    embedded_ids: Optional[object] = None  # () -> the ids the model's embedding read last (callers that run the layers themselves)
+    # () -> the ids the model's embedding read last (for callers that run the layers themselves)
+    embedded_ids: Optional[object] = None
 
     def token_ids(self, n: int) -> Optional[torch.Tensor]:
         """The ``n`` token ids of this forward's rows (hash routing): the ones ``hidden_states`` was
