@@ -147,6 +147,16 @@ def test_layers_run_one_by_one(ckpt, ids):
     assert rel(model.compute_logits(model.model.final_norm(x)).view(2, 40, -1), model(ids)) < 1e-6
 
 
+def test_attention_in_row_chunks(ckpt, ids, monkeypatch):
+    """A long prefill attends row chunk by row chunk (bounded index memory): one row at a time
+    gives the same logits (to rounding)."""
+    from indexcache.models.blocks import v4_attention
+    model = ours(ckpt[0])
+    want = model(ids)
+    monkeypatch.setattr(v4_attention, "ATTN_CHUNK_ELEMS", 1)
+    assert rel(model(ids), want) < 1e-6  # (the same sums, in other BLAS blockings)
+
+
 def test_plan_covers_csa_layers_only(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="index_topk_pattern has 4 entries"):

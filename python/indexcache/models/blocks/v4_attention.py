@@ -36,16 +36,12 @@ def attend(q: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, extra: to
            sinks: torch.Tensor) -> torch.Tensor:
     """Sparse attention of ``q [N, H, D]`` over pool rows ``indices`` ∪ ``extra`` (int32 slots, -1 none)
     of ``pool [rows, D]`` (K = V = the row), with sinks: ``[N, H, D]`` in q's dtype."""
-    n, h, d = q.shape
-    out = q.new_empty(n, h, d)
-    both = torch.cat((indices, extra), dim=1).int()
-    for r0, r1 in row_chunks(n, both.shape[1] * (d + h), ATTN_CHUNK_ELEMS):
-        if d == V4_HEAD:
-            out[r0:r1] = ops.sparse_mla(q[r0:r1], pool.view(-1, 1, 1, d), indices[r0:r1].int().contiguous(), scale, d,
-                                        sinks=sinks, extra_indices=extra[r0:r1].int().contiguous())[0]
-        else:  # the op's definition: one index set is the union of the two
-            out[r0:r1] = reference.sparse_mla(q[r0:r1], pool, both[r0:r1], scale, d, sinks=sinks)[0]
-    return out
+    d = q.shape[-1]
+    if d == V4_HEAD:
+        return ops.sparse_mla(q, pool.view(-1, 1, 1, d), indices.contiguous(), scale, d, sinks=sinks,
+                              extra_indices=extra.contiguous())[0]
+    # widths the kernels do not take: the op's definition, one index set the union of the two
+    return reference.sparse_mla(q, pool, torch.cat((indices, extra), dim=1), scale, d, sinks=sinks)[0]
 
 
 class GroupedLinear(nn.Module):
@@ -101,29 +97,46 @@ class V4Attention(nn.Module):
             store = v4.store.layer(self.layer_id)
             slots = row_slots(meta)
             store.pool[slots] = kv.to(store.pool.dtype)
-        indices = self._compressed(x, qr, ctx, store)
+        entries_of, width = self._compressed(x, qr, ctx, store)
         with ctx.stage(self.layer_id, "attn"):
-            offs = torch.arange(-self.window + 1, 1, device=x.device)
-            pos = meta.positions.unsqueeze(1) + offs
-            extra = raw_slots(meta, torch.where(pos >= 0, pos, -1), meta.req_of_row)
-            out = attend(q, store.pool, indices, extra, self.scale, self.sinks.float().contiguous())
+            out = self._attend(q, meta, store, entries_of, width)
             out = rope_tail(out, cos, -sin)
             return self.o_b_proj(self.o_a_proj(out.reshape(n, self.groups, -1)))
 
-    def _compressed(self, x, qr, ctx: ForwardContext, store) -> torch.Tensor:
-        """The compressed entries' pool slots each row attends (int ``[N, k]``, -1 padded; ``[N, 0]``
-        on sliding layers), after this forward's windows have been compressed into the pool."""
-        meta, n = ctx.meta, x.shape[0]
+    def _attend(self, q: torch.Tensor, meta, store, entries_of, width: int) -> torch.Tensor:
+        """Row chunk by row chunk (bounded index and score memory in long prefills): the chunk's
+        compressed entries' pool slots and its window's raw slots, then ``attend``."""
+        n, h, d = q.shape
+        out = q.new_empty(n, h, d)
+        offs = torch.arange(-self.window + 1, 1, device=q.device)
+        sinks = self.sinks.float().contiguous()
+        for r0, r1 in row_chunks(n, (width + self.window) * (d + h), ATTN_CHUNK_ELEMS):
+            req = meta.req_of_row[r0:r1]
+            pos = meta.positions[r0:r1].unsqueeze(1) + offs
+            extra = raw_slots(meta, torch.where(pos >= 0, pos, -1), req).int()
+            if width:
+                idx = comp_slots(meta, store, entries_of(r0, r1), req, self.compressor.rate).int()
+            else:
+                idx = torch.empty(r1 - r0, 0, dtype=torch.int32, device=q.device)
+            out[r0:r1] = attend(q[r0:r1], store.pool, idx, extra, self.scale, sinks)
+        return out
+
+    def _compressed(self, x, qr, ctx: ForwardContext, store) -> tuple:
+        """(rows ``r0:r1`` -> the compressed entry ids they attend, int ``[r1 - r0, k]`` -1 padded; the
+        widest ``k``), after this forward's windows have been compressed into the pool; width 0 on
+        sliding layers."""
+        meta = ctx.meta
         comp = self.compressor
         if comp is None:
-            return torch.empty(n, 0, dtype=torch.long, device=x.device)
+            return None, 0
         with ctx.stage(self.layer_id, "compress"):
             comp.update(x, meta, ctx.v4, store, store.acc, store.pool, base=True)
             if comp.indexer is not None:  # its keys stay current even in a forward that reuses rows
                 comp.indexer.update(x, meta, ctx.v4, store, store.index_acc, store.index_k, base=False)
-        if self.kind == HCA:
-            entries = visible_entries(meta.positions, comp.rate)
-        elif ctx.is_full(self.layer_id):
+        if self.kind == HCA:  # every visible entry, built per row chunk
+            width = int(((meta.positions + 1) // comp.rate).max()) if meta.num_tokens else 0
+            return (lambda r0, r1: visible_entries(meta.positions[r0:r1], comp.rate)), max(width, 1)
+        if ctx.is_full(self.layer_id):
             if comp.indexer is None:
                 raise RuntimeError(f"layer {self.layer_id} is F in this forward but was built without an indexer")
             with ctx.stage(self.layer_id, "indexer"):
@@ -132,4 +145,4 @@ class V4Attention(nn.Module):
             if not ctx.topk_valid:
                 raise RuntimeError(f"layer {self.layer_id} reuses top-k rows but no F CSA layer wrote them")
             entries = ctx.topk_rows
-        return comp_slots(meta, store, entries, meta.req_of_row, comp.rate)
+        return (lambda r0, r1: entries[r0:r1]), entries.shape[1]
