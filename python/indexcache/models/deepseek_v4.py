@@ -239,7 +239,8 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
         m = _LAYER_TENSOR.match(name)
         if m is None or int(m.group(1)) >= len(self.model.layers):
             return False
-        return self.model.layers[int(m.group(1))].self_attn.indexer is None  # an S CSA layer's indexer
+        # an S CSA layer's indexer (a layer of another pipeline stage has no self_attn: not ours to judge)
+        return getattr(self.model.layers[int(m.group(1))].self_attn, "indexer", 0) is None
 
     # ---------------------------------------------------------------- construction
 
