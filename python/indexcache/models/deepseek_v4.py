@@ -269,10 +269,6 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
         return self
 
-    def indexer_param_count(self) -> list:
-        return [0 if getattr(l.self_attn, "indexer", None) is None else sum(p.numel() for p in l.self_attn.indexer.parameters())
-                for l in self.model.layers]
-
     def allocate_cache(self, num_blocks: int, kv_cache_dtype: str = "auto", block_size: int = 64) -> V4PagedCache:
         return V4PagedCache(self, num_blocks, kv_cache_dtype, block_size)
 
