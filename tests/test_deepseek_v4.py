@@ -220,6 +220,20 @@ def test_no_training_forward_yet(ckpt):
         model.torch_pass_context(TorchPass(1, 8, "causal", [(0, 8)]))
 
 
+def test_save_pretrained_round_trip(ckpt, tmp_path, ids, monkeypatch):
+    """What this model writes is the checkpoint transformers wrote: the same names, and transformers
+    reads it back to the same logits."""
+    from safetensors import safe_open
+    path, ref = ckpt
+    ours(path).save_pretrained(tmp_path / "again")
+    names = [set(safe_open(str(p / "model.safetensors"), "pt").keys()) for p in (path, tmp_path / "again")]
+    assert names[0] == names[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "again").float().eval()
+    assert rel(hf_logits(back, ids, monkeypatch), hf_logits(ref, ids, monkeypatch)) < 1e-6
+
+
 def test_config_errors(ckpt):
     import json
     cfg = json.loads((ckpt[0] / "config.json").read_text())
