@@ -422,10 +422,13 @@ def test_tensor_and_pipeline_parallel(ckpt, tmp_path):
             assert rel(got["logits"], want["logits"]) < 1e-5, (name, r)
             assert torch.equal(got["rows"], want["rows"]) and got["tokens"] == want["tokens"], (name, r)
     tp = [o["tp2"]["params"] for o in outs]
-    # experts split 2 + 2 by id, the shared expert by columns, attention and hyper-connections replicated
+    # experts split 2 + 2 by id, the shared expert by columns, hyper-connections replicated
     assert "model.layers.0.mlp.experts.2.gate_proj.weight" in tp[1] and "model.layers.0.mlp.experts.0.gate_proj.weight" in tp[0]
     assert "model.layers.0.mlp.experts.2.gate_proj.weight" not in tp[0]
     assert tp[0]["model.layers.0.mlp.shared_experts.gate_proj.weight"] == (8, 32)
-    assert tp[0]["model.layers.1.self_attn.q_b_proj.weight"] == (256, 16) and tp[0]["model.layers.0.attn_hc.fn"] == (8, 64)
+    # heads split by output group (2 groups of 2 heads): q_b_proj rows, sinks, o_a_proj rows, o_b_proj columns
+    assert tp[1]["model.layers.1.self_attn.q_b_proj.weight"] == (128, 16) and tp[1]["model.layers.1.self_attn.sinks"] == (2,)
+    assert tp[0]["model.layers.1.self_attn.o_a_proj.weight"] == (8, 128) and tp[0]["model.layers.1.self_attn.o_b_proj.weight"] == (32, 8)
+    assert tp[0]["model.layers.1.self_attn.kv_proj.weight"] == (64, 32) and tp[0]["model.layers.0.attn_hc.fn"] == (8, 64)
     pp = [set(o["pp2"]["params"]) for o in outs]
     assert "model.hc_head.hc_fn" in pp[1] and "model.hc_head.hc_fn" not in pp[0]

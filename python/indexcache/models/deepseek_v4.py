@@ -56,7 +56,7 @@ class V4DecoderLayer(nn.Module):
         super().__init__()
         self.par, self.layer_id = par or ParallelContext(), layer_id
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = V4Attention(args, layer_id, build_indexer)
+        self.self_attn = V4Attention(args, layer_id, build_indexer, self.par)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = V4MoE(args, layer_id, self.par)
         self.attn_hc = ManifoldHyperConnection(args)
@@ -198,8 +198,9 @@ class DeepseekV4ForCausalLM(DSAForCausalLM):
         return [i for i, t in enumerate(args.v4_layer_types) if t == CSA]
 
     def __init__(self, args: ModelArgs, plan, **kwargs):
-        # tensor parallel: attention, compressors, indexers and hyper-connections replicated (as
-        # transformers' plan has them), routed experts split by expert, the shared expert column/row
+        # tensor parallel: attention heads split by output group (q_b_proj columns, sinks, o_a_proj
+        # groups, o_b_proj rows; one all-reduce), routed experts by expert, the shared expert column /
+        # row; the KV projection, compressors, indexers and hyper-connections replicated
         super().__init__(args, plan, **kwargs)
         self.official_layout = _OFFICIAL_LAYOUT.get()
         self.indexer_fp8 = False  # the CSA indexer scores in fp32, as transformers' (no fp8 path yet)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from indexcache import ops, reference
+from indexcache.parallel import ParallelContext
 
 from ..args import ATTN_CHUNK_ELEMS, ModelArgs
 from ..state import ForwardContext, row_chunks
@@ -45,12 +46,23 @@ def attend(q: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, extra: to
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal ``[g · out_g, in_g]`` weight: group i's ``in_g`` inputs -> its ``out_g`` outputs."""
+    """Block-diagonal ``[g · out_g, in_g]`` weight: group i's ``in_g`` inputs -> its ``out_g`` outputs.
+    Under tensor parallelism this rank's groups ``[g0, g1)`` of ``total`` (rows ``out_g`` each)."""
 
-    def __init__(self, in_per_group: int, out_features: int, groups: int):
+    def __init__(self, in_per_group: int, out_features: int, groups: int, total: int | None = None, first: int = 0):
         super().__init__()
-        self.groups = groups
+        self.groups, self.total, self.first = groups, total or groups, first
         self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def param_slice(self, attr: str):
+        """The loader's hook: this rank's groups' rows of the checkpoint's weight."""
+        if self.total == self.groups:
+            return None, None
+        rows = self.weight.shape[0] // self.groups
+        return 0, (self.first * rows, (self.first + self.groups) * rows)
+
+    def param_full_shape(self, attr: str) -> tuple:
+        return (self.weight.shape[0] // self.groups * self.total, self.weight.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, g, in_g]`` -> ``[N, g · out_g]``."""
@@ -62,24 +74,41 @@ class V4Attention(nn.Module):
     """One DeepSeek-V4 attention block; ``compressor`` None on sliding layers. ``indexer`` (the CSA
     compressor's) is None on S CSA layers and on layers of other kinds."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool):
+    def __init__(self, args: ModelArgs, layer_id: int, build_indexer: bool, par: ParallelContext | None = None):
         super().__init__()
+        self.par = par = par or ParallelContext()
         self.layer_id, self.kind = layer_id, args.v4_layer_types[layer_id]
-        self.n_heads, self.head_dim, self.window = args.num_attention_heads, args.head_dim, args.sliding_window
-        self.eps, self.groups, self.scale = args.rms_norm_eps, args.o_groups, args.head_dim ** -0.5
-        self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.head_dim, self.window = args.head_dim, args.sliding_window
+        self.eps, self.scale = args.rms_norm_eps, args.head_dim ** -0.5
+        # tensor parallel: this rank's output groups [g0, g1) and so its heads (whole groups)
+        self._num_heads, groups, d = args.num_attention_heads, args.o_groups, args.head_dim
+        g0, g1 = par.split(groups, "o_groups") if par.tp_size > 1 else (0, groups)
+        per = self._num_heads // groups
+        self._head_range = (g0 * per, g1 * per)
+        self.n_heads, self.groups = (g1 - g0) * per, g1 - g0
+        cols = ("col", (g0 * per * d, g1 * per * d)) if par.tp_size > 1 else (None, None)
+        rows = ("row", (g0 * args.o_lora_rank, g1 * args.o_lora_rank)) if par.tp_size > 1 else (None, None)
+        self.q_a_proj = par.linear(args.hidden_size, args.q_lora_rank, "q_a_proj")
         self.q_a_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.q_b_proj = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.kv_proj = nn.Linear(args.hidden_size, self.head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // self.groups, self.groups * args.o_lora_rank,
-                                      self.groups)
-        self.o_b_proj = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.q_b_proj = par.linear(args.q_lora_rank, self._num_heads * d, "q_b_proj", *cols)
+        self.kv_proj = nn.Linear(args.hidden_size, d, bias=False)
+        self.kv_norm = RMSNorm(d, args.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(per * d, self.groups * args.o_lora_rank, self.groups, groups, g0)
+        self.o_b_proj = par.linear(groups * args.o_lora_rank, args.hidden_size, "o_b_proj", *rows)
         self.sinks = nn.Parameter(torch.empty(self.n_heads))
         if self.kind not in (SLIDING, CSA, HCA):
             raise ValueError(f"layer {layer_id}: unknown DeepSeek-V4 layer type {self.kind!r}")
         self.compressor = (CSACompressor(args, layer_id, build_indexer) if self.kind == CSA
                            else HCACompressor(args) if self.kind == HCA else None)
+
+    def param_slice(self, attr: str):
+        """The loader's hook: the sinks of this rank's heads."""
+        if attr == "sinks" and self._num_heads != self.n_heads:
+            return 0, self._head_range
+        return None, None
+
+    def param_full_shape(self, attr: str) -> tuple:
+        return (self._num_heads,)
 
     @property
     def indexer(self):
@@ -101,7 +130,8 @@ class V4Attention(nn.Module):
         with ctx.stage(self.layer_id, "attn"):
             out = self._attend(q, meta, store, entries_of, width)
             out = rope_tail(out, cos, -sin)
-            return self.o_b_proj(self.o_a_proj(out.reshape(n, self.groups, -1)))
+            out = self.o_b_proj(self.o_a_proj(out.reshape(n, self.groups, -1)))
+            return self.par.all_reduce(out, "attn_all_reduce")  # the ranks' groups' shares
 
     def _attend(self, q: torch.Tensor, meta, store, entries_of, width: int) -> torch.Tensor:
         """Row chunk by row chunk (bounded index and score memory in long prefills): the chunk's
