@@ -10,6 +10,7 @@ Stage times come from the model's stage ranges (``indexcache::layerN::<stage>``)
 the CSA indexer's scoring and top-k (its compressor is in ``compress``), ``attn`` = sparse
 attention over the window and the compressed entries plus the output projection,
 ``attn_proj`` = projections, RoPE and cache insert, ``compress`` = the compressors, ``moe``.
+``cpu ms``: the process's CPU time per decode step (steadier than wall time on a shared machine).
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ def run(context: int, freq: int, steps: int) -> dict:
     model.forward_tokens(ids[:context], BatchMeta.paged_batch(cache, [0], [0], [context]), cache)
     prefill = time.perf_counter() - t0
     timer = StageTimer()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
         meta = BatchMeta.paged_batch(cache, [0], [context + i], [1])
         model.compute_logits(model.forward_tokens(ids[context + i:context + i + 1], meta, cache, timer))
-    decode = (time.perf_counter() - t0) / steps
+    decode, cpu = (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
     stages = {k: v / steps for k, v in timer.times.items()}
     return {"context": context, "freq": freq, "pattern": model.plan.pattern, "prefill_s": prefill,
-            "decode_s_per_token": decode, "decode_stages_s": stages,
+            "decode_s_per_token": decode, "decode_cpu_s_per_token": cpu, "decode_stages_s": stages,
             "indexer_share": stages.get("indexer", 0.0) / decode, "index_k_bytes": cache.nbytes()["index_k"]}
 
 
@@ -62,7 +63,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
-    print(f"{'context':>7} {'freq':>4} {'pattern':>7} {'prefill s':>9} {'decode ms':>9} {'indexer':>8} "
+    print(f"{'context':>7} {'freq':>4} {'pattern':>7} {'prefill s':>9} {'decode ms':>9} {'cpu ms':>7} {'indexer':>8} "
           f"{'attn':>7} {'compress':>8} {'moe':>7} {'index-K MB':>10}")
     for c in (int(x) for x in a.contexts.split(",")):
         for f in (int(x) for x in a.freqs.split(",")):
@@ -70,6 +71,7 @@ def main() -> None:
             rows.append(r)
             st = r["decode_stages_s"]
             print(f"{c:>7} {f:>4} {r['pattern']:>7} {r['prefill_s']:>9.2f} {1e3 * r['decode_s_per_token']:>9.1f} "
+                  f"{1e3 * r['decode_cpu_s_per_token']:>7.1f} "
                   f"{1e3 * st.get('indexer', 0):>8.1f} {1e3 * st.get('attn', 0):>7.1f} {1e3 * st.get('compress', 0):>8.1f} "
                   f"{1e3 * st.get('moe', 0):>7.1f} {r['index_k_bytes'] / 2**20:>10.2f}", flush=True)
     if a.json:
