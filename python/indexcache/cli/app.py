@@ -57,15 +57,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config["num_hidden_layers"] = args.layers
     if args.mtp_layers is not None:
         config["num_nextn_predict_layers"] = args.mtp_layers
+    csa = _deepseek_v4_csa(config, args)
+    v4 = csa is not None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         indexed, ic_keys = _family_reading(config) if args.layers is None else (None, config)
+        indexed = csa if v4 else indexed
         cfg = IndexCacheConfig.from_config(ic_keys, args.hf_overrides)
         plan = cfg.plan() if indexed is None else cfg.plan(len(indexed), 0)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     widths = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # a VL config's text tower
     dims = {k: widths[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in widths}
-    costs = indexer_costs(plan, args.context, dims)
+    costs = _deepseek_v4_costs(config, plan, args.context) if v4 else indexer_costs(plan, args.context, dims)
     main_id = (lambda i: i) if indexed is None else (lambda i: indexed[i])  # plan position -> main layer id
     layers = []
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
@@ -97,26 +100,51 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(head)
     print(f"pattern: {plan.pattern}")
     if indexed is not None:
-        print(f"over the indexed layers {', '.join(map(str, indexed))} (the others run no indexer)")
+        print(f"over the {'CSA' if v4 else 'indexed'} layers {', '.join(map(str, indexed))} (the others run no indexer)")
     print(f"{'layer':>5}  type  reads indices of")
     for row in layers:
         kind = row["type"] + (" (MTP)" if row["mtp"] else "")
         reads = "itself" if row["type"] == "F" else f"layer {row['source_layer']}"
         print(f"{row['layer']:>5}  {kind:<9} {reads}")
-    print(f"\nAgainst all-F at context {args.context} tokens (main layers; "
-          f"{costs['dims']['index_n_heads']} heads x {costs['dims']['index_head_dim']} indexer):")
-    for key, label, unit in (
-        ("decode_flops_per_token", "indexer FLOPs per generated token", "FLOP"),
-        ("prefill_flops", f"indexer FLOPs per prefill of {args.context} tokens", "FLOP"),
-        ("index_k_cache_bytes_per_sequence", "index-K cache per sequence (132 B/token/layer)", "B"),
-    ):
-        c = costs[key]
-        print(f"  {label:<50} {_human(c['all_f'], unit):>12} -> {_human(c['plan'], unit):>12}"
-              f"  (removes {_human(c['removed'], unit)}, {100 * c['removed_fraction']:.1f}%)")
+    _print_costs(costs, args.context, csa)
     print(f"--hf-overrides '{cfg.hf_overrides_json()}'")
     if scaleout:
         _print_scaleout(scaleout)
     return 0
+
+
+def _deepseek_v4_csa(config: dict, args: argparse.Namespace) -> Optional[list]:
+    """DeepSeek-V4's CSA layer ids (its plan covers those only, DESIGN §2); None for other families."""
+    if config.get("model_type") != "deepseek_v4":
+        return None
+    from indexcache.models.deepseek_v4 import csa_layers_of
+    if args.pp > 1 or args.tp > 1 or args.gpu_mem:
+        raise ValueError("--tp / --pp / --gpu-mem size V3.2-layout caches; DeepSeek-V4's are not sized yet")
+    return csa_layers_of(config)
+
+
+def _deepseek_v4_costs(config: dict, plan, context: int) -> dict:
+    from indexcache.models.deepseek_v4 import csa_indexer_costs
+    return csa_indexer_costs(config, plan, context)
+
+
+def _print_costs(costs: dict, context: int, csa: Optional[list]) -> None:
+    """What the plan removes against all-F; ``csa``: DeepSeek-V4's CSA layers (its index keys are
+    per compressed entry)."""
+    what = f"{len(csa)} CSA layers, entries of {costs['csa_rate']} tokens" if csa is not None else "main layers"
+    print(f"\nAgainst all-F at context {context} tokens ({what}; "
+          f"{costs['dims']['index_n_heads']} heads x {costs['dims']['index_head_dim']} indexer):")
+    k_label = (f"index-K cache per sequence ({costs['dims']['index_head_dim'] + 4} B/entry/layer)" if csa is not None
+               else "index-K cache per sequence (132 B/token/layer)")
+    rows = [("decode_flops_per_token", "indexer FLOPs per generated token", "FLOP"),
+            ("prefill_flops", f"indexer FLOPs per prefill of {context} tokens", "FLOP"),
+            ("index_k_cache_bytes_per_sequence", k_label, "B")]
+    if csa is not None:
+        rows.append(("index_k_bytes_per_token", "index-K bytes per token of context", "B"))
+    for key, label, unit in rows:
+        c = costs[key]
+        print(f"  {label:<50} {_human(c['all_f'], unit):>12} -> {_human(c['plan'], unit):>12}"
+              f"  (removes {_human(c['removed'], unit)}, {100 * c['removed_fraction']:.1f}%)")
 
 
 def _scaleout(args, config: dict, plan) -> dict:

@@ -33,6 +33,8 @@ _OTHER_KNOWN_KEYS = {
     "num_key_value_heads", "aux_loss_alpha", "seq_aux", "indexcache_tokenizer", "pad_token_id",
     "head_dim", "layer_types", "mlp_bias", "output_router_logits", "qk_head_dim", "num_local_experts",
     "learnable_sink_init",
+    # DeepSeek-V4 keys its family file reads into the fields below (or knowingly ignores)
+    "compress_rates", "partial_rotary_factor", "router_aux_loss_coef", "router_jitter_noise", "expert_dtype",
 }
 
 @dataclass
@@ -89,6 +91,19 @@ class ModelArgs:
     index_local_blocks: int = 0          # blocks ending at the query, always kept
     swiglu_alpha: float = 0.0            # SwiGLU-OAI sigmoid gain (MiniMax-M3's experts and dense MLPs)
     shared_intermediate_size: int = 0    # width of the (one) shared expert, when it differs from the routed ones
+    # DeepSeek-V4 (models/deepseek_v4.py sets them from its config.json; empty for the DSA families):
+    v4_layer_types: Optional[list] = None  # per main layer: "sliding_attention" / CSA / HCA
+    csa_rate: int = 4                    # tokens per CSA compressed entry
+    hca_rate: int = 128                  # tokens per HCA compressed entry
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: Optional[dict] = None  # YaRN of the compressed branches (cos/sin factor 1)
+    sliding_window: int = 128
+    head_dim: int = 512                  # the shared K=V head (RoPE on its last qk_rope_head_dim)
+    o_groups: int = 1
+    o_lora_rank: int = 0
+    hc_sinkhorn_iters: int = 0           # > 0: manifold hyper-connections (Sinkhorn-normalised mixing)
+    moe_scoring: str = "sigmoid"         # "sqrtsoftplus": DeepSeek-V4's router
+    hash_moe_layers: int = 0             # the first layers route by the token id (``mlp.gate.tid2eid``)
     tie_word_embeddings: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None

@@ -92,3 +92,48 @@ class HyperDecoderLayer(DecoderLayer):
             else:
                 y = self.par.all_reduce(self.mlp(h), "mlp_all_reduce")
             return add_to_streams(x, post, y)
+
+
+# ============================================================================ manifold hyper-connections (DeepSeek-V4)
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection of positive ``[..., hc, hc]`` matrices, DeepSeek-V4's order: the
+    columns normalised first, then ``iters - 1`` rounds of rows then columns (``+ eps`` in every sum)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class ManifoldHyperConnection(nn.Module):
+    """DeepSeek-V4's mHC: ``fn [(2 + hc) hc, hc D]``, ``base [(2 + hc) hc]``, ``scale [3]`` (pre, post,
+    comb). Besides ``pre`` and ``post`` (``2 · sigmoid``, no floor) it mixes the streams through a
+    Sinkhorn-normalised ``comb [hc, hc]``: ``stream'_k = Σ_j comb[j, k] · stream_j + post_k · out``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hc, self.eps, self.norm_eps, self.iters = args.hc_mult, args.hc_eps, args.rms_norm_eps, args.hc_sinkhorn_iters
+        width = (2 + self.hc) * self.hc
+        self.fn = nn.Parameter(torch.empty(width, self.hc * args.hidden_size))
+        self.base = nn.Parameter(torch.empty(width))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Streams ``[N, hc, D]`` -> (post fp32 ``[N, hc]``, comb fp32 ``[N, hc, hc]``, block input ``[N, D]``)."""
+        hc = self.hc
+        s, mixes = _mixes(streams, self.fn, self.norm_eps)
+        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
+        scale = self.scale.float()
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + self.eps
+        comb = sinkhorn(comb, self.iters, self.eps)
+        return post, comb, (pre.unsqueeze(-1) * s).sum(dim=1).to(streams.dtype)
+
+
+def mix_streams(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``comb^T · streams + post · out`` in the streams' dtype (as transformers' DeepseekV4DecoderLayer)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.to(dtype).unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams

@@ -149,3 +149,78 @@ class MoE(nn.Module):
                 y.index_add_(0, tok, self.expert(e)(x[tok]).float() * w[sel].unsqueeze(-1))
             start += c
         return y
+
+
+# ============================================================================ DeepSeek-V4 routing
+
+class ClampedMLP(MLP):
+    """SwiGLU with DeepSeek-V4's clamp (gate at most ``limit``, up within ``±limit``): its shared expert."""
+
+    def __init__(self, dim: int, inter: int, limit: float, par: ParallelContext | None = None, shard: bool = False):
+        super().__init__(dim, inter, par, shard)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit > 0:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class V4Gate(nn.Module):
+    """DeepSeek-V4's router: scores ``sqrt(softplus(x · W))`` (``moe_scoring``), the top-k of scores
+    plus the selection-only bias, or on a hash layer the fixed experts ``tid2eid[token id]`` (int64
+    ``[vocab, top_k]``, loaded from the checkpoint); weights are the chosen scores renormalised, times
+    ``routed_scaling_factor``."""
+
+    def __init__(self, args: ModelArgs, hashed: bool):
+        super().__init__()
+        self.top_k, self.scale, self.scoring, self.hashed = (args.num_experts_per_tok, args.routed_scaling_factor,
+                                                             args.moe_scoring, hashed)
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+        if hashed:
+            self.tid2eid = nn.Parameter(torch.empty(args.vocab_size, self.top_k, dtype=torch.int64), requires_grad=False)
+        else:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts))  # kept in fp32
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.weight.float())
+        if self.scoring == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.scoring == "sigmoid":
+            return logits.sigmoid()
+        return logits.softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.scores(x)
+        if self.hashed:
+            if input_ids is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids of its rows")
+            idx = self.tid2eid[input_ids.long()]
+        else:
+            idx = (scores + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        return idx, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+
+
+class V4MoE(MoE):
+    """DeepSeek-V4's MoE: clamped experts, one clamped shared expert of ``moe_intermediate_size``,
+    routed by ``V4Gate`` (hash routing on the first ``hash_moe_layers`` layers)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, par: ParallelContext | None = None):
+        super().__init__(args, par)
+        self.gate = V4Gate(args, layer_id < args.hash_moe_layers)
+        # stored expert by expert (``ffn.experts.E.w1/w3/w2``), clamped like the shared one; under
+        # tensor parallelism this rank's experts [e0, e1) keyed by their global id, the shared one split
+        d, i, lim, par = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, self.par
+        if par.tp_size == 1:
+            self.experts = nn.ModuleList(ClampedMLP(d, i, lim, par) for _ in range(args.n_routed_experts))
+        else:
+            self.experts = nn.ModuleDict({str(e): ClampedMLP(d, i, lim, par) for e in range(self.e0, self.e1)})
+        self.shared_experts = ClampedMLP(d, i, lim, par, shard=True)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, sync_free: bool = False) -> torch.Tensor:
+        idx, weights = self.gate(x, input_ids)
+        y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
+        y += self.shared_experts(x).float()
+        return self.par.all_reduce(y.to(x.dtype), "moe_all_reduce")
