@@ -14,8 +14,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import importlib.util
@@ -23,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from emu_build import build_emu_lib
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -40,19 +39,7 @@ POISON_I = -7777
 
 
 def _build() -> ctypes.CDLL:
-    out = Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so"))
-    srcs = [HERE / "emu_ops.cpp", HERE / "cuda_emu.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
-            ROOT / "csrc" / "cuda" / "kernels.h", *sorted((ROOT / "csrc" / "include" / "indexcache").glob("*.h"))]
-    if not out.exists() or any(s.stat().st_mtime > out.stat().st_mtime for s in srcs):
-        cxx = shutil.which(os.environ.get("CXX", "g++"))
-        if cxx is None:
-            pytest.skip("no C++ compiler")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [cxx, "-std=c++20", "-O1", "-g", "-shared", "-fPIC", "-fno-strict-aliasing", "-include", "cuda_emu.h",
-               f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{HERE}", str(HERE / "emu_ops.cpp"),
-               "-o", str(out), "-lpthread"]
-        subprocess.run(cmd, check=True, cwd=HERE)
-    lib = ctypes.CDLL(str(out))
+    lib = build_emu_lib("emu_ops.cpp", Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so")))
     lib.emu_last_error.restype = ctypes.c_char_p
     return lib
 

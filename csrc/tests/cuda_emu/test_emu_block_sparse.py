@@ -15,12 +15,11 @@ import ctypes
 import importlib.util
 import math
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from emu_build import build_emu_lib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,19 +43,7 @@ def lib() -> ctypes.CDLL:
     if _LIB is not None:
         return _LIB
     base = Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so")).parent
-    out = base / "libicemu_block_sparse.so"
-    srcs = [HERE / "emu_block_sparse.cpp", HERE / "cuda_emu.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
-            ROOT / "csrc" / "cuda" / "kernels.h", *sorted((ROOT / "csrc" / "include" / "indexcache").glob("*.h"))]
-    if not out.exists() or any(s.stat().st_mtime > out.stat().st_mtime for s in srcs):
-        cxx = shutil.which(os.environ.get("CXX", "g++"))
-        if cxx is None:
-            pytest.skip("no C++ compiler")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [cxx, "-std=c++20", "-O1", "-g", "-shared", "-fPIC", "-fno-strict-aliasing", "-include", "cuda_emu.h",
-               f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{HERE}",
-               str(HERE / "emu_block_sparse.cpp"), "-o", str(out), "-lpthread"]
-        subprocess.run(cmd, check=True, cwd=HERE)
-    _LIB = ctypes.CDLL(str(out))
+    _LIB = build_emu_lib("emu_block_sparse.cpp", base / "libicemu_block_sparse.so")
     _LIB.emu_bs_last_error.restype = ctypes.c_char_p
     return _LIB
 

@@ -1,0 +1,31 @@
+"""Builds an emulator library (one ``emu_*.cpp`` with the CUDA launchers of ``csrc/cuda``) with g++
+on first use, and again whenever a source it includes is newer than the library."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+
+
+def build_emu_lib(source: str, out: Path) -> ctypes.CDLL:
+    """``source``: the file name of an ``emu_*.cpp`` beside this module; ``out``: the library's path."""
+    srcs = [HERE / source, HERE / "cuda_emu.h", HERE / "emu_harness.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
+            ROOT / "csrc" / "cuda" / "kernels.h", *sorted((ROOT / "csrc" / "include" / "indexcache").glob("*.h"))]
+    if not out.exists() or any(s.stat().st_mtime > out.stat().st_mtime for s in srcs):
+        cxx = shutil.which(os.environ.get("CXX", "g++"))
+        if cxx is None:
+            pytest.skip("no C++ compiler")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [cxx, "-std=c++20", "-O1", "-g", "-shared", "-fPIC", "-fno-strict-aliasing", "-include", "cuda_emu.h",
+               f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{HERE}", str(HERE / source),
+               "-o", str(out), "-lpthread"]
+        subprocess.run(cmd, check=True, cwd=HERE)
+    return ctypes.CDLL(str(out))
