@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from gloo_ranks import model_outputs, run_on_ranks
 from hf_weights import randomize_
 from test_model import run_paged
 
@@ -382,41 +383,21 @@ PAR_PATTERN = {"use_index_cache": True, "index_topk_pattern": "FSF"}  # pp2: sta
 PAR_LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2)]
 
 
-def _par_outputs(model):
-    return {"logits": model(PAR_IDS), "rows": model.topk_buffer[:PAR_IDS.numel()].clone(),
-            "tokens": generate(model, PAR_PROMPTS, 4, stop_tokens=[]).tokens}
-
-
-def _par_worker(rank, world, path, out_dir):
-    import traceback
-
-    import torch.distributed as dist
-    torch.set_num_threads(1)
+def _par_models(path):
     out = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=world)
-        for name, tp, pp in PAR_LAYOUTS:
-            model = DeepseekV4ForCausalLM.from_pretrained(path, hf_overrides=PAR_PATTERN, tp_size=tp, pp_size=pp,
-                                                          dtype=torch.float32)
-            res = _par_outputs(model)
-            res["params"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
-            out[name] = res
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        out["failure"] = traceback.format_exc()
-    torch.save(out, out_dir / f"rank{rank}.pt")
+    for name, tp, pp in PAR_LAYOUTS:
+        model = DeepseekV4ForCausalLM.from_pretrained(path, hf_overrides=PAR_PATTERN, tp_size=tp, pp_size=pp,
+                                                      dtype=torch.float32)
+        out[name] = {**model_outputs(model, PAR_IDS, PAR_PROMPTS),
+                     "params": {n: tuple(p.shape) for n, p in model.named_parameters()}}
+    return out
 
 
 def test_tensor_and_pipeline_parallel(ckpt, tmp_path):
-    import torch.multiprocessing as mp
-
     path = ckpt[0]
-    want = _par_outputs(ours(path, PAR_PATTERN))
-    mp.start_processes(_par_worker, args=(2, path, tmp_path), nprocs=2, join=True, start_method="spawn")
-    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    want = model_outputs(ours(path, PAR_PATTERN), PAR_IDS, PAR_PROMPTS)
+    outs = run_on_ranks(_par_models, (path,), tmp_path)
     for r, o in enumerate(outs):
-        assert "failure" not in o, f"rank {r}:\n{o['failure']}"
         for name, _, _ in PAR_LAYOUTS:
             got = o[name]
             assert rel(got["logits"], want["logits"]) < 1e-5, (name, r)

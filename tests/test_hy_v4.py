@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from gloo_ranks import model_outputs, run_on_ranks
 from hf_weights import randomize_
 from test_model import run_paged
 
@@ -282,40 +283,20 @@ PAR_PROMPTS = [[(7 * i + 3) % 80 for i in range(20)], [(5 * i + 11) % 80 for i i
 PAR_LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2)]  # pp2: stage 1 begins on S layer 3 (FFS | SSF)
 
 
-def _par_outputs(model):
-    return {"logits": model(PAR_IDS), "rows": model.topk_buffer[:PAR_IDS.numel()].clone(),
-            "tokens": generate(model, PAR_PROMPTS, 4, stop_tokens=[]).tokens}
-
-
-def _par_worker(rank, world, path, out_dir):
-    import traceback
-
-    import torch.distributed as dist
-    torch.set_num_threads(1)
+def _par_models(path):
     out = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=world)
-        for name, tp, pp in PAR_LAYOUTS:
-            model = HYV4ForCausalLM.from_pretrained(path, tp_size=tp, pp_size=pp, dtype=torch.float32, indexer_fp8=False)
-            res = _par_outputs(model)
-            res["params"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
-            out[name] = res
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        out["failure"] = traceback.format_exc()
-    torch.save(out, out_dir / f"rank{rank}.pt")
+    for name, tp, pp in PAR_LAYOUTS:
+        model = HYV4ForCausalLM.from_pretrained(path, tp_size=tp, pp_size=pp, dtype=torch.float32, indexer_fp8=False)
+        out[name] = {**model_outputs(model, PAR_IDS, PAR_PROMPTS),
+                     "params": {n: tuple(p.shape) for n, p in model.named_parameters()}}
+    return out
 
 
 def test_tensor_and_pipeline_parallel(shipped, tmp_path):
-    import torch.multiprocessing as mp
-
     path = shipped[0]
-    want = _par_outputs(ours(path))
-    mp.start_processes(_par_worker, args=(2, path, tmp_path), nprocs=2, join=True, start_method="spawn")
-    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    want = model_outputs(ours(path), PAR_IDS, PAR_PROMPTS)
+    outs = run_on_ranks(_par_models, (path,), tmp_path)
     for r, o in enumerate(outs):
-        assert "failure" not in o, f"rank {r}:\n{o['failure']}"
         for name, _, _ in PAR_LAYOUTS:
             got = o[name]
             assert rel(got["logits"], want["logits"]) < 1e-5, (name, r)

@@ -4,10 +4,10 @@ with the second stage starting on an S sparse layer, each equal to one process: 
 bit-identical on both ranks), the shared block-selection rows (bit for bit), greedy tokens."""
 
 import torch
+from gloo_ranks import model_outputs, run_on_ranks
 from test_minimax_m3 import TEXT, ours, rel
 
 from indexcache.models import MiniMaxM3ForCausalLM, MiniMaxM3VLTextTower, from_pretrained
-from indexcache.runtime.generation import generate
 
 
 PAR_PATTERN = {"use_index_cache": True, "index_topk_pattern": "FSSF"}  # PP 2: stage 1 (layers 3-5) starts on S layer 4
@@ -17,32 +17,18 @@ PAR_PROMPTS = [[(7 * i + 3) % 96 for i in range(30)], [(5 * i + 11) % 96 for i i
 
 
 def _par_outputs(model):
-    logits = model(PAR_IDS)
-    return {"logits": logits, "rows": model.topk_buffer[:PAR_IDS.numel()].clone(),
-            "tokens": generate(model, PAR_PROMPTS, 4, stop_tokens=[]).tokens, "bytes": model.resident_weight_bytes()}
+    return {**model_outputs(model, PAR_IDS, PAR_PROMPTS), "bytes": model.resident_weight_bytes()}
 
 
-def _par_worker(rank, world, tmp):
-    import traceback
-
-    import torch.distributed as dist
-    torch.set_num_threads(1)
+def _par_models(tmp):
     out = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
-        for name, layout, tp, pp in PAR_LAYOUTS:
-            model = from_pretrained(tmp / layout, hf_overrides=PAR_PATTERN, dtype=torch.float32, tp_size=tp, pp_size=pp)
-            out[name] = _par_outputs(model)
-            out[name]["comm"] = dict(model.par.comm_bytes)
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        out["failure"] = traceback.format_exc()
-    torch.save(out, tmp / f"rank{rank}.pt")
+    for name, layout, tp, pp in PAR_LAYOUTS:
+        model = from_pretrained(tmp / layout, hf_overrides=PAR_PATTERN, dtype=torch.float32, tp_size=tp, pp_size=pp)
+        out[name] = {**_par_outputs(model), "comm": dict(model.par.comm_bytes)}
+    return out
 
 
 def test_tensor_and_pipeline_parallel_equal_one_process(tmp_path):
-    import torch.multiprocessing as mp
     cfg = {**TEXT, "model_type": "minimax_m3_vl_text", "architectures": ["MiniMaxM3VLForCausalLM"],
            "bos_token_id": None, "eos_token_id": None}
     MiniMaxM3ForCausalLM.from_config(cfg, seed=1).save_pretrained(tmp_path / "text")
@@ -50,10 +36,7 @@ def test_tensor_and_pipeline_parallel_equal_one_process(tmp_path):
           "text_config": cfg, "vision_config": {"hidden_size": 16}}
     MiniMaxM3VLTextTower.from_config(vl, seed=2).save_pretrained(tmp_path / "vl")
     refs = {layout: _par_outputs(ours(tmp_path / layout, PAR_PATTERN)) for layout in ("text", "vl")}
-    mp.start_processes(_par_worker, args=(2, tmp_path), nprocs=2, join=True, start_method="spawn")
-    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    for r, o in enumerate(outs):
-        assert "failure" not in o, f"rank {r}:\n{o['failure']}"
+    outs = run_on_ranks(_par_models, (tmp_path,), tmp_path)
     for name, layout, tp, pp in PAR_LAYOUTS:
         ref = refs[layout]
         for r, o in enumerate(outs):
