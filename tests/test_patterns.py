@@ -208,3 +208,45 @@ def test_minimax_cli_overlap(mm_ckpt, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "top-2 block (4 keys, per KV head) overlap" in out and "are layers 1, 2, 4, 5" in out
     assert "pattern FSFS" in out
+
+
+# ---------------------------------------------------------------------------- DeepSeek-V4 (indexed CSA layers)
+
+V4_CSA, V4_HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+V4_CFG = dict(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=256, hidden_size=32,
+              moe_intermediate_size=16, num_hidden_layers=5, num_attention_heads=4, head_dim=64, q_lora_rank=16,
+              partial_rotary_factor=16 / 64, num_experts_per_tok=2, n_routed_experts=4,
+              layer_types=["sliding_attention", V4_CSA, V4_HCA, V4_CSA, V4_CSA], compress_rates={V4_CSA: 4, V4_HCA: 8},
+              hc_mult=2, sliding_window=8, o_groups=2, o_lora_rank=8, index_n_heads=16, index_head_dim=32,
+              index_topk=3, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], max_position_embeddings=256,
+              indexcache_tokenizer="bytes", bos_token_id=None, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def v4_ckpt(tmp_path_factory):
+    from indexcache.models import DeepseekV4ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-deepseek-v4")
+    DeepseekV4ForCausalLM.from_config(V4_CFG, dtype=torch.float32, seed=3).save_pretrained(path)
+    return path
+
+
+def test_deepseek_v4_overlap_search_and_eval_over_csa_layers(v4_ckpt, windows, tmp_path):
+    """The pattern tools plan DeepSeek-V4 over its CSA layers (1, 3, 4): the overlap matrix is one
+    row per CSA layer, a searched pattern's loss is the loss of a model built with it."""
+    model = load_all_full(v4_ckpt)
+    assert model.indexed == [1, 3, 4]
+    m = overlap_matrix(model, windows)
+    assert m.shape == (3, 3) and torch.allclose(m.diagonal(), torch.ones(3, dtype=m.dtype))
+    assert float(m.min()) >= 0.0 and float(m.max()) <= 1.0
+    runner = PatternRunner(model, windows)
+    assert runner.num_layers == 3 and runner.num_main_layers == 5
+    steps = greedy_search(runner, tmp_path / "v4.jsonl", progress=False)
+    assert [s["num_full"] for s in steps] == [3, 2, 1]
+    for cur in steps[1:]:
+        assert runner.pattern_loss(cur["pattern"]) == cur["loss"]
+    assert len({s["loss"] for s in steps}) > 1  # S layers attend over other picks than their own
+    pat = steps[1]["pattern"]
+    rows = evaluate(v4_ckpt, [None, {"use_index_cache": True, "index_topk_pattern": pat}], windows, timing_repeats=1)
+    assert rows[1]["pattern"] == pat and rows[1]["loss_nats"] == steps[1]["loss"]
+    assert rows[0]["loss_nats"] == steps[0]["loss"]
