@@ -5,7 +5,7 @@ A tiny random checkpoint written by transformers (its own tensor names: DeepSeek
 sqrt-softplus-routed MoE and hyper-connections; compress rates 4 (CSA) and 8 (HCA) and a window
 of 8, so that several windows close within 40 tokens. IndexCache is checked against transformers
 patched so that an S CSA layer's indexer returns the nearest earlier F CSA layer's picks. Ties
-in the indexer's top-k go to the lower entry on both sides (``_stable_topk``).
+in the indexer's top-k go to the lower entry on both sides (``stable_topk``).
 """
 
 import warnings
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from gloo_ranks import model_outputs, run_on_ranks
-from hf_weights import randomize_
+from hf_weights import randomize_, stable_topk
 from test_model import run_paged
 
 from indexcache.models import DeepseekV4ForCausalLM, from_pretrained
@@ -34,11 +34,6 @@ WIDTHS = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidde
 
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
-    values, order = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((values.narrow(dim, 0, k), order.narrow(dim, 0, k)))
 
 
 def hf_checkpoint(path, seed=0, **extra):
@@ -67,7 +62,7 @@ def hf_logits(model, ids, monkeypatch, shared=()):
         last["picks"] = original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
         return last["picks"]
 
-    monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)
+    monkeypatch.setattr(torch.Tensor, "topk", stable_topk)
     monkeypatch.setattr(indexer, "forward", forward)
     try:
         with torch.no_grad():

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from gloo_ranks import model_outputs, run_on_ranks
-from hf_weights import randomize_
+from hf_weights import randomize_, stable_topk
 from test_model import run_paged
 
 from indexcache.models import BatchMeta, HYV4ForCausalLM, from_pretrained
@@ -35,11 +35,6 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
-    values, order = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((values.narrow(dim, 0, k), order.narrow(dim, 0, k)))
-
-
 def hf_checkpoint(path, seed=0, **extra):
     cfg = transformers.HYV4Config(**{**WIDTHS, **extra})
     model = transformers.HYV4ForCausalLM(cfg)
@@ -51,7 +46,7 @@ def hf_checkpoint(path, seed=0, **extra):
 
 def hf_logits(model, ids, monkeypatch):
     model.config._attn_implementation = "eager"
-    monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)  # ties toward the lower position, as the ops
+    monkeypatch.setattr(torch.Tensor, "topk", stable_topk)  # ties toward the lower position, as the ops
     try:
         with torch.no_grad():
             return model(input_ids=ids).logits.float()

@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 import torch
-from hf_weights import randomize_
+from hf_weights import randomize_, stable_topk
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,15 +78,10 @@ def load(path, family, **kw):
     return model.eval()
 
 
-def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
-    values, order = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((values.narrow(dim, 0, k), order.narrow(dim, 0, k)))
-
-
 @pytest.fixture
 def lower_position_ties(monkeypatch):
     """transformers' indexer with ties broken toward the lower position, as the ops do."""
-    monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)
+    monkeypatch.setattr(torch.Tensor, "topk", stable_topk)
 
 
 def prompts(batch, length, seed):
@@ -105,7 +100,7 @@ def test_glm_shipped_indexer_types(tmp_path, monkeypatch):
     path = write_checkpoint(tmp_path, "glm_moe_dsa", seed=1, indexer_types=["full", "shared", "full", "shared"])
     ids = prompts(2, 60, seed=2)
     ref = load(path, "glm_moe_dsa")
-    monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)
+    monkeypatch.setattr(torch.Tensor, "topk", stable_topk)
     want = logits(ref, ids)
     monkeypatch.undo()
     model = enable(load(path, "glm_moe_dsa"), indexer_fp8=False)
