@@ -46,6 +46,8 @@ def test_plan_from_config_file(tmp_path, capsys):
         (["plan", "--layers", "8", "--hf-overrides", "{bad"], "not valid JSON"),
         (["plan", "--layers", "8", "--hf-overrides", '{"use_index_cache": true, "index_topk_pattern": "SF"}'], "starts with 'S'"),
         (["plan", "--config", "/nonexistent/dir"], "no config.json"),
+        (["generate", "--decode-threads", "0"], "--decode-threads '0': give 'auto' or a count >= 1"),
+        (["generate", "--decode-threads", "many"], "--decode-threads 'many': give 'auto' or a count >= 1"),
     ],
 )
 def test_plan_errors(argv, message, capsys):

@@ -33,6 +33,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk-size", type=int, default=None, help="tokens per prefill forward")
     p.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "graph"],
                    help="plain decode steps: auto = a CUDA graph on CUDA when the model allows, else eager")
+    p.add_argument("--decode-threads", default="auto", metavar="auto|N",
+                   help="CPU threads per decode step: auto = the count whose first steps time fastest "
+                        "(prefill keeps torch's count)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before timing")
     p.add_argument("--compare", action="append", default=[], metavar="JSON",
                    help="also run with these --hf-overrides (repeatable) and print every run side by side, "
@@ -46,6 +49,14 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    help="force the first layer of every pipeline stage to F (the engines' fallback)")
     p.set_defaults(func=cmd_generate)
     return p
+
+
+def _threads(text: str):
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--decode-threads {text!r}: give 'auto' or a count >= 1")
+    return int(text)
 
 
 def _run(path, overrides, args, tokenizer):
@@ -64,11 +75,19 @@ def _run(path, overrides, args, tokenizer):
         raise ValueError("empty prompt")
     kw = dict(temperature=args.temperature, top_p=args.top_p, num_speculative_tokens=args.num_speculative_tokens,
               kv_cache_dtype=args.kv_cache_dtype, prefill_chunk_size=args.prefill_chunk_size, seed=args.seed,
-              decode_step=args.decode_step)
+              decode_step=args.decode_step, decode_threads=args.decode_threads)
     if not args.no_warmup:  # first calls pay one-off kernel setup; keep it out of the timings
         generate(model, [ids[:8]], 2, **kw)
     res = generate(model, [ids], args.max_new_tokens, **kw)
     return model, res, tokenizer.decode(res.tokens[0]), notes
+
+
+def _threads_note(res, device: str) -> str:
+    import torch
+
+    if device != "cpu":
+        return "host threads n/a"
+    return f"{res.decode_threads} of {torch.get_num_threads()} threads"
 
 
 def _quiet_unless_rank0() -> bool:
@@ -92,6 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device is visible")
     if args.max_new_tokens < 1 or args.repeat_prompt < 1:
         raise ValueError("--max-new-tokens and --repeat-prompt must be >= 1")
+    args.decode_threads = _threads(args.decode_threads)  # None for auto
     from indexcache.parallel import init_from_env
     if init_from_env(args.device):  # launched by torchrun: one process per rank
         _quiet_unless_rank0()
@@ -109,7 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "prompt_tokens": res.prompt_tokens, "prefill_seconds": res.prefill_seconds,
             "prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens": res.decode_tokens,
             "decode_seconds": res.decode_seconds, "decode_tokens_per_s": res.decode_tokens_per_s,
-            "acceptance_rate": res.acceptance_rate, "decode_step": res.decode_step, "warnings": notes,
+            "acceptance_rate": res.acceptance_rate, "decode_step": res.decode_step,
+            "decode_threads": res.decode_threads, "warnings": notes,
         } for ov, m, res, text, notes in runs]
         print(json.dumps(out[0] if len(out) == 1 else out))
         return 0
@@ -129,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("------------")
         line = (f"prefill: {res.prompt_tokens} tokens in {res.prefill_seconds:.3f} s ({res.prefill_tokens_per_s:.1f} tok/s); "
                 f"decode: {res.decode_tokens} tokens in {res.decode_seconds:.3f} s ({res.decode_tokens_per_s:.1f} tok/s, "
-                f"{res.decode_step} steps)")
+                f"{res.decode_step} steps, {_threads_note(res, args.device)})")
         if res.acceptance_rate is not None:
             line += f"; MTP acceptance {res.acceptance_rate:.2f} ({res.accepted_tokens}/{res.draft_tokens})"
         print(line)

@@ -28,6 +28,7 @@ from indexcache.models.state import BatchMeta, StageTimer
 
 from .cuda_graph import DecodeStep, unsupported_reason
 from .sampling import accept, sample
+from .threads import DecodeThreads
 
 DECODE_STEPS = ("auto", "eager", "static", "graph")
 
@@ -42,6 +43,8 @@ class GenerationSettings:
     sync-free step on static buffers (runtime/cuda_graph.py), run eagerly; "graph": that step
     captured as a CUDA graph once per batch size and replayed; "auto": "graph" on a CUDA device
     when the model supports it (no stage timer, no MTP drafts), else "eager".
+    decode_threads: torch's intra-op threads during decode on the CPU (None: the count whose
+    steps time fastest over the first steps, runtime/threads.py; prefill keeps torch's count).
     """
     temperature: float = 0.0
     top_p: float = 1.0
@@ -52,6 +55,7 @@ class GenerationSettings:
     seed: int = 0
     timer: Optional[StageTimer] = None
     decode_step: str = "auto"
+    decode_threads: Optional[int] = None
 
 
 @dataclass
@@ -69,6 +73,7 @@ class GenerationResult:
     mtp_reuse_forwards: int = 0       # MTP forwards that reused step 0's indices
     decode_step: str = "eager"        # how plain decode steps ran (generate's decode_step, resolved)
     graph_captures: int = 0           # CUDA graphs captured (one per decode batch size met)
+    decode_threads: int = 0           # intra-op threads the decode steps settled on
     stage_seconds: dict = field(default_factory=dict)
 
     @property
@@ -187,6 +192,9 @@ class Run:
         per_req = [-(-n // BLOCK_SIZE) for n in room]
         self.cache = model.allocate_cache(sum(per_req), s.kv_cache_dtype, BLOCK_SIZE)
         self.step_mode = resolve_decode_step(s.decode_step, model, self.cache, self.k, s.timer)
+        # Ranks of one model choose together or not at all: every rank must select the same rows.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.threads = DecodeThreads(s.decode_threads, tune=self.device.type == "cpu" and not distributed)
         # batch size -> DecodeStep (its graph captured on first use). The graphs share one memory
         # pool, which is safe because the batch only shrinks: a graph is never replayed after a
         # later one was captured (that capture may reuse the earlier graph's freed temporaries).
@@ -382,9 +390,9 @@ def decode(run: Run) -> None:
         if not live:
             break
         if run.k == 0:
-            decode_step(run, live)
+            run.threads.run(lambda: decode_step(run, live))
             continue
-        step0 = mtp_round(run, live, timed=first_round)
+        step0 = run.threads.run(lambda: mtp_round(run, live, timed=first_round))
         if first_round:
             run.res.prefill_seconds += step0
             t0 += step0
@@ -393,6 +401,7 @@ def decode(run: Run) -> None:
     res.decode_seconds = run.now() - t0
     res.decode_tokens = sum(max(len(r.out) - 1, 0) for r in run.reqs)
     res.decode_step = run.step_mode
+    res.decode_threads = run.threads.current()
     res.graph_captures = sum(1 for st in run.steps.values() if st.graph is not None)
     if run.s.timer is not None:
         res.stage_seconds = dict(run.s.timer.times)
@@ -403,11 +412,14 @@ def generate(model, prompts, max_new_tokens: int = 32, settings: Optional[Genera
              **overrides) -> GenerationResult:
     """Generate for a batch of token-id prompts of any lengths. ``settings`` (or its fields as
     keywords: temperature, top_p, stop_tokens, num_speculative_tokens, kv_cache_dtype,
-    prefill_chunk_size, seed, timer, decode_step) as :class:`GenerationSettings`."""
+    prefill_chunk_size, seed, timer, decode_step, decode_threads) as :class:`GenerationSettings`."""
     s = replace(settings or GenerationSettings(), **overrides)
     prompts = as_prompts(prompts)
     check_request(model, prompts, max_new_tokens, s)
     run = Run(model, prompts, max_new_tokens, s)
-    prefill(run)
-    decode(run)
+    try:
+        prefill(run)
+        decode(run)
+    finally:
+        run.threads.restore()
     return run.res
