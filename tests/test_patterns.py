@@ -11,7 +11,7 @@ from indexcache.cli import main
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
 from indexcache.tools.patterns import (PatternRunner, evaluate, greedy_search, load_all_full, overlap_matrix,
-                                 source_overlap, text_windows, uniform_pattern)
+                                      overlap_search, source_overlap, text_windows, uniform_pattern)
 
 CFG = tiny_config(num_hidden_layers=5, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, num_attention_heads=2, index_n_heads=2,
@@ -250,3 +250,61 @@ def test_deepseek_v4_overlap_search_and_eval_over_csa_layers(v4_ckpt, windows, t
     rows = evaluate(v4_ckpt, [None, {"use_index_cache": True, "index_topk_pattern": pat}], windows, timing_repeats=1)
     assert rows[1]["pattern"] == pat and rows[1]["loss_nats"] == steps[1]["loss"]
     assert rows[0]["loss_nats"] == steps[0]["loss"]
+
+
+def _brute_force(matrix: torch.Tensor, num_full: int) -> float:
+    import itertools
+
+    n, best = matrix.shape[0], float("-inf")
+    for rest in itertools.combinations(range(1, n), num_full - 1):
+        pattern = "".join("F" if i == 0 or i in rest else "S" for i in range(n))
+        best = max(best, sum(o for o, c in zip(source_overlap(matrix, pattern), pattern) if c == "S"))
+    return best
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_overlap_search_is_the_best_pattern(n):
+    g = torch.Generator().manual_seed(n)
+    for _ in range(4):
+        matrix = torch.rand(n, n, generator=g, dtype=torch.float64)
+        for keep in range(1, n + 1):
+            pattern, mean = overlap_search(matrix, keep)
+            assert len(pattern) == n and pattern[0] == "F" and pattern.count("F") == keep
+            got = sum(o for o, c in zip(source_overlap(matrix, pattern), pattern) if c == "S")
+            assert got == pytest.approx(_brute_force(matrix, keep), abs=1e-12)
+            assert mean == pytest.approx(got / (n - keep) if n > keep else 1.0)
+
+
+def test_overlap_search_by_hand():
+    # layer 2 overlaps layer 0 poorly and layer 1 well; layer 3 overlaps layer 2 best
+    m = torch.tensor([[1.0, 0.9, 0.1, 0.1],
+                      [0.9, 1.0, 0.8, 0.2],
+                      [0.1, 0.8, 1.0, 0.9],
+                      [0.1, 0.2, 0.9, 1.0]])
+    assert overlap_search(m, 1) == ("FSSS", pytest.approx((0.9 + 0.1 + 0.1) / 3))
+    assert overlap_search(m, 2) == ("FSFS", pytest.approx((0.9 + 0.9) / 2))
+    assert overlap_search(m, 4) == ("FFFF", 1.0)
+    with pytest.raises(ValueError, match="num_full must be in"):
+        overlap_search(m, 0)
+    with pytest.raises(ValueError, match="must be square"):
+        overlap_search(m[:3], 2)
+
+
+def test_cli_overlap_search_json(ckpt, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 10)
+    argv = ["search", "--model", str(ckpt), "--text", str(text), "--context", "48", "--windows", "2", "--json"]
+    assert main(argv + ["--method", "overlap"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "overlap" and out["steps"] == [] and out["search_seconds"] > 0
+    model = load_all_full(ckpt)
+    windows = text_windows(text.read_bytes(), 48, 2)
+    matrix = overlap_matrix(model, windows)
+    runner = PatternRunner(model, windows)
+    for name, c in out["budgets"].items():
+        pattern, mean = overlap_search(matrix, c["num_full"])
+        assert c["pattern"] == pattern and c["source_overlap"] == pytest.approx(mean)
+        assert c["loss"] == pytest.approx(runner.pattern_loss(pattern), rel=1e-6)
+        assert json.loads(c["hf_overrides"])["index_topk_pattern"] == pattern
+    assert main(argv + ["--method", "overlap", "--min-full", "2"]) == 2
+    assert "--method greedy" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
 
@@ -112,53 +113,94 @@ def cmd_overlap(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from indexcache.tools.patterns import PatternRunner, budgets, greedy_search, hf_overrides_for, uniform_pattern
+    from indexcache.tools.patterns import PatternRunner, uniform_pattern
 
+    if args.method == "overlap" and (args.log or args.min_full != 1):
+        raise ValueError("--log and --min-full are for --method greedy (the overlap search is one pass)")
     path, model, windows, bytes_per_token = _setup(args)
     bits = 1 / (math.log(2) * bytes_per_token)  # nats per token -> bits per byte of the text
     runner = PatternRunner(model, windows)
-    n = runner.num_layers
-    steps = greedy_search(runner, Path(args.log) if args.log else None, min_full=args.min_full,
-                          progress=not args.json)
+    t0 = time.perf_counter()
+    if args.method == "overlap":
+        steps, chosen = _search_by_overlap(model, windows, runner)
+    else:
+        steps, chosen = _search_greedy(args, runner)
+    search_seconds = time.perf_counter() - t0
     uniform = {}
     for freq in (2, 4, 8):
-        pat = uniform_pattern(n, freq)
+        pat = uniform_pattern(runner.num_layers, freq)
         uniform[freq] = {"pattern": pat, "num_full": pat.count("F"), "loss": runner.pattern_loss(pat)}
-    chosen = {}
-    for name, keep in budgets(n).items():
-        match = [s for s in steps if s["num_full"] == keep]
-        if match:
-            chosen[name] = {"num_full": keep, "pattern": match[0]["pattern"], "loss": match[0]["loss"],
-                            "hf_overrides": hf_overrides_for(match[0]["pattern"])}
     if args.png:
-        def draw(fig, ax):
-            ax.plot([s["num_full"] for s in steps], [s["loss"] * bits for s in steps], "o-", label="greedy search")
-            for freq, u in uniform.items():
-                ax.plot(u["num_full"], u["loss"] * bits, "s", markersize=9, label=f"uniform freq {freq}")
-            ax.set_xlabel("F layers (indexers kept)")
-            ax.set_ylabel("calibration loss (bits/byte)")
-            ax.invert_xaxis()
-            ax.legend()
-            ax.set_title("IndexCache greedy pattern search")
-        _plot(args.png, draw)
+        _plot_search(args.png, steps, chosen, uniform, bits)
     if args.json:
-        print(json.dumps({"model": str(path), "bytes_per_token": bytes_per_token, "steps": steps, "budgets": chosen,
-                          "uniform": uniform}))
+        print(json.dumps({"model": str(path), "method": args.method, "search_seconds": search_seconds,
+                          "bytes_per_token": bytes_per_token, "steps": steps, "budgets": chosen, "uniform": uniform}))
         return 0
-    print(f"{'step':>4} {'turned S':>8} {'F':>3} {'loss bits/byte':>15}  pattern")
+    if steps:
+        print(f"{'step':>4} {'turned S':>8} {'F':>3} {'loss bits/byte':>15}  pattern")
     for s in steps:
         print(f"{s['step']:>4} {'-' if s['layer'] is None else s['layer']:>8} {s['num_full']:>3} "
               f"{s['loss'] * bits:>15.4f}  {s['pattern']}")
-    print("\nuniform patterns on the same text:")
+    print(f"\n{args.method} search: {search_seconds:.2f} s")
+    print("uniform patterns on the same text:")
     for freq, u in uniform.items():
         print(f"  freq {freq}: {u['pattern']} ({u['num_full']} F) {u['loss'] * bits:.4f} bits/byte")
     print("\nbudgets:")
     for name, c in chosen.items():
-        print(f"  {name} ({c['num_full']} F): {c['pattern']} {c['loss'] * bits:.4f} bits/byte")
+        extra = f", mean source overlap {c['source_overlap']:.3f}" if "source_overlap" in c else ""
+        print(f"  {name} ({c['num_full']} F): {c['pattern']} {c['loss'] * bits:.4f} bits/byte{extra}")
         print(f"    --hf-overrides '{c['hf_overrides']}'")
     if args.png:
         print(f"plot: {args.png}")
     return 0
+
+
+def _search_greedy(args, runner) -> tuple:
+    """The greedy loss search's steps and the 1/2, 1/4, 1/8 budgets' patterns from them."""
+    from indexcache.tools.patterns import budgets, greedy_search, hf_overrides_for
+
+    steps = greedy_search(runner, Path(args.log) if args.log else None, min_full=args.min_full,
+                          progress=not args.json)
+    chosen = {}
+    for name, keep in budgets(runner.num_layers).items():
+        match = [s for s in steps if s["num_full"] == keep]
+        if match:
+            chosen[name] = {"num_full": keep, "pattern": match[0]["pattern"], "loss": match[0]["loss"],
+                            "hf_overrides": hf_overrides_for(match[0]["pattern"])}
+    return steps, chosen
+
+
+def _search_by_overlap(model, windows, runner) -> tuple:
+    """The 1/2, 1/4, 1/8 budgets chosen from the overlap matrix (one all-F forward, no loss pass;
+    the loss of each chosen pattern is then measured for the report)."""
+    from indexcache.tools.patterns import budgets, hf_overrides_for, overlap_matrix, overlap_search
+
+    matrix = overlap_matrix(model, windows)
+    chosen = {}
+    for name, keep in budgets(runner.num_layers).items():
+        pattern, mean = overlap_search(matrix, keep)
+        chosen[name] = {"num_full": keep, "pattern": pattern, "source_overlap": mean,
+                        "hf_overrides": hf_overrides_for(pattern)}
+    for c in chosen.values():  # after the search: evaluation, not part of its time
+        c["loss"] = runner.pattern_loss(c["pattern"])
+    return [], chosen
+
+
+def _plot_search(path, steps, chosen, uniform, bits) -> None:
+    def draw(fig, ax):
+        if steps:
+            ax.plot([s["num_full"] for s in steps], [s["loss"] * bits for s in steps], "o-", label="greedy search")
+        else:
+            ax.plot([c["num_full"] for c in chosen.values()], [c["loss"] * bits for c in chosen.values()], "o",
+                    markersize=9, label="overlap search")
+        for freq, u in uniform.items():
+            ax.plot(u["num_full"], u["loss"] * bits, "s", markersize=9, label=f"uniform freq {freq}")
+        ax.set_xlabel("F layers (indexers kept)")
+        ax.set_ylabel("calibration loss (bits/byte)")
+        ax.invert_xaxis()
+        ax.legend()
+        ax.set_title("IndexCache pattern search")
+    _plot(path, draw)
 
 
 def _overrides_list(args) -> list:
@@ -265,10 +307,14 @@ def add_pattern_parsers(sub) -> None:
     p.add_argument("--png", default=None, help="write the heatmap here")
     p.set_defaults(func=cmd_overlap)
 
-    p = sub.add_parser("search", help="greedy training-free search of an F/S pattern")
+    p = sub.add_parser("search", help="training-free search of an F/S pattern (greedy loss or overlap matrix)")
     _common(p, "calib", 4)
     p.add_argument("--log", default=None, help="JSON-lines log; an existing one is resumed")
     p.add_argument("--min-full", type=int, default=1, help="stop at this many F layers (default 1)")
+    p.add_argument("--method", default="greedy", choices=["greedy", "overlap"],
+                   help="greedy: turn to S the layer that raises the loss least, step by step (a loss pass per "
+                        "candidate); overlap: the pattern maximising each S layer's top-k overlap with its F "
+                        "source, a dynamic programme over the overlap matrix (one all-F forward)")
     p.add_argument("--png", default=None, help="write the loss-vs-F-layers plot here")
     p.set_defaults(func=cmd_search)
 

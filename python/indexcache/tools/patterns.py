@@ -289,6 +289,45 @@ def greedy_search(runner: PatternRunner, log_path: Optional[Path] = None, *, min
     return steps
 
 
+def overlap_search(matrix: torch.Tensor, num_full: int) -> tuple:
+    """The pattern with ``num_full`` F layers, layer 0 among them, that maximises the summed
+    overlap of every S layer with the F layer it reads (``matrix[s, source]``, as
+    :func:`source_overlap`), chosen from the overlap matrix alone: no loss pass (the selection
+    the IndexCache paper and Kascade make from layer similarity). A dynamic programme over the
+    last F layer: ``best[c][j]``, the most overlap of layers ``< j`` with ``c`` F layers the last
+    of which is ``j``; O(n^2 · num_full). Returns (pattern, mean source overlap of the S layers,
+    1.0 when there are none). Ties go to the earlier F layer.
+    """
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] < 1:
+        raise ValueError(f"the overlap matrix must be square [n, n] with n >= 1, got {tuple(matrix.shape)}")
+    n = matrix.shape[0]
+    if not 1 <= num_full <= n:
+        raise ValueError(f"num_full must be in [1, {n}] (layer 0 is always F), got {num_full}")
+    m = matrix.double().cpu()
+    # run[i][j]: overlap of the S layers i+1 .. j-1 with F layer i
+    col = torch.cat([torch.zeros(1, n, dtype=torch.float64), m.cumsum(0)])  # col[r, i] = sum_{l < r} m[l, i]
+    run = [[float(col[j, i] - col[i + 1, i]) if j > i else 0.0 for j in range(n + 1)] for i in range(n)]
+    neg = float("-inf")
+    best = [[neg] * n for _ in range(num_full + 1)]
+    back = [[-1] * n for _ in range(num_full + 1)]
+    best[1][0] = 0.0
+    for c in range(2, num_full + 1):
+        for j in range(c - 1, n):
+            for i in range(c - 2, j):
+                v = best[c - 1][i] + run[i][j]
+                if v > best[c][j]:
+                    best[c][j], back[c][j] = v, i
+    last = max(range(n), key=lambda i: (best[num_full][i] + run[i][n], -i))
+    total = best[num_full][last] + run[last][n]
+    full, c = [], num_full
+    while last >= 0:
+        full.append(last)
+        last, c = back[c][last], c - 1
+    pattern = "".join("F" if i in full else "S" for i in range(n))
+    shared = n - num_full
+    return pattern, (total / shared if shared else 1.0)
+
+
 def _append(path, record) -> None:
     if path is not None:
         with open(path, "a") as f:
