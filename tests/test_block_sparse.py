@@ -14,7 +14,7 @@ import indexcache._C as _C
 from indexcache import ops
 from indexcache import reference as ref
 
-from test_ops import cpu_isa, rel_err  # noqa: F401  (cpu_isa is a fixture)
+from test_ops import rel_err
 
 POISON_I = -7777
 

@@ -12,7 +12,7 @@ import torch
 from indexcache import ops
 from indexcache import reference as ref
 
-from test_ops import POISON_F, cpu_isa, make_sinks, rel_err  # noqa: F401  (cpu_isa: a fixture)
+from test_ops import POISON_F, make_sinks, rel_err
 
 V4_SCALE = 512 ** -0.5  # DeepseekV4Attention.scaling = head_dim ** -0.5
 
@@ -160,15 +160,26 @@ def test_v4_shape_errors(device):
         ops.sparse_mla(q, cache, idx, 0.1, extra_indices=[[0]] * 2)
 
 
-def test_v4_extra_indices_out_of_range(device):
-    if device != "cpu":
-        pytest.skip("CPU host checks (CUDA counts out-of-range entries, ops.cuda_error_count)")
+def test_v4_extra_indices_out_of_range(device, monkeypatch):
+    """The CPU op raises on an out-of-range extra_indices entry, and so does CUDA with
+    INDEXCACHE_CHECK=1; by default CUDA drops each such entry (as -1) and counts it."""
     cache, idx, extra = make_v4(device, torch.bfloat16, 2, 8, 4, blocks=1)
     q = torch.randn(2, 4, 512, device=device).bfloat16()
+    if device == "cuda":
+        monkeypatch.setenv("INDEXCACHE_CHECK", "1")
     with pytest.raises(RuntimeError, match="extra_indices holds slot 64 but the cache has 64 slots"):
         ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, 64))
     with pytest.raises(RuntimeError, match="extra_indices holds -2"):
         ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, -2))
+    if device != "cuda":
+        return
+    monkeypatch.delenv("INDEXCACHE_CHECK")
+    want = ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, -1))
+    for bad in (64, -2):
+        ops.reset_cuda_error_count()
+        got = ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, bad))
+        assert ops.cuda_error_count() == extra.numel()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # ------------------------------------------------------------------ the kernels
