@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from indexcache.runtime.cuda_graph import DecodeStep, unsupported_reason
-from indexcache.models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM
+from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.state import BatchMeta
 from indexcache.models.blocks import MoE
 from indexcache.models.tiny import tiny_config
 from indexcache.runtime import generate

@@ -1,4 +1,4 @@
-"""Training-aware IndexCache (python/indexcache/train_aware.py): the multi-layer loss, training,
+"""Training-aware IndexCache (python/indexcache/tools/aware.py, aware_loss.py): the multi-layer loss, training,
 saving a checkpoint for its pattern, and errors. Tiny random models, a few steps each."""
 
 import json

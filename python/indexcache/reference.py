@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 
-from indexcache.formats import FP8_DS_MLA_BYTES as MLA_FP8_BYTES  # noqa: F401  (656; the names this module always had)
 from indexcache.formats import (FP8_MAX, INDEX_K_EPS, INDEX_Q_EPS, MLA_FP8_EPS, MLA_FP8_SCALE_END,  # noqa: F401
                                 MLA_FP8_SCALES, MLA_LATENT, MLA_ROPE, QUANT_GROUP)
 
