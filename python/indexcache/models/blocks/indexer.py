@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from indexcache import ops, reference
+from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext
 
 from ..args import INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, ModelArgs
@@ -67,7 +67,7 @@ class Indexer(nn.Module):
         tp = ctx.torch_pass
         with torch.no_grad():
             q, k, w = self.dense_inputs(x.view(tp.batch, tp.seq, -1), qr.view(tp.batch, tp.seq, -1), ctx.cos, ctx.sin)
-            return reference.dense_topk(q, k, w, self.topk, tp.chunks)
+            return differentiable.dense_topk(q, k, w, self.topk, tp.chunks)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Fill rows ``[:N]`` of the shared buffer with request-relative positions; returns them."""

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from indexcache import ops, reference
+from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext, dense_weight
 
 from ..args import ATTN_CHUNK_ELEMS, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE, ModelArgs
@@ -48,14 +48,14 @@ class SparseAttention(nn.Module):
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor,
                    selection: torch.Tensor | None, chunks: list, recompute: bool = False) -> torch.Tensor:
-    """``reference.masked_attention`` with a learned logit per head in every row's softmax (the
+    """``differentiable.masked_attention`` with a learned logit per head in every row's softmax (the
     differentiable form of sparse MLA with sinks): q/k ``[B, H, T, d]``, v ``[B, H, T, v_dim]``,
     sinks fp32 ``[H]`` -> ``[B, H, T, v_dim]``, chunk by chunk over the query rows."""
     from torch.utils.checkpoint import checkpoint
 
     b, outs = q.shape[0], []
     for r0, r1 in chunks:
-        args = (q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], scale, reference.allowed_keys(selection, r0, r1, b, q.device),
+        args = (q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], scale, differentiable.allowed_keys(selection, r0, r1, b, q.device),
                 sinks)
         outs.append(checkpoint(_sink_rows, *args, use_reentrant=False) if recompute else _sink_rows(*args))
     return torch.cat(outs, dim=2)
@@ -177,7 +177,7 @@ class MLA(nn.Module):
 
     def _forward_torch(self, x, qr, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext) -> torch.Tensor:
         """The differentiable form (unabsorbed): per-head keys and values from the latent, attention
-        by ``reference.masked_attention`` over the causal window or the source F layer's selection."""
+        by ``differentiable.masked_attention`` over the causal window or the source F layer's selection."""
         tp, n, h = ctx.torch_pass, x.shape[0], self.n_heads
         b, t = tp.batch, tp.seq
         full = ctx.is_full(self.layer_id)
@@ -196,7 +196,7 @@ class MLA(nn.Module):
             tp.observe(LayerRecord(self.layer_id, full, x.detach().view(b, t, -1), qr.detach().view(b, t, -1),
                                    q.detach(), k.detach(), scale, sel))
         if self.sinks is None:
-            out = reference.masked_attention(q, k, v, scale, sel, tp.chunks, tp.recompute)
+            out = differentiable.masked_attention(q, k, v, scale, sel, tp.chunks, tp.recompute)
         else:
             out = sink_attention(q, k, v, scale, self.sinks, sel, tp.chunks, tp.recompute)
         o = self._gated(out.transpose(1, 2).reshape(n, h, self.v_dim), x)
