@@ -40,6 +40,7 @@ import torch
 
 from indexcache import ops
 from indexcache.config import IndexCacheConfig, parse_overrides
+from indexcache.models.blocks.indexer import fp8_key_inputs, fp8_query_inputs, fp32_query_inputs
 from indexcache.plan import LayerPlan
 
 # The transformers releases this integration was built and tested against. It replaces the attention
@@ -194,14 +195,12 @@ def _indexer_topk(attn, state: _State, hidden_states, q_resid, cos, sin, cache, 
     k = torch.cat([k_pass, k_rot] if tail else [k_rot, k_pass], dim=-1).reshape(b * s, d)
     w = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float().reshape(b * s, h)
     if state.fp8:
-        eps = ops.INDEX_K_EPS if state.hadamard else ops.INDEX_Q_EPS  # DeepSeek floors q's amax at 1e-4 too
-        q_in, q_scale = ops.quantize_fp8(q.contiguous(), eps, state.hadamard)
-        weights = ops.indexer_weights(w, q_scale.squeeze(-1))
-        k_val, k_scale = ops.quantize_fp8(k.contiguous(), ops.INDEX_K_EPS, state.hadamard)
-        rows = torch.cat((k_val.view(torch.uint8), k_scale.view(torch.uint8)), dim=-1)  # [B*S, 132]
+        q_in, weights = fp8_query_inputs(q, w, state.hadamard)
+        k_val, k_scale = fp8_key_inputs(k, state.hadamard)
+        rows = torch.cat((k_val.view(torch.uint8), k_scale.view(torch.uint8).view(-1, 4)), dim=-1)  # [B*S, 132]
         new_keys = rows.view(b, s, d + 4)
     else:
-        q_in, weights = q.float().contiguous(), ops.indexer_weights(w)
+        q_in, weights = fp32_query_inputs(q, w, d)
         new_keys = k.view(b, s, d)
     keys = cache.update_indexer(new_keys, attn.layer_idx) if cache is not None else new_keys
     if keys.shape[1] != s_kv:
