@@ -45,6 +45,7 @@ import torch
 from indexcache import ops
 from indexcache.config import IndexCacheConfig, parse_overrides
 from indexcache.models.blocks.indexer import fp8_key_inputs, fp8_query_inputs, fp32_query_inputs
+from indexcache.models.blocks.mla import absorb_queries, absorbed_values
 from indexcache.plan import LayerPlan
 
 # The transformers releases this integration was built and tested against. It replaces the attention
@@ -275,17 +276,16 @@ def _make_forward(state: _State, layer_pos: int):
             raise RuntimeError(f"indexcache: layer {attn.layer_idx} reuses top-k indices but no F layer wrote them in "
                                "this forward pass")
         w_uk, w_uv = _absorbed_weights(attn)
-        q_abs = torch.cat((torch.einsum("bhsn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype)), q_rot.transpose(1, 2)),
-                          dim=-1).reshape(b * s, h, latent + rope).contiguous()
+        q_abs = absorb_queries(q_nope.transpose(1, 2).reshape(b * s, h, nope), q_rot.transpose(1, 2).reshape(b * s, h, rope),
+                               w_uk.to(q_nope.dtype)).contiguous()
         kv_flat = kv.reshape(b * s_kv, 1, latent + rope)
         if not kv_flat.is_contiguous():  # after transformers' crop() of a batch
             kv_flat = kv_flat.contiguous()
         sinks = getattr(attn, "sinks", None)  # HY-V4: one fp32 softmax logit per head
         sinks = None if sinks is None else sinks.detach().float().contiguous()
         out, _ = ops.sparse_mla(q_abs.to(kv_flat.dtype), kv_flat, state.slots, attn.scaling, d_v=latent, sinks=sinks)
-        o = torch.einsum("nhc,hvc->nhv", out.to(hidden_states.dtype), w_uv.to(hidden_states.dtype))
-        if getattr(attn, "gate_proj", None) is not None:  # HY-V4: sigmoid output gate per head and value dim
-            o = o * torch.sigmoid(attn.gate_proj(hidden_states)).view(o.shape)
+        gate = attn.gate_proj(hidden_states) if getattr(attn, "gate_proj", None) is not None else None  # HY-V4
+        o = absorbed_values(out.to(hidden_states.dtype), w_uv.to(hidden_states.dtype), gate)
         return attn.o_proj(o.reshape(b, s, h * o.shape[-1]))
 
     return forward
