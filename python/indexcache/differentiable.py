@@ -66,7 +66,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def dense_indexer_logits(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``[B, rows, keys]``: Σ_h weights[t, h] · ReLU(q[t, h] · k[s]) (the op's score, batched, no
     window): q ``[B, rows, H, d]``, k ``[B, keys, d]``, weights ``[B, rows, H]`` with the softmax
-    constants folded in (:func:`indexcache.reference.indexer_weights`). One head at a time keeps memory at one matrix."""
+    constants folded in (:func:`indexcache.reference.indexer_weights`). One head at a time keeps
+    memory at one matrix."""
     out = None
     for h in range(q.shape[2]):
         term = (q[:, :, h] @ k.transpose(1, 2)).relu() * weights[:, :, h:h + 1]

@@ -49,7 +49,8 @@ def _logits_out(out, rows, min_cols) -> None:
     _dtype(out, torch.float32, "logits out")
     _dim(out, 2, "logits out")
     torch._check(out.shape[0] == rows, lambda: f"logits out has {out.shape[0]} rows, expected {rows}")
-    torch._check(out.shape[1] >= min_cols, lambda: f"logits out has {out.shape[1]} columns but the keys need {min_cols}")
+    torch._check(out.shape[1] >= min_cols,
+                 lambda: f"logits out has {out.shape[1]} columns but the keys need {min_cols}")
 
 
 def _index_cache(cache) -> None:
@@ -207,7 +208,8 @@ def _sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks=None, extra
     _dim(q, 3, "q")
     d_qk = q.shape[2]
     torch._check(d_qk in (MLA_KV_WIDTH, MLA_LATENT),
-                 lambda: f"q must be [s_q, h_q, 576] (absorbed DSA) or [s_q, h_q, 512] (DeepSeek-V4), got {tuple(q.shape)}")
+                 lambda: f"q must be [s_q, h_q, 576] (absorbed DSA) or [s_q, h_q, 512] (DeepSeek-V4), "
+                         f"got {tuple(q.shape)}")
     row = FP8_DS_MLA_BYTES if kv_cache.dtype == torch.uint8 else d_qk
     torch._check(kv_cache.dtype != torch.uint8 or d_qk == MLA_KV_WIDTH,
                  lambda: f"an fp8_ds_mla cache holds 576-wide rows, but q has d_qk {d_qk}")
@@ -216,7 +218,8 @@ def _sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks=None, extra
     _mla_slot_list(indices, q, "indices")
     if extra_indices is not None:
         _mla_slot_list(extra_indices, q, "extra_indices")
-    torch._check(0 < d_v <= MLA_LATENT and d_v % 64 == 0, lambda: f"d_v must be a multiple of 64 in (0, 512], got {d_v}")
+    torch._check(0 < d_v <= MLA_LATENT and d_v % 64 == 0,
+                 lambda: f"d_v must be a multiple of 64 in (0, 512], got {d_v}")
     _dtype(out, q.dtype, "out")
     torch._check(tuple(out.shape) == (q.shape[0], q.shape[1], d_v),
                  lambda: f"out must be [{q.shape[0]}, {q.shape[1]}, {d_v}], got {tuple(out.shape)}")
@@ -226,7 +229,8 @@ def _sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks=None, extra
     if sinks is not None:
         _dtype(sinks, torch.float32, "sinks")
         torch._check(sinks.dim() == 1 and sinks.shape[0] == q.shape[1],
-                     lambda: f"sinks must be [h_q] = [{q.shape[1]}] (one logit per query head), got {tuple(sinks.shape)}")
+                     lambda: f"sinks must be [h_q] = [{q.shape[1]}] (one logit per query head), "
+                             f"got {tuple(sinks.shape)}")
 
 
 def _block_out(out, q) -> None:
@@ -248,7 +252,8 @@ def _block_topk(q, k, ks, ke, block_size, local_blocks, out):
     _dtype(k, q.dtype, "k")
     _dim(q, 3, "q")
     _dim(k, 2, "k")
-    torch._check(k.shape[1] == q.shape[2], lambda: f"k must be [s_kv, d] with q's d = {q.shape[2]}, got {tuple(k.shape)}")
+    torch._check(k.shape[1] == q.shape[2],
+                 lambda: f"k must be [s_kv, d] with q's d = {q.shape[2]}, got {tuple(k.shape)}")
     _vec(ks, q.shape[0], "ks")
     _vec(ke, q.shape[0], "ke")
     _block_out(out, q)
@@ -262,7 +267,8 @@ def _block_topk_paged(q, k_cache, block_table, seq_lens, next_n, block_size, loc
     _dim(q, 3, "q")
     _dim(k_cache, 3, "k_cache")
     torch._check(k_cache.shape[2] == q.shape[2],
-                 lambda: f"k_cache must be [num_pages, page_size, d] with q's d = {q.shape[2]}, got {tuple(k_cache.shape)}")
+                 lambda: f"k_cache must be [num_pages, page_size, d] with q's d = {q.shape[2]}, "
+                         f"got {tuple(k_cache.shape)}")
     _paged_rows(q, block_table, seq_lens, next_n)
     _block_out(out, q)
     _block_args(block_size, local_blocks)
@@ -278,8 +284,10 @@ def _block_sparse_attention(q, k_cache, v_cache, block_table, req, pos, blocks, 
     torch._check(v_cache.shape == k_cache.shape,
                  lambda: f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     s_q, h_q, h_kv = q.shape[0], q.shape[1], k_cache.shape[2]
-    torch._check(k_cache.shape[3] == q.shape[2], lambda: f"k_cache's head dim must be q's {q.shape[2]}, got {k_cache.shape[3]}")
-    torch._check(h_kv >= 1 and h_q % h_kv == 0, lambda: f"q's {h_q} heads must be a multiple of the cache's {h_kv} KV heads")
+    torch._check(k_cache.shape[3] == q.shape[2],
+                 lambda: f"k_cache's head dim must be q's {q.shape[2]}, got {k_cache.shape[3]}")
+    torch._check(h_kv >= 1 and h_q % h_kv == 0,
+                 lambda: f"q's {h_q} heads must be a multiple of the cache's {h_kv} KV heads")
     _block_table(block_table)
     _vec(req, s_q, "req")
     _vec(pos, s_q, "pos")
@@ -289,7 +297,8 @@ def _block_sparse_attention(q, k_cache, v_cache, block_table, req, pos, blocks, 
     _dtype(out, q.dtype, "out")
     torch._check(out.shape == q.shape, lambda: f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
     _dtype(lse, torch.float32, "lse")
-    torch._check(tuple(lse.shape) == (s_q, h_q), lambda: f"lse must be [s_q, h_q] = [{s_q}, {h_q}], got {tuple(lse.shape)}")
+    torch._check(tuple(lse.shape) == (s_q, h_q),
+                 lambda: f"lse must be [s_q, h_q] = [{s_q}, {h_q}], got {tuple(lse.shape)}")
     torch._check(block_size >= 1, lambda: f"block_size must be >= 1, got {block_size}")
 
 

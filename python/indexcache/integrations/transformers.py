@@ -276,8 +276,8 @@ def _make_forward(state: _State, layer_pos: int):
             raise RuntimeError(f"indexcache: layer {attn.layer_idx} reuses top-k indices but no F layer wrote them in "
                                "this forward pass")
         w_uk, w_uv = _absorbed_weights(attn)
-        q_abs = absorb_queries(q_nope.transpose(1, 2).reshape(b * s, h, nope), q_rot.transpose(1, 2).reshape(b * s, h, rope),
-                               w_uk.to(q_nope.dtype)).contiguous()
+        q_abs = absorb_queries(q_nope.transpose(1, 2).reshape(b * s, h, nope),
+                               q_rot.transpose(1, 2).reshape(b * s, h, rope), w_uk.to(q_nope.dtype)).contiguous()
         kv_flat = kv.reshape(b * s_kv, 1, latent + rope)
         if not kv_flat.is_contiguous():  # after transformers' crop() of a batch
             kv_flat = kv_flat.contiguous()

@@ -74,8 +74,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     b, outs = q.shape[0], []
     for r0, r1 in chunks:
-        args = (q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], scale, differentiable.allowed_keys(selection, r0, r1, b, q.device),
-                sinks)
+        allowed = differentiable.allowed_keys(selection, r0, r1, b, q.device)
+        args = (q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], scale, allowed, sinks)
         outs.append(checkpoint(_sink_rows, *args, use_reentrant=False) if recompute else _sink_rows(*args))
     return torch.cat(outs, dim=2)
 
