@@ -7,7 +7,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "python" / "indexcache"
 FORMATS = PKG / "formats.py"
