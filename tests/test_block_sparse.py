@@ -567,7 +567,7 @@ def test_fuzz_block_sparse_non_finite(data, isa):
 
 # ------------------------------------------------------------------ CUDA (bench/gpu_check.sh; skipped without a GPU)
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 @needs_cuda
