@@ -7,8 +7,6 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
 # Property-based fuzzing (tests/test_fuzz.py, csrc/tests/cuda_emu/test_emu_fuzz.py). Failing
 # examples are kept in a git-ignored database and replayed first on the next run. "default"
 # sizes CI (a few hundred examples per op, ~3 minutes on 2 cores in all); "long" runs
