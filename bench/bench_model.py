@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from indexcache.models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM, StageTimer
+from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.state import BatchMeta, StageTimer
 from indexcache.models.tiny import tiny_config
 
 CONFIGS = {
@@ -101,8 +102,6 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
-    ap.add_argument("--kernels", default="model", choices=["model", "native", "reference"],
-                    help="ops the model calls: as the model module imports them, indexcache.ops, or reference.py")
     ap.add_argument("--json", default=None, help="write all records here")
     ap.add_argument("--plot", default=None, help="PNG: speedup vs context per freq")
     ap.add_argument("--markdown", default=None, help="write the table as a Markdown file (e.g. docs/performance.md)")
@@ -110,10 +109,6 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    if a.kernels != "model":
-        from indexcache import ops, reference
-        from indexcache.models import deepseek_v32
-        deepseek_v32.ops = ops if a.kernels == "native" else reference
     freqs = [int(f) for f in a.freqs.split(",")]
     if 1 not in freqs:
         freqs = [1] + freqs
@@ -179,8 +174,8 @@ def plot(records, path):
 def markdown(records, a, png):
     out = ["# Model performance (CPU)", "",
            f"Command: `python bench/bench_model.py --configs {a.configs} --contexts {a.contexts} --freqs {a.freqs} "
-           f"--decode-steps {a.decode_steps} --dtype {a.dtype} --repeats {a.repeats} --kernels {a.kernels}`; torch {torch.__version__}, "
-           f"{torch.get_num_threads()} threads. Kernels: `{_kernels()}`.", "",
+           f"--decode-steps {a.decode_steps} --dtype {a.dtype} --repeats {a.repeats}`; torch {torch.__version__}, "
+           f"{torch.get_num_threads()} threads. Kernels: `indexcache.ops` (the blocks call them).", "",
            "Speedups are against freq 1 of the same config and context; *bound* is Amdahl's from the indexer "
            "share measured at freq 1 and the fraction of layers kept F. Indexer memory = indexer parameters + "
            "index-K cache for the context.", ""]
@@ -195,11 +190,6 @@ def markdown(records, a, png):
                    f"{100*r['decode_indexer_share']:.0f} | {(r['indexer_param_bytes'] + r['index_cache_bytes']) / 2**20:.2f} |")
     out += ["", "Stage seconds per record are in the JSON (`prefill_stages`, `decode_stages`)."]
     return "\n".join(out) + "\n"
-
-
-def _kernels():
-    from indexcache.models import deepseek_v32
-    return deepseek_v32.ops.__name__
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ included), every format number defined once in ``indexcache.formats``, no unrest
 docs/architecture.md draws the structure these guard."""
 
 import ast
+import re
 from pathlib import Path
 
-import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "python" / "indexcache"
 FORMATS = PKG / "formats.py"
@@ -139,36 +139,15 @@ def test_no_unrestricted_unpickling():
     assert problems == []
 
 
-def test_old_constant_names_still_import():
-    """The names modules exported before the constants moved still hold the same values."""
-    from indexcache import formats, loader, parallel, reference
-    from indexcache.models import args
-
-    assert (reference.FP8_MAX, reference.QUANT_GROUP, reference.MLA_FP8_BYTES) == (448.0, 128, 656)
-    assert (reference.MLA_LATENT, reference.MLA_ROPE, reference.INDEX_K_EPS) == (512, 64, 1e-4)
-    assert (args.MLA_LATENT, args.INDEX_HEAD_DIM, args.BLOCK_SIZE, args.FP8_DS_MLA_BYTES) == (512, 128, 64, 656)
-    assert (parallel.FP8_BLOCK, parallel.INDEX_K_BYTES, parallel.MLA_KV_BYTES) == (128, 132, {"fp8_ds_mla": 656,
-                                                                                            "bf16": 1152})
-    assert loader.FP8_BLOCK == (128, 128) and parallel.FP8_LINEAR_NAMES is formats.FP8_LINEAR_NAMES
-    assert loader.FP8_WEIGHTS.search("model.layers.0.self_attn.indexer.wk.weight")
-    assert loader.quantize_fp8_blocks is parallel.quantize_fp8_blocks
-
-
-@pytest.mark.parametrize("old, new, names", [
-    ("indexcache.generation", "indexcache.runtime", ["generate", "GenerationResult", "load_tokenizer", "ByteTokenizer"]),
-    ("indexcache.models.cuda_graph", "indexcache.runtime.cuda_graph", ["DecodeStep", "unsupported_reason"]),
-])
-def test_moved_modules_keep_their_old_path_for_one_release(old, new, names):
-    """An old import path still works, warns that it is deprecated, and gives the same objects."""
-    import importlib
-    import sys
-
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        mod = importlib.import_module(old)
-    target = importlib.import_module(new)
-    for name in names:
-        assert getattr(mod, name) is getattr(target, name)
+def test_no_module_only_re_exports():
+    """No module of the package is a forwarding shim (issue 32): none copies another module's
+    namespace into its own (``globals().update(vars(...))``) and none warns that it is deprecated."""
+    problems = []
+    for f in sorted(PKG.rglob("*.py")):
+        text = f.read_text()
+        if re.search(r"globals\(\)\.update\(.*\bvars\(", text) or "DeprecationWarning" in text:
+            problems.append(str(f.relative_to(PKG)))
+    assert problems == []
 
 
 def test_the_model_keeps_no_generate_method():

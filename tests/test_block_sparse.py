@@ -14,7 +14,7 @@ import indexcache._C as _C
 from indexcache import ops
 from indexcache import reference as ref
 
-from test_ops import cpu_isa, rel_err  # noqa: F401  (cpu_isa is a fixture)
+from test_ops import rel_err
 
 POISON_I = -7777
 
@@ -567,7 +567,7 @@ def test_fuzz_block_sparse_non_finite(data, isa):
 
 # ------------------------------------------------------------------ CUDA (bench/gpu_check.sh; skipped without a GPU)
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 @needs_cuda

@@ -54,7 +54,7 @@ def test_error_word_schema_and_fake():
     assert w.shape == (1,) and w.dtype == torch.int32
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
 def test_cuda_counts_instead_of_syncing(monkeypatch):
     monkeypatch.delenv("INDEXCACHE_CHECK", raising=False)
     positions, req, table = slots_inputs("cuda")
@@ -71,7 +71,7 @@ def test_cuda_counts_instead_of_syncing(monkeypatch):
     assert ops.cuda_error_count() == 0
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
 def test_cuda_host_checks_restored_by_the_switch(monkeypatch):
     monkeypatch.setenv("INDEXCACHE_CHECK", "1")
     positions, req, table = slots_inputs("cuda")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from indexcache.runtime.cuda_graph import DecodeStep, unsupported_reason
-from indexcache.models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM
+from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.state import BatchMeta
 from indexcache.models.blocks import MoE
 from indexcache.models.tiny import tiny_config
 from indexcache.runtime import generate
@@ -157,7 +158,7 @@ def test_refusals(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- CUDA
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_ds_mla"])
 def test_cuda_graph_replays_bit_identically(kv_cache_dtype):
     torch.manual_seed(3)
@@ -190,7 +191,7 @@ def test_cuda_graph_replays_bit_identically(kv_cache_dtype):
     assert graph.graph is not None and graph.replays == 5
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
 def test_cuda_eager_step_does_not_sync():
     model = make("cuda", torch.bfloat16)
     cache, toks = prefill(model, [[1, 2, 3, 4], [5, 6]], "fp8_ds_mla")
@@ -206,7 +207,7 @@ def test_cuda_eager_step_does_not_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
 def test_cuda_generate_uses_the_graph():
     torch.manual_seed(4)
     model = make("cuda", torch.bfloat16)

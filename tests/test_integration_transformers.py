@@ -132,7 +132,7 @@ def test_glm_overrides_replace_shipped_indexer_types(tmp_path, overrides, patter
     model = enable(load(path, "glm_moe_dsa"), hf_overrides=overrides, indexer_fp8=False)
     assert model.indexcache_plan.pattern == pattern
     assert "replaced by --hf-overrides" in model.indexcache_summary
-    # S layers' indexers are released
+    # S layers' indexers are detached
     assert [layer.self_attn.indexer is None for layer in model.model.layers] == [c == "S" for c in pattern]
     assert rel(logits(model, ids), logits(ref, ids)) < 1e-5
 
@@ -282,7 +282,10 @@ def test_errors(glm_path, tmp_path, monkeypatch):
     # layer 1 ships "shared": transformers loaded no indexer there, so a plan making it F is refused
     with pytest.raises(ValueError, match="makes layer 1 F .* no indexer"):
         enable(model, hf_overrides={"use_index_cache": True, "index_topk_pattern": "FFSS"})
-    assert getattr(model, "_indexcache_state", None) is None  # a refused enable() changed nothing
+    # a refused enable() changed nothing
+    assert getattr(model, "_indexcache_state", None) is None
+    assert not any("forward" in vars(layer.self_attn) for layer in model.model.layers)
+    assert not model.model._forward_pre_hooks
     enable(model)
     with pytest.raises(ValueError, match="already called"):
         enable(model)
@@ -306,6 +309,39 @@ def test_errors(glm_path, tmp_path, monkeypatch):
                              index_head_dim=16)
     with pytest.raises(ValueError, match="kv_lora_rank=32, qk_rope_head_dim=8, index_head_dim=16"):
         enable(load(small, "glm_moe_dsa"))
+
+
+@needs_supported
+def test_disable_undoes_every_change(tmp_path):
+    """disable() puts back every change enable() lists: transformers' forward, the S layers'
+    indexers (the state dict lacks them only while enabled), skip_topk, the attention
+    implementation, the hook and the attributes; the logits are the unpatched model's again."""
+    path = write_checkpoint(tmp_path, "glm_moe_dsa", seed=21)
+    ids = prompts(2, 30, seed=22)
+    want = logits(load(path, "glm_moe_dsa"), ids)
+    model = load(path, "glm_moe_dsa")
+    keys, impl = set(model.state_dict()), model.config._attn_implementation
+    attns = [layer.self_attn for layer in model.model.layers]
+    skip = [getattr(a, "skip_topk", None) for a in attns]
+    enable(model, hf_overrides={"use_index_cache": True, "index_topk_pattern": "FSSF"})
+    assert model.indexcache_changes == ict.CHANGES
+    assert all("forward" in vars(a) for a in attns) and [a.indexer is None for a in attns] == [False, True, True, False]
+    gone = keys - set(model.state_dict())
+    assert gone and all(".self_attn.indexer." in k and (".layers.1." in k or ".layers.2." in k) for k in gone)
+    assert ict.disable(model) is model
+    assert set(model.state_dict()) == keys and model.config._attn_implementation == impl
+    assert all("forward" not in vars(a) and a.indexer is not None for a in attns)
+    assert [getattr(a, "skip_topk", None) for a in attns] == skip
+    assert not model.model._forward_pre_hooks
+    assert not any(hasattr(model, n) for n in ("_indexcache_state", "indexcache_plan", "indexcache_summary",
+                                               "indexcache_changes"))
+    assert torch.equal(logits(model, ids), want)
+    with pytest.raises(ValueError, match="needs a model that enable"):
+        ict.disable(model)
+    # again, with the model cast while enabled: the detached indexers follow it back
+    ict.disable(enable(model, hf_overrides={"use_index_cache": True, "index_topk_pattern": "FSSF"}).to(torch.bfloat16))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert set(model.state_dict()) == keys
 
 
 @needs_supported

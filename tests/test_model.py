@@ -15,7 +15,9 @@ import torch
 
 from indexcache.runtime import generate
 from indexcache.loader import FP8_WEIGHTS, dequantize_fp8_blocks, quantize_fp8_blocks
-from indexcache.models.deepseek_v32 import BatchMeta, DeepseekV32ForCausalLM, MTPLayer
+from indexcache.models.blocks import MTPLayer
+from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.state import BatchMeta
 from indexcache.models.tiny import tiny_config
 
 CFG = tiny_config(

@@ -12,7 +12,7 @@ import torch
 from indexcache import ops
 from indexcache import reference as ref
 
-from test_ops import POISON_F, cpu_isa, make_sinks, rel_err  # noqa: F401  (cpu_isa: a fixture)
+from test_ops import POISON_F, make_sinks, rel_err
 
 V4_SCALE = 512 ** -0.5  # DeepseekV4Attention.scaling = head_dim ** -0.5
 
@@ -134,41 +134,48 @@ def test_v4_shape_errors(device):
     lse = torch.full((2, 4), POISON_F, device=device)
     c576 = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device=device)
     fp8 = torch.zeros(1, 64, 656, dtype=torch.uint8, device=device)
-    bad = [  # (q, cache, extra, python message, C++ message)
-        (torch.randn(2, 4, 256, device=device).bfloat16(), cache, None, "d_qk 576 .* or 512", "DeepSeek-V4"),
-        (q, c576, None, r"kv_cache rows must have d_qk = 512", "rows of d_qk = 512"),
-        (torch.randn(2, 4, 576, device=device).bfloat16(), cache, None, "kv_cache rows must have d_qk = 576",
-         "rows of d_qk = 576"),
-        (q, fp8, None, "fp8_ds_mla cache .* 576-wide rows, but q has d_qk 512", "576-wide rows, but q has d_qk 512"),
-        (q, cache, extra.long(), "extra_indices must be int32", "extra_indices must be Int"),
-        (q, cache, extra[:1].contiguous(), r"extra_indices must be \[s_q, n_extra\] = \[2, n_extra\]",
-         "extra_indices has 1 rows for 2 queries"),
-        (q, cache, extra.reshape(-1), r"extra_indices must be \[s_q, n_extra\]", "extra_indices must have 2 dims"),
-        (q, cache, torch.zeros(4, 2, dtype=torch.int32, device=device).t(), "extra_indices must be contiguous",
-         "extra_indices must be contiguous"),
+    bad = [  # (q, cache, extra, the op's message: csrc/checks.h)
+        (torch.randn(2, 4, 256, device=device).bfloat16(), cache, None, r"\(absorbed DSA\) or .* \(DeepSeek-V4\)"),
+        (q, c576, None, "rows of d_qk = 512"),
+        (torch.randn(2, 4, 576, device=device).bfloat16(), cache, None, "rows of d_qk = 576"),
+        (q, fp8, None, "576-wide rows, but q has d_qk 512"),
+        (q, cache, extra.long(), "extra_indices must be Int"),
+        (q, cache, extra[:1].contiguous(), "extra_indices has 1 rows for 2 queries"),
+        (q, cache, extra.reshape(-1), "extra_indices must have 2 dims"),
+        (q, cache, torch.zeros(4, 2, dtype=torch.int32, device=device).t(), "extra_indices must be contiguous"),
     ]
     if device == "cpu" and torch.cuda.is_available():
-        bad.append((q, cache, extra.cuda(), "extra_indices and q must be on one device",
-                    "extra_indices and q must be on one device"))
-    for qq, cc, ee, py_msg, cpp_msg in bad:
-        with pytest.raises(ValueError, match=py_msg):
+        bad.append((q, cache, extra.cuda(), "extra_indices and q must be on one device"))
+    for qq, cc, ee, msg in bad:
+        with pytest.raises(RuntimeError, match=msg):
             ops.sparse_mla(qq, cc, idx, 0.1, extra_indices=ee)
-        with pytest.raises(RuntimeError, match=cpp_msg):
+        with pytest.raises(RuntimeError, match=msg):
             torch.ops.indexcache.sparse_mla(qq, cc, idx, 0.1, 512, out, lse, None, ee)
         assert out.isnan().all() and lse.isnan().all()  # nothing written
-    with pytest.raises(ValueError, match="extra_indices must be an int32 tensor"):
+    with pytest.raises(RuntimeError, match=r"Expected a value of type 'Optional\[Tensor\]' for argument 'extra_indices'"):
         ops.sparse_mla(q, cache, idx, 0.1, extra_indices=[[0]] * 2)
 
 
-def test_v4_extra_indices_out_of_range(device):
-    if device != "cpu":
-        pytest.skip("CPU host checks (CUDA counts out-of-range entries, ops.cuda_error_count)")
+def test_v4_extra_indices_out_of_range(device, monkeypatch):
+    """The CPU op raises on an out-of-range extra_indices entry, and so does CUDA with
+    INDEXCACHE_CHECK=1; by default CUDA drops each such entry (as -1) and counts it."""
     cache, idx, extra = make_v4(device, torch.bfloat16, 2, 8, 4, blocks=1)
     q = torch.randn(2, 4, 512, device=device).bfloat16()
+    if device == "cuda":
+        monkeypatch.setenv("INDEXCACHE_CHECK", "1")
     with pytest.raises(RuntimeError, match="extra_indices holds slot 64 but the cache has 64 slots"):
         ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, 64))
     with pytest.raises(RuntimeError, match="extra_indices holds -2"):
         ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, -2))
+    if device != "cuda":
+        return
+    monkeypatch.delenv("INDEXCACHE_CHECK")
+    want = ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, -1))
+    for bad in (64, -2):
+        ops.reset_cuda_error_count()
+        got = ops.sparse_mla(q, cache, idx, 0.1, extra_indices=torch.full_like(extra, bad))
+        assert ops.cuda_error_count() == extra.numel()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # ------------------------------------------------------------------ the kernels

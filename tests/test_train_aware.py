@@ -1,4 +1,4 @@
-"""Training-aware IndexCache (python/indexcache/train_aware.py): the multi-layer loss, training,
+"""Training-aware IndexCache (python/indexcache/tools/aware.py, aware_loss.py): the multi-layer loss, training,
 saving a checkpoint for its pattern, and errors. Tiny random models, a few steps each."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 import indexcache
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.tiny import tiny_config
-from indexcache import reference
+from indexcache import differentiable
 from indexcache.models import BatchMeta
 from indexcache.tools.aware import AwareSchedule, aware_forward, load_for_pattern, train_aware
 from indexcache.tools.aware_loss import multi_layer_kl, served_target, serving_groups
@@ -78,12 +78,12 @@ def test_chunked_loss_matches_whole_matrix(ckpt, stage):
         assert chunked[f] == pytest.approx(whole[f], rel=1e-4)
     # the same loss written out over whole [T, T] matrices
     t = 40
-    allowed = reference.allowed_keys(rec[0].selection, 0, t, 2, "cpu")
-    probs = [reference.attention_probs(rec[l].q, rec[l].k, rec[l].scale, allowed) for l in groups[0]]
+    allowed = differentiable.allowed_keys(rec[0].selection, 0, t, 2, "cpu")
+    probs = [differentiable.attention_probs(rec[l].q, rec[l].k, rec[l].scale, allowed) for l in groups[0]]
     ctx = model.forward_context(BatchMeta.dense(2, t, "cpu"))
     with torch.no_grad():
         q, k, w = model.model.layers[0].self_attn.indexer.dense_inputs(rec[0].x, rec[0].qr, ctx.cos, ctx.sin)
-        direct = multi_layer_kl(reference.dense_indexer_logits(q, k, w), probs, allowed)
+        direct = multi_layer_kl(differentiable.dense_indexer_logits(q, k, w), probs, allowed)
     assert whole[0] == pytest.approx(float(direct), rel=1e-4)
     assert whole[0] > 0
 

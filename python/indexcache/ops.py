@@ -1,4 +1,4 @@
-"""Typed, documented wrappers over ``torch.ops.indexcache`` and their fake (meta) kernels.
+"""Typed, documented wrappers over ``torch.ops.indexcache`` (their fake kernels: fake_kernels.py).
 
 Shape names follow DESIGN.md §7: s_q query rows, s_kv keys, h heads, d head dim, topk.
 Every op checks dtype, device, strides and shapes in C++ and raises RuntimeError naming
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (registers the ops)
-from .formats import MLA_KV_WIDTH, MLA_LATENT
+from . import fake_kernels  # noqa: F401  (registers their fake kernels)
 
 _ops = torch.ops.indexcache
 
@@ -26,11 +26,6 @@ def fill_topk_buffer_(buf: torch.Tensor, num_rows: int) -> torch.Tensor:
     """
     _ops.fill_topk_buffer_(buf, num_rows)
     return buf
-
-
-@torch.library.register_fake("indexcache::fill_topk_buffer_")
-def _fill_topk_buffer_fake(buf, num_rows):
-    return None
 
 
 # Small torch-level helpers that are part of the op contract but are not kernels.
@@ -47,11 +42,6 @@ def quantize_fp8(x: torch.Tensor, eps: float, hadamard: bool = False) -> tuple[t
     use eps ``INDEX_Q_EPS`` for q ``[s, h, 128]`` and ``INDEX_K_EPS`` for k ``[s, 128]``.
     """
     return _ops.quantize_fp8(x, eps, hadamard)
-
-
-@torch.library.register_fake("indexcache::quantize_fp8")
-def _quantize_fp8_fake(x, eps, hadamard):
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((*x.shape[:-1], x.shape[-1] // 128), dtype=torch.float32)
 
 
 def index_k_cache_insert(k: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, hadamard: bool = False) -> None:
@@ -153,48 +143,6 @@ def mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache) -> None:
     _ops.mla_kv_cache_insert(kv_c, k_pe, slot_mapping, cache)
 
 
-def _check_sinks(sinks, q) -> None:
-    """ValueError naming the problem (the C++ op checks the same with TORCH_CHECK)."""
-    if not isinstance(sinks, torch.Tensor):
-        raise ValueError(f"sinks must be a float32 tensor [h_q] or None, got {type(sinks).__name__}")
-    if sinks.dtype != torch.float32:
-        raise ValueError(f"sinks must be float32 (one fp32 logit per query head), got {sinks.dtype}")
-    if sinks.device != q.device:
-        raise ValueError(f"sinks and q must be on one device, got {sinks.device} and {q.device}")
-    if sinks.dim() != 1 or (q.dim() >= 2 and sinks.shape[0] != q.shape[1]):
-        raise ValueError(f"sinks must be [h_q] = [{q.shape[1] if q.dim() >= 2 else '?'}], got {tuple(sinks.shape)}")
-    if not sinks.is_contiguous():
-        raise ValueError(f"sinks must be contiguous, got strides {sinks.stride()}")
-
-
-def _check_mla_shapes(q, kv_cache, extra_indices) -> None:
-    """ValueError naming the problem for the d_qk / cache / extra_indices contract (the C++ op
-    checks the same with TORCH_CHECK; index values out of range raise there, as for indices)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[-1] not in (MLA_LATENT, MLA_KV_WIDTH):
-        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-        raise ValueError(f"q must be [s_q, h_q, d_qk] with d_qk 576 (DSA: 512 latent + 64 RoPE) or 512 "
-                         f"(DeepSeek-V4's K=V head), got {got}")
-    d_qk = q.shape[-1]
-    if kv_cache.dtype == torch.uint8:
-        if d_qk != MLA_KV_WIDTH:
-            raise ValueError(f"an fp8_ds_mla cache (uint8) holds 576-wide rows, but q has d_qk {d_qk}; "
-                             "DeepSeek-V4's 512-wide rows take a bf16 or fp32 cache")
-    elif kv_cache.shape[-1] != d_qk:
-        raise ValueError(f"kv_cache rows must have d_qk = {d_qk} values (q's last dim), got {tuple(kv_cache.shape)}")
-    if extra_indices is None:
-        return
-    if not isinstance(extra_indices, torch.Tensor):
-        raise ValueError(f"extra_indices must be an int32 tensor [s_q, n_extra] or None, got {type(extra_indices).__name__}")
-    if extra_indices.dtype != torch.int32:
-        raise ValueError(f"extra_indices must be int32 physical slots, got {extra_indices.dtype}")
-    if extra_indices.dim() != 2 or extra_indices.shape[0] != q.shape[0]:
-        raise ValueError(f"extra_indices must be [s_q, n_extra] = [{q.shape[0]}, n_extra], got {tuple(extra_indices.shape)}")
-    if extra_indices.device != q.device:
-        raise ValueError(f"extra_indices and q must be on one device, got {extra_indices.device} and {q.device}")
-    if not extra_indices.is_contiguous():
-        raise ValueError(f"extra_indices must be contiguous, got strides {extra_indices.stride()}")
-
-
 def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, lse=None, sinks=None,
                extra_indices=None):
     """Sparse attention of one shared K=V cache head over selected slots (DESIGN.md §5, §6).
@@ -216,13 +164,12 @@ def sparse_mla(q, kv_cache, indices, sm_scale: float, d_v: int = 512, out=None, 
     selected compressed entries). The softmax runs over both lists together; each listed valid
     slot counts once per listing, as duplicates within indices do.
     """
-    _check_mla_shapes(q, kv_cache, extra_indices)
-    if sinks is not None:
-        _check_sinks(sinks, q)
+    # The op checks every argument (csrc/checks.h); the outputs allocated here take q's first two
+    # dims whatever q's rank, so a wrong q reaches those checks and their message.
     if out is None:
-        out = q.new_empty((q.shape[0], q.shape[1], d_v))
+        out = q.new_empty((*q.shape[:2], max(d_v, 0)))
     if lse is None:
-        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     _ops.sparse_mla(q, kv_cache, indices, sm_scale, d_v, out, lse, sinks, extra_indices)
     return out, lse
 
@@ -309,17 +256,3 @@ def reset_cuda_error_count(device=None) -> None:
     if word is not None:
         word.zero_()
 
-
-@torch.library.register_fake("indexcache::cuda_error_word")
-def _cuda_error_word_fake(like):
-    return like.new_empty((1,), dtype=torch.int32)
-
-
-def _register_mutating_fakes():
-    for name in ("index_k_cache_insert", "indexer_logits", "indexer_logits_paged", "topk_indices", "indexer_topk",
-                 "indexer_topk_paged", "positions_to_slots", "mla_kv_cache_insert", "sparse_mla", "block_topk",
-                 "block_topk_paged", "block_sparse_attention"):
-        torch.library.register_fake(f"indexcache::{name}")(lambda *args, **kwargs: None)
-
-
-_register_mutating_fakes()

@@ -7,7 +7,7 @@ replaces, in place, the ``forward`` of each layer's attention module with absorb
 over this package's ops, keeping the model's own weights and its ``forward`` / ``generate()``:
 
 - **Absorbed MLA.** ``kv_b_proj.weight`` is split into W_UK ``[h, nope, latent]`` and W_UV
-  ``[h, v, latent]`` as views (no copy, the state dict is unchanged). A query becomes
+  ``[h, v, latent]`` as views (no copy; the weight and its state-dict entry are unchanged). A query becomes
   ``[q_nope · W_UK | q_rope]`` (576 wide); ``ops.sparse_mla`` attends the latent cache at the
   selected slots only; the 512-wide result goes through W_UV and ``o_proj``.
 - **Caches inside transformers' cache object.** Each layer's latent KV (normed ``kv_c`` and the
@@ -23,7 +23,11 @@ over this package's ops, keeping the model's own weights and its ``forward`` / `
   row's visible keys must form one contiguous run, anything else is a clear error.
 - **IndexCache** from the model's config and ``hf_overrides`` with DESIGN §2's precedence
   (``IndexCacheConfig``): F layers write the top-k slots of this forward pass, S layers reuse
-  those of the nearest earlier F layer; S layers' indexer modules are released.
+  those of the nearest earlier F layer; S layers' indexer modules are detached.
+
+Everything ``enable`` changes on the model is listed in ``CHANGES`` (and, for one model, in
+``model.indexcache_changes``); it checks every layer before it changes any, and ``disable(model)``
+puts each change back, in reverse order.
 
 Results: with ``indexer_fp8=False`` the scores are transformers' (unquantized fp32) and the logits
 equal its own model's; the default (``None`` / ``True``) scores in fp8 after the Hadamard rotation
@@ -40,6 +44,8 @@ import torch
 
 from indexcache import ops
 from indexcache.config import IndexCacheConfig, parse_overrides
+from indexcache.models.blocks.indexer import fp8_key_inputs, fp8_query_inputs, fp32_query_inputs
+from indexcache.models.blocks.mla import absorb_queries, absorbed_values
 from indexcache.plan import LayerPlan
 
 # The transformers releases this integration was built and tested against. It replaces the attention
@@ -122,6 +128,8 @@ class _State:
     topk_buffer: Optional[torch.Tensor] = None  # grown as needed, reused across passes (DESIGN §3)
     hook: Any = None
     layers: list = field(default_factory=list)
+    undo: list = field(default_factory=list)  # _Undo entries, in the order enable() made them
+    placed: Any = None  # (dtype, device) of the model's first parameter when enable() ran
 
     def reset(self) -> None:
         self.windows, self.slots = None, None
@@ -194,14 +202,12 @@ def _indexer_topk(attn, state: _State, hidden_states, q_resid, cos, sin, cache, 
     k = torch.cat([k_pass, k_rot] if tail else [k_rot, k_pass], dim=-1).reshape(b * s, d)
     w = idx.weights_proj(hidden_states.to(idx.weights_proj.weight.dtype)).float().reshape(b * s, h)
     if state.fp8:
-        eps = ops.INDEX_K_EPS if state.hadamard else ops.INDEX_Q_EPS  # DeepSeek floors q's amax at 1e-4 too
-        q_in, q_scale = ops.quantize_fp8(q.contiguous(), eps, state.hadamard)
-        weights = ops.indexer_weights(w, q_scale.squeeze(-1))
-        k_val, k_scale = ops.quantize_fp8(k.contiguous(), ops.INDEX_K_EPS, state.hadamard)
-        rows = torch.cat((k_val.view(torch.uint8), k_scale.view(torch.uint8)), dim=-1)  # [B*S, 132]
+        q_in, weights = fp8_query_inputs(q, w, state.hadamard)
+        k_val, k_scale = fp8_key_inputs(k, state.hadamard)
+        rows = torch.cat((k_val.view(torch.uint8), k_scale.view(torch.uint8).view(-1, 4)), dim=-1)  # [B*S, 132]
         new_keys = rows.view(b, s, d + 4)
     else:
-        q_in, weights = q.float().contiguous(), ops.indexer_weights(w)
+        q_in, weights = fp32_query_inputs(q, w, d)
         new_keys = k.view(b, s, d)
     keys = cache.update_indexer(new_keys, attn.layer_idx) if cache is not None else new_keys
     if keys.shape[1] != s_kv:
@@ -270,23 +276,58 @@ def _make_forward(state: _State, layer_pos: int):
             raise RuntimeError(f"indexcache: layer {attn.layer_idx} reuses top-k indices but no F layer wrote them in "
                                "this forward pass")
         w_uk, w_uv = _absorbed_weights(attn)
-        q_abs = torch.cat((torch.einsum("bhsn,hnc->bshc", q_nope, w_uk.to(q_nope.dtype)), q_rot.transpose(1, 2)),
-                          dim=-1).reshape(b * s, h, latent + rope).contiguous()
+        q_abs = absorb_queries(q_nope.transpose(1, 2).reshape(b * s, h, nope),
+                               q_rot.transpose(1, 2).reshape(b * s, h, rope), w_uk.to(q_nope.dtype)).contiguous()
         kv_flat = kv.reshape(b * s_kv, 1, latent + rope)
         if not kv_flat.is_contiguous():  # after transformers' crop() of a batch
             kv_flat = kv_flat.contiguous()
         sinks = getattr(attn, "sinks", None)  # HY-V4: one fp32 softmax logit per head
         sinks = None if sinks is None else sinks.detach().float().contiguous()
         out, _ = ops.sparse_mla(q_abs.to(kv_flat.dtype), kv_flat, state.slots, attn.scaling, d_v=latent, sinks=sinks)
-        o = torch.einsum("nhc,hvc->nhv", out.to(hidden_states.dtype), w_uv.to(hidden_states.dtype))
-        if getattr(attn, "gate_proj", None) is not None:  # HY-V4: sigmoid output gate per head and value dim
-            o = o * torch.sigmoid(attn.gate_proj(hidden_states)).view(o.shape)
+        gate = attn.gate_proj(hidden_states) if getattr(attn, "gate_proj", None) is not None else None  # HY-V4
+        o = absorbed_values(out.to(hidden_states.dtype), w_uv.to(hidden_states.dtype), gate)
         return attn.o_proj(o.reshape(b, s, h * o.shape[-1]))
 
     return forward
 
 
-# ----------------------------------------------------------------------------- enable
+# ----------------------------------------------------------------------------- enable / disable
+
+# Every change enable() makes to a model, in the order it makes them; disable() undoes them in
+# reverse. Nothing else of the model (weights, modules, their classes) is touched.
+CHANGES = (
+    "model.model.layers[i].self_attn.forward (every DSA layer): an instance attribute, the absorbed sparse "
+    "forward, which hides the class's forward",
+    "model.model.layers[i].self_attn.indexer (S layers): detached (None), so an S layer owns no indexer "
+    "(DESIGN §4) and the state dict lacks its weights while enabled; the module is kept for disable()",
+    "model.model.layers[i].self_attn.skip_topk (S layers of GLM-5 / HY-V4, which have it): True",
+    "model.model: a forward pre-hook that resets the per-forward windows and selection",
+    "model.config._attn_implementation: 'sdpa' (transformers then builds a bool mask; the attention "
+    "implementation itself is never called)",
+    "model._indexcache_state, model.indexcache_plan, model.indexcache_summary, model.indexcache_changes: set",
+)
+_ABSENT = object()
+
+
+@dataclass
+class _Undo:
+    """One attribute enable() set: ``undo()`` restores ``old``, or deletes the attribute when the
+    object had no value of its own (``_ABSENT``: a class attribute such as ``forward`` showed)."""
+    obj: Any
+    name: str
+    old: Any
+
+    def undo(self) -> None:
+        if self.old is _ABSENT:
+            delattr(self.obj, self.name)
+        else:
+            setattr(self.obj, self.name, self.old)
+
+
+def _change(state: _State, obj, name: str, value, own: bool = True) -> None:
+    state.undo.append(_Undo(obj, name, getattr(obj, name) if own else _ABSENT))
+    setattr(obj, name, value)
+
 
 def _family_of(model) -> _Family:
     fam = FAMILIES.get(type(model).__name__)
@@ -301,6 +342,72 @@ def _family_of(model) -> _Family:
                      "(MiniMax-M3 and DeepSeek-V4 join when their blocks are served)")
 
 
+def _check_model(model, indexer_fp8) -> None:
+    if getattr(model, "_indexcache_state", None) is not None:
+        raise ValueError("indexcache: enable() was already called on this model (disable() undoes it)")
+    if indexer_fp8 not in (None, True, False):
+        raise ValueError(f"indexer_fp8 must be None, True or False, got {indexer_fp8!r}")
+    bad = {k: getattr(model.config, k) for k, v in KERNEL_WIDTHS.items() if getattr(model.config, k) != v}
+    if bad:
+        raise ValueError(f"indexcache: the sparse kernels need {KERNEL_WIDTHS}; this model has "
+                         f"{', '.join(f'{k}={v}' for k, v in bad.items())}")
+
+
+def _plan_of(config, hf_overrides) -> tuple[IndexCacheConfig, LayerPlan, int, bool]:
+    """(IndexCache config, plan, index_topk, Hadamard) from the model's config and the overrides."""
+    overrides = parse_overrides(hf_overrides)
+    unknown = sorted(k for k in overrides
+                     if k not in EXTRA_OVERRIDE_KEYS and k not in ("use_index_cache", "index_topk_freq",
+                                                                   "index_topk_pattern", "index_skip_topk_offset",
+                                                                   "indexer_types"))
+    if unknown:
+        raise ValueError(f"indexcache: enable() cannot apply --hf-overrides {', '.join(unknown)} to a loaded model "
+                         f"(it takes IndexCache keys and {', '.join(EXTRA_OVERRIDE_KEYS)}); set them on the config "
+                         "before from_pretrained")
+    ic_overrides = {k: v for k, v in overrides.items() if k not in EXTRA_OVERRIDE_KEYS}
+    ic = IndexCacheConfig.from_config(config.to_dict(), ic_overrides)
+    plan = ic.plan(config.num_hidden_layers, 0)  # transformers does not load MTP layers
+    index_topk = overrides.get("index_topk", config.index_topk)
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk must be an integer >= 1, got {index_topk!r}")
+    hadamard = overrides.get("indexer_hadamard", getattr(config, "indexer_hadamard", True))
+    if not isinstance(hadamard, bool):
+        raise ValueError(f"indexer_hadamard must be true or false, got {hadamard!r}")
+    return ic, plan, index_topk, hadamard
+
+
+def _check_layers(layers, fam: _Family, plan: LayerPlan) -> None:
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        if type(attn).__name__ != fam.attention:
+            raise ValueError(f"indexcache: layer {i}'s attention is a {type(attn).__name__}, expected {fam.attention}")
+        if not plan.skip_topk[i] and getattr(attn, "indexer", None) is None:
+            raise ValueError(f"indexcache: the plan makes layer {i} F (it computes top-k) but the loaded model has no "
+                             f"indexer there (config.indexer_types says 'shared'); reload the model with the indexer "
+                             "weights, e.g. from_pretrained(..., indexer_types=[...]) with that layer 'full'")
+        _absorbed_weights(attn)  # the split must fit the loaded weight
+
+
+def _apply(model, state: _State, layers) -> None:
+    """Every change of CHANGES, each recorded for disable()."""
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        if state.plan.skip_topk[i]:
+            _change(state, attn, "indexer", None)
+            if hasattr(attn, "skip_topk"):
+                _change(state, attn, "skip_topk", True)
+        _change(state, attn, "forward", types.MethodType(_make_forward(state, i), attn), own=False)
+        state.layers.append(attn)
+    state.hook = model.model.register_forward_pre_hook(lambda module, args: state.reset())
+    # sdpa's mask is bool (1 byte per query-key pair) where eager's is fp32 (4 GiB at 32K tokens)
+    _change(state, model.config, "_attn_implementation", "sdpa")
+    summary = state.ic_config.describe(state.plan) + f"; indexer {'fp8' if state.fp8 else 'fp32'}" + (
+        " + Hadamard" if state.fp8 and state.hadamard else "")
+    for name, value in (("_indexcache_state", state), ("indexcache_plan", state.plan),
+                        ("indexcache_summary", summary), ("indexcache_changes", CHANGES)):
+        _change(state, model, name, value, own=False)
+
+
 def enable(model, *, hf_overrides: Union[None, str, Mapping[str, Any]] = None, indexer_fp8: Optional[bool] = None):
     """Make a loaded transformers DSA model truly sparse, in place; returns it.
 
@@ -311,71 +418,47 @@ def enable(model, *, hf_overrides: Union[None, str, Mapping[str, Any]] = None, i
     ``indexer_hadamard``. indexer_fp8: None/True score in fp8 after the Hadamard rotation (the
     checkpoints' trained numerics, DESIGN §4); False keeps transformers' unquantized fp32 scores.
 
+    What it changes is ``CHANGES`` (weights are never copied or altered; S layers' indexers are
+    detached, so the state dict lacks them while enabled); every check runs before the first
+    change, so a refused call leaves the model as it was, and ``disable(model)`` undoes a call.
     After it, ``model.indexcache_plan`` is the LayerPlan in force and ``model.indexcache_summary``
     describes it. Raises ``ValueError`` for an unsupported class, transformers version, widths,
     override key, or a plan needing an indexer the loaded model does not have.
     """
     check_transformers_version()
     fam = _family_of(model)
-    if getattr(model, "_indexcache_state", None) is not None:
-        raise ValueError("indexcache: enable() was already called on this model")
-    if indexer_fp8 not in (None, True, False):
-        raise ValueError(f"indexer_fp8 must be None, True or False, got {indexer_fp8!r}")
-    config = model.config
-    bad = {k: getattr(config, k) for k, v in KERNEL_WIDTHS.items() if getattr(config, k) != v}
-    if bad:
-        raise ValueError(f"indexcache: the sparse kernels need {KERNEL_WIDTHS}; this model has "
-                         f"{', '.join(f'{k}={v}' for k, v in bad.items())}")
-    overrides = parse_overrides(hf_overrides)
-    cfg_dict = config.to_dict()
-    unknown = sorted(k for k in overrides
-                     if k not in EXTRA_OVERRIDE_KEYS and k not in ("use_index_cache", "index_topk_freq",
-                                                                   "index_topk_pattern", "index_skip_topk_offset",
-                                                                   "indexer_types"))
-    if unknown:
-        raise ValueError(f"indexcache: enable() cannot apply --hf-overrides {', '.join(unknown)} to a loaded model "
-                         f"(it takes IndexCache keys and {', '.join(EXTRA_OVERRIDE_KEYS)}); set them on the config "
-                         "before from_pretrained")
-    ic_overrides = {k: v for k, v in overrides.items() if k not in EXTRA_OVERRIDE_KEYS}
-    ic = IndexCacheConfig.from_config(cfg_dict, ic_overrides)
-    num_layers = config.num_hidden_layers
-    plan = ic.plan(num_layers, 0)  # transformers does not load MTP layers
-    index_topk = overrides.get("index_topk", config.index_topk)
-    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
-        raise ValueError(f"index_topk must be an integer >= 1, got {index_topk!r}")
-    hadamard = overrides.get("indexer_hadamard", getattr(config, "indexer_hadamard", True))
-    if not isinstance(hadamard, bool):
-        raise ValueError(f"indexer_hadamard must be true or false, got {hadamard!r}")
-
+    _check_model(model, indexer_fp8)
+    ic, plan, index_topk, hadamard = _plan_of(model.config, hf_overrides)
     import importlib
 
     mod = importlib.import_module(f"transformers.models.{fam.module}.modeling_{fam.module}")
-    layers = model.model.layers[:num_layers]
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        if type(attn).__name__ != fam.attention:
-            raise ValueError(f"indexcache: layer {i}'s attention is a {type(attn).__name__}, expected {fam.attention}")
-        if not plan.skip_topk[i] and getattr(attn, "indexer", None) is None:
-            raise ValueError(f"indexcache: the plan makes layer {i} F (it computes top-k) but the loaded model has no "
-                             f"indexer there (config.indexer_types says 'shared'); reload the model with the indexer "
-                             "weights, e.g. from_pretrained(..., indexer_types=[...]) with that layer 'full'")
+    layers = model.model.layers[:model.config.num_hidden_layers]
+    _check_layers(layers, fam, plan)
+    first = next(model.parameters())
     state = _State(fam, plan, ic, fp8=indexer_fp8 is not False, hadamard=hadamard, index_topk=index_topk,
-                   rope_mla=getattr(mod, fam.mla_rope), rope_indexer=getattr(mod, fam.indexer_rope))
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        if plan.skip_topk[i]:
-            attn.indexer = None  # S layers own no indexer (DESIGN §4)
-            if hasattr(attn, "skip_topk"):
-                attn.skip_topk = True
-        _absorbed_weights(attn)  # the split must fit the loaded weight
-        attn.forward = types.MethodType(_make_forward(state, i), attn)
-        state.layers.append(attn)
-    state.hook = model.model.register_forward_pre_hook(lambda module, args: state.reset())
-    # The replaced attention ignores the implementation; only the mask transformers builds for it is
-    # read. sdpa's is bool (1 byte per query-key pair) where eager's is fp32 (4 GiB at 32K tokens).
-    model.config._attn_implementation = "sdpa"
-    model._indexcache_state = state
-    model.indexcache_plan = plan
-    model.indexcache_summary = ic.describe(plan) + f"; indexer {'fp8' if state.fp8 else 'fp32'}" + (
-        " + Hadamard" if state.fp8 and hadamard else "")
+                   rope_mla=getattr(mod, fam.mla_rope), rope_indexer=getattr(mod, fam.indexer_rope),
+                   placed=(first.dtype, first.device))
+    _apply(model, state, layers)
+    return model
+
+
+def disable(model):
+    """Undo ``enable(model)``: every change of ``CHANGES``, in reverse order; returns the model.
+
+    The model runs transformers' own attention again, with the same weights. S layers' indexers
+    are attached again; when the model was moved or cast after ``enable`` (``model.to(...)``),
+    they follow it there (detached, they did not move with it). A cache filled while enabled
+    holds the latent layout and cannot be continued by the restored model: start a new one.
+    Raises ``ValueError`` for a model that ``enable`` did not change."""
+    state = getattr(model, "_indexcache_state", None)
+    if not isinstance(state, _State):
+        raise ValueError("indexcache: disable() needs a model that enable() changed")
+    state.hook.remove()
+    detached = [u.old for u in state.undo if u.name == "indexer" and isinstance(u.old, torch.nn.Module)]
+    for u in reversed(state.undo):
+        u.undo()
+    first = next(model.parameters())
+    if (first.dtype, first.device) != state.placed:
+        for indexer in detached:
+            indexer.to(device=first.device, dtype=first.dtype)
     return model

@@ -28,7 +28,7 @@ import torch
 from indexcache import ops
 from indexcache.config import IndexCacheConfig
 from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE
-from indexcache.reference import INDEX_K_EPS, INDEX_Q_EPS
+from indexcache.models.blocks.indexer import fp8_query_inputs
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
@@ -302,9 +302,7 @@ def indexer_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) 
     if self.head_dim != 128:
         raise NotImplementedError(f"indexcache: index_head_dim {self.head_dim}: the fp8 indexer takes 128")
     hadamard = _indexer_hadamard(self)
-    # DeepSeek's act_quant floors every amax at 1e-4; vLLM's q quantization at 1e-10.
-    q_fp8, q_scale = ops.quantize_fp8(q[:n].float().contiguous(), INDEX_K_EPS if hadamard else INDEX_Q_EPS, hadamard)
-    w = ops.indexer_weights(weights[:n].float(), q_scale.squeeze(-1))
+    q_fp8, w = fp8_query_inputs(q[:n].float(), weights[:n].float(), hadamard)
     cache = self.k_cache.kv_cache
     cache = cache.reshape(cache.shape[0], -1)
     ops.index_k_cache_insert(k[:n].float().contiguous(), meta.slot_mapping[:n].to(torch.int64), cache, hadamard)

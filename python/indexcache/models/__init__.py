@@ -13,9 +13,9 @@ from .dsa import DSAForCausalLM
 from .glm5 import GlmMoeDsaForCausalLM
 from .hy_v4 import HYV4ForCausalLM
 from .minimax_m3 import MiniMaxM3ForCausalLM, MiniMaxM3VLTextTower
-from .registry import MODEL_CLASSES, from_pretrained, model_class, model_type_of
+from .registry import from_pretrained, model_class, model_type_of
 from .state import BatchMeta, PagedKVCache
 
 __all__ = ["BatchMeta", "DSAForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-           "HYV4ForCausalLM", "MODEL_CLASSES", "MiniMaxM3ForCausalLM", "MiniMaxM3VLTextTower", "ModelArgs",
+           "HYV4ForCausalLM", "MiniMaxM3ForCausalLM", "MiniMaxM3VLTextTower", "ModelArgs",
            "PagedKVCache", "from_pretrained", "model_class", "model_type_of"]

@@ -7,17 +7,13 @@ checkpoint tensor names, which are the blocks' parameter names. transformers'
 ``DeepseekV32ForCausalLM`` and DeepSeek's reference code are what it is tested against.
 
 This module is the public path of DESIGN.md §10 (``from indexcache.models.deepseek_v32 import
-DeepseekV32ForCausalLM``) and re-exports the names it always exported.
+DeepseekV32ForCausalLM``); the blocks, the model core and one forward's state are imported from
+where they live (``models.blocks``, ``models.dsa``, ``models.state``).
 """
 
 from __future__ import annotations
 
-from .args import (ATTN_CHUNK_ELEMS, BLOCK_SIZE, FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS,  # noqa: F401
-                   INDEXER_CHUNK_ELEMS, MLA_LATENT, MLA_ROPE, ModelArgs)
-from .blocks import (MLA, MLP, AbsentLayer, DecoderLayer, Gate, Indexer, LayerNorm, MoE, MTPLayer, RMSNorm,  # noqa: F401
-                     SharedHead, SparseAttention, apply_rope, rope_inv_freq, yarn_get_mscale)
-from .dsa import DSAForCausalLM, DSAModel, stage_full_plan, validate_parallel  # noqa: F401
-from .state import BatchMeta, CacheManager, ForwardContext, PagedKVCache, StageTimer  # noqa: F401
+from .dsa import DSAForCausalLM
 
 
 class DeepseekV32ForCausalLM(DSAForCausalLM):

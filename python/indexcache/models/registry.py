@@ -9,12 +9,10 @@ from typing import Any, Mapping, Union
 from . import deepseek_v4, deepseek_v32, glm5, hy_v4, minimax_m3  # noqa: F401  (the families register themselves)
 from .dsa import FAMILIES, DSAForCausalLM, model_type_of
 
-MODEL_CLASSES: dict = FAMILIES
-
 
 def model_class(config: Mapping[str, Any]) -> type:
     """The model class for a config.json dict, by its ``model_type`` (or ``architectures``)."""
-    return MODEL_CLASSES[model_type_of(config)]
+    return FAMILIES[model_type_of(config)]
 
 
 def from_pretrained(path: Union[str, Path], **kwargs) -> DSAForCausalLM:

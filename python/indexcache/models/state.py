@@ -212,7 +212,7 @@ class LayerRecord:
 @dataclass
 class TorchPass:
     """A differentiable forward over ``batch`` requests of ``seq`` tokens (rows request-major):
-    the blocks run the torch definitions of ``reference`` instead of the kernels.
+    the blocks run the torch definitions (``reference``, ``differentiable``) instead of the kernels.
 
     attention ``causal``: every layer attends over its whole causal window (the indexers do not
     run); ``selected``: each F layer's indexer picks its top-k positions (fp32 scores, no
@@ -221,7 +221,7 @@ class TorchPass:
     batch: int
     seq: int
     attention: str
-    chunks: list                        # query-row ranges (reference.row_chunks)
+    chunks: list                        # query-row ranges (differentiable.row_chunks)
     recompute: bool = False             # recompute attention chunks in backward
     observe: Optional[Callable[[LayerRecord], None]] = None
     selection: Optional[torch.Tensor] = None  # the last F layer's picks, int64 [B, T, k]

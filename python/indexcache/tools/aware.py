@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from indexcache import reference
+from indexcache import differentiable
 from indexcache.config import IndexCacheConfig, parse_overrides
 from indexcache.loader import load_config, save_pretrained, storage_dtypes
 from indexcache.models import from_pretrained
@@ -58,7 +58,7 @@ def aware_forward(model, ids: torch.Tensor, stage: str, groups: dict, *, grad: b
     inp, tgt = ids[:, :-1], ids[:, 1:]
     b, t = inp.shape
     heads = max(model.args.num_attention_heads, model.args.index_n_heads)
-    tp = TorchPass(b, t, "causal" if stage == "warmup" else "selected", reference.row_chunks(b, heads, t, chunk_elems),
+    tp = TorchPass(b, t, "causal" if stage == "warmup" else "selected", differentiable.row_chunks(b, heads, t, chunk_elems),
                    recompute=grad)
     ctx = model.torch_pass_context(tp)
     kl = IndexerKL(model, groups, ctx, backward=kl_backward, weight=1.0 / len(groups), keep=keep) if with_kl else None

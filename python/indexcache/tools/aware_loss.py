@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from indexcache import reference
+from indexcache import differentiable
 from indexcache.models.state import ForwardContext, LayerRecord
 
 # Scores per attention/indexer chunk ([B, H, rows, keys] fp32): 64 MB.
@@ -81,12 +81,12 @@ def group_kl(indexer, records: dict, served: Sequence[int], cos: torch.Tensor, s
     q, k, w = (a.detach().requires_grad_(backward) for a in qkw)
     total = 0.0
     for r0, r1 in chunks:
-        allowed = reference.allowed_keys(rec.selection, r0, r1, b, rec.x.device)
+        allowed = differentiable.allowed_keys(rec.selection, r0, r1, b, rec.x.device)
         with torch.no_grad():
-            target = served_target(reference.attention_probs(records[l].q[:, :, r0:r1], records[l].k[:, :, :r1],
+            target = served_target(differentiable.attention_probs(records[l].q[:, :, r0:r1], records[l].k[:, :, :r1],
                                                              records[l].scale, allowed) for l in served)
         with torch.set_grad_enabled(backward):
-            logits = reference.dense_indexer_logits(q[:, r0:r1], k[:, :r1], w[:, r0:r1])
+            logits = differentiable.dense_indexer_logits(q[:, r0:r1], k[:, :r1], w[:, r0:r1])
             part = kl_rows(logits, target, allowed).sum() / (b * t)
             if backward:
                 (part * weight).backward()

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from indexcache import reference
+from indexcache import differentiable
 from indexcache.loader import load_config, save_pretrained, storage_dtypes
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
 from indexcache.models.dsa import DSAForCausalLM
@@ -67,7 +67,7 @@ def train_forward(model: DSAForCausalLM, ids: torch.Tensor, mode: str, mtp_weigh
     inp, tgt = ids[:, :-1], ids[:, 1:]
     b, t = inp.shape
     heads = max(model.args.num_attention_heads, model.args.index_n_heads)
-    tp = TorchPass(b, t, "selected" if mode == "sparse" else "causal", reference.row_chunks(b, heads, t, chunk_elems))
+    tp = TorchPass(b, t, "selected" if mode == "sparse" else "causal", differentiable.row_chunks(b, heads, t, chunk_elems))
     ctx = model.torch_pass_context(tp)
     use_mtp = bool(mtp_weight) and bool(model.mtp_layers) and t > 1
     kl = None

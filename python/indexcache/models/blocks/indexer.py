@@ -1,14 +1,17 @@
 """The DSA lightning indexer (DESIGN.md §4): scores every visible key of a query and keeps the
 top-k positions. One ``project`` feeds both of its forms: the kernels (fp8 or fp32 scoring,
 dense or paged keys, ``forward``) and the differentiable torch definition (``dense_inputs``,
-``select``) that training runs."""
+``select``) that training runs. The scoring inputs (``fp8_query_inputs``, ``fp8_key_inputs``,
+``fp32_query_inputs``: the eps rule, the quantization, the head weights) are defined once here,
+for this model and for both engine integrations (``integrations.transformers``,
+``integrations.vllm_backend``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from indexcache import ops, reference
+from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext
 
 from ..args import INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, ModelArgs
@@ -59,15 +62,15 @@ class Indexer(nn.Module):
         rotation, being orthonormal, changes nothing here)."""
         b, t = x.shape[:2]
         q, k, w = self.project(x.reshape(b * t, -1), qr.reshape(b * t, -1), cos, sin)
-        w = reference.indexer_weights(w) * (INDEX_HEAD_DIM / self.head_dim) ** 0.5
-        return q.float().view(b, t, self.n_heads, -1), k.float().view(b, t, -1), w.view(b, t, -1)
+        q, w = fp32_query_inputs(q, w, self.head_dim)
+        return q.view(b, t, self.n_heads, -1), k.float().view(b, t, -1), w.view(b, t, -1)
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The torch form of ``forward``: each row's top-k positions, int64 ``[B, T, k]`` (-1: none)."""
         tp = ctx.torch_pass
         with torch.no_grad():
             q, k, w = self.dense_inputs(x.view(tp.batch, tp.seq, -1), qr.view(tp.batch, tp.seq, -1), ctx.cos, ctx.sin)
-            return reference.dense_topk(q, k, w, self.topk, tp.chunks)
+            return differentiable.dense_topk(q, k, w, self.topk, tp.chunks)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Fill rows ``[:N]`` of the shared buffer with request-relative positions; returns them."""
@@ -75,11 +78,9 @@ class Indexer(nn.Module):
         with ctx.stage(self.layer_id, "indexer"):
             q, k, w = self.project(x, qr, ctx.cos, ctx.sin)
             if self.fp8:
-                # DeepSeek's act_quant floors every amax at 1e-4; vLLM's q quantization at 1e-10
-                q_in, q_scale = ops.quantize_fp8(q, INDEX_K_EPS if self.hadamard else INDEX_Q_EPS, self.hadamard)
-                weights = ops.indexer_weights(w, q_scale.squeeze(-1))
+                q_in, weights = fp8_query_inputs(q, w, self.hadamard)
             else:
-                q_in, weights = q.float(), _indexer_weights_fp32(w, self.head_dim)
+                q_in, weights = fp32_query_inputs(q, w, self.head_dim)
             if meta.paged:
                 cache = ctx.cache.index_k[self.layer_id]
                 if self.fp8:
@@ -88,8 +89,7 @@ class Indexer(nn.Module):
                     cache.view(-1, self.head_dim)[meta.slot_mapping] = k.float()
                 k_in = k_scale = None
             elif self.fp8:
-                k_in, k_scale = ops.quantize_fp8(k, INDEX_K_EPS, self.hadamard)
-                k_scale = k_scale.view(-1)
+                k_in, k_scale = fp8_key_inputs(k, self.hadamard)
             else:
                 k_in, k_scale = k.float(), None
         with ctx.stage(self.layer_id, "topk"):
@@ -156,7 +156,23 @@ class Indexer(nn.Module):
                                  rows[off + r0:off + r1])
 
 
-def _indexer_weights_fp32(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The head weights with the softmax constants h^-1/2 d^-1/2 folded in, for any head width d."""
-    return ops.indexer_weights(w) * (INDEX_HEAD_DIM / head_dim) ** 0.5
+def fp8_query_inputs(q: torch.Tensor, w: torch.Tensor, hadamard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 indexer's queries (DESIGN §4): q ``[N, H, 128]`` (fp32/bf16) and raw fp32 head
+    weights ``[N, H]`` -> (e4m3 queries, fp32 weights with q's scales and the softmax constants
+    folded in). With the Hadamard rotation the amax floor is DeepSeek's act_quant's 1e-4 (as the
+    checkpoints were trained); without it, vLLM's q quantization's 1e-10."""
+    q_in, q_scale = ops.quantize_fp8(q.contiguous(), INDEX_K_EPS if hadamard else INDEX_Q_EPS, hadamard)
+    return q_in, ops.indexer_weights(w, q_scale.squeeze(-1))
 
+
+def fp8_key_inputs(k: torch.Tensor, hadamard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 indexer's keys: k ``[N, 128]`` -> (e4m3 ``[N, 128]``, fp32 power-of-two scales
+    ``[N]``), amax floored at 1e-4; what ``ops.index_k_cache_insert`` writes into the paged cache."""
+    k_in, k_scale = ops.quantize_fp8(k.contiguous(), INDEX_K_EPS, hadamard)
+    return k_in, k_scale.view(-1)
+
+
+def fp32_query_inputs(q: torch.Tensor, w: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unquantized indexer's queries: fp32 q, and the head weights with the softmax constants
+    h^-1/2 d^-1/2 folded in, for any head width d."""
+    return q.float().contiguous(), ops.indexer_weights(w) * (INDEX_HEAD_DIM / head_dim) ** 0.5

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from indexcache import ops, reference
+from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext, dense_weight
 
 from ..args import ATTN_CHUNK_ELEMS, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE, ModelArgs
@@ -46,17 +46,36 @@ class SparseAttention(nn.Module):
         return out
 
 
+def absorb_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """Absorbed MLA's queries (DESIGN §5), for this model and the transformers integration: q_nope
+    ``[N, H, nope]`` through W_UK ``[H, nope, latent]``, then the rotated q_pe ``[N, H, rope]`` ->
+    ``[N, H, latent + rope]``, what ``ops.sparse_mla`` attends the latent cache with."""
+    return torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe), dim=-1)
+
+
+def absorbed_values(out: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse MLA's latent output ``[N, H, latent]`` through W_UV ``[H, v, latent]``: the heads'
+    values ``[N, H, v]``, times ``sigmoid(gate)`` when a gate ``[N, H * v]`` is given (HY-V4)."""
+    return gate_heads(torch.einsum("thc,hdc->thd", out, w_uv), gate)
+
+
+def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The heads' outputs ``[N, H, v]`` times the sigmoid of the gate logits ``[N, H * v]`` (HY-V4), or
+    as they are when there is no gate."""
+    return o if gate is None else o * torch.sigmoid(gate).view(o.shape)
+
+
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor,
                    selection: torch.Tensor | None, chunks: list, recompute: bool = False) -> torch.Tensor:
-    """``reference.masked_attention`` with a learned logit per head in every row's softmax (the
+    """``differentiable.masked_attention`` with a learned logit per head in every row's softmax (the
     differentiable form of sparse MLA with sinks): q/k ``[B, H, T, d]``, v ``[B, H, T, v_dim]``,
     sinks fp32 ``[H]`` -> ``[B, H, T, v_dim]``, chunk by chunk over the query rows."""
     from torch.utils.checkpoint import checkpoint
 
     b, outs = q.shape[0], []
     for r0, r1 in chunks:
-        args = (q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], scale, reference.allowed_keys(selection, r0, r1, b, q.device),
-                sinks)
+        allowed = differentiable.allowed_keys(selection, r0, r1, b, q.device)
+        args = (q[:, :, r0:r1], k[:, :, :r1], v[:, :, :r1], scale, allowed, sinks)
         outs.append(checkpoint(_sink_rows, *args, use_reentrant=False) if recompute else _sink_rows(*args))
     return torch.cat(outs, dim=2)
 
@@ -125,11 +144,9 @@ class MLA(nn.Module):
     def param_full_shape(self, attr: str) -> tuple:
         return (self._num_heads,)
 
-    def _gated(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Heads' outputs ``[N, H, v]`` times the sigmoid gate of the block's input (HY-V4), else as they are."""
-        if self.gate_proj is None:
-            return o
-        return o * torch.sigmoid(self.gate_proj(x)).view(o.shape)
+    def _gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The output gate's logits of the block's input (HY-V4), or None."""
+        return None if self.gate_proj is None else self.gate_proj(x)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h, meta = x.shape[0], self.n_heads, ctx.meta
@@ -146,14 +163,14 @@ class MLA(nn.Module):
         with ctx.stage(self.layer_id, "attention"):
             out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size,
                                    sinks=self.sinks)
-            o = self._gated(torch.einsum("thc,hdc->thd", out, w_kv[:, self.nope:]), x)
+            o = absorbed_values(out, w_kv[:, self.nope:], self._gate(x))
             return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
 
     def _absorb(self, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext):
         """The kernels' form: (queries absorbed into the latent ``[N, H, latent + rope]``, kv_b's
         weight ``[H, nope + v, latent]``, the latent cache holding this step's keys)."""
         w_kv = dense_weight(self.kv_b_proj, q_nope.dtype).view(self.n_heads, self.nope + self.v_dim, self.latent)
-        q_abs = torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :self.nope]), q_pe), dim=-1)
+        q_abs = absorb_queries(q_nope, q_pe, w_kv[:, :self.nope])
         return q_abs, w_kv, self._cache_keys(kv_c, k_pe, ctx)
 
     def _need_indexer(self) -> Indexer:
@@ -177,7 +194,7 @@ class MLA(nn.Module):
 
     def _forward_torch(self, x, qr, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext) -> torch.Tensor:
         """The differentiable form (unabsorbed): per-head keys and values from the latent, attention
-        by ``reference.masked_attention`` over the causal window or the source F layer's selection."""
+        by ``differentiable.masked_attention`` over the causal window or the source F layer's selection."""
         tp, n, h = ctx.torch_pass, x.shape[0], self.n_heads
         b, t = tp.batch, tp.seq
         full = ctx.is_full(self.layer_id)
@@ -196,8 +213,8 @@ class MLA(nn.Module):
             tp.observe(LayerRecord(self.layer_id, full, x.detach().view(b, t, -1), qr.detach().view(b, t, -1),
                                    q.detach(), k.detach(), scale, sel))
         if self.sinks is None:
-            out = reference.masked_attention(q, k, v, scale, sel, tp.chunks, tp.recompute)
+            out = differentiable.masked_attention(q, k, v, scale, sel, tp.chunks, tp.recompute)
         else:
             out = sink_attention(q, k, v, scale, self.sinks, sel, tp.chunks, tp.recompute)
-        o = self._gated(out.transpose(1, 2).reshape(n, h, self.v_dim), x)
+        o = gate_heads(out.transpose(1, 2).reshape(n, h, self.v_dim), self._gate(x))
         return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
