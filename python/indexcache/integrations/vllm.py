@@ -18,7 +18,7 @@ it starts, the spawned workers included), gives that platform
 It does nothing unless vLLM runs on its CPU platform, the vLLM version is within
 :data:`SUPPORTED_VLLM`, and ``INDEXCACHE_VLLM_PLUGIN`` is not ``0``. Which vLLM internals are
 replaced, and why no extension point covers them, is listed in one place:
-``indexcache.integrations.vllm_backend.PATCHES``. See ``docs/vllm.md``.
+``indexcache.integrations.vllm_patches.PATCHES``. See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ def _install() -> str | None:
     """Install the plugin's backend, model classes and patches; the reason when this vLLM's internals
     are not the ones it was written against (then nothing was changed)."""
     try:
-        from . import vllm_backend
+        from . import vllm_patches
     except (ImportError, AttributeError) as e:  # a vLLM module or name the backend is built on
         return f"vLLM {_vllm_version()} lacks what the plugin's backend is built on ({e})"
     try:
-        vllm_backend.install()
-    except vllm_backend.UnsupportedVLLM as e:
+        vllm_patches.install()
+    except vllm_patches.UnsupportedVLLM as e:
         return f"vLLM {_vllm_version()} differs from the internals the plugin patches: {e}"
     return None
 
