@@ -173,3 +173,21 @@ def test_missing_vllm_fails_under_ci(tmp_path):
     assert "tests_vllm: CI is set but vLLM does not import" in ci.stdout + ci.stderr
     local = run_collection(tmp_path, ci=False)
     assert local.returncode == 5, local.stdout + local.stderr  # nothing collected, said as such
+
+
+def test_refused_family_at_engine_start(tmp_path):
+    """A tiny HY-V4 written by transformers: vLLM's engine start ends in the plugin's one line (before,
+    vLLM 0.32 on CPU failed in weight loading: "Following weights were not initialized ...")."""
+    transformers = pytest.importorskip("transformers")
+    from vllm import LLM
+
+    widths = dict(vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                  kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, q_lora_rank=24,
+                  index_topk=8, index_head_dim=128, index_n_heads=4, max_position_embeddings=256,
+                  pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    transformers.HYV4ForCausalLM(transformers.HYV4Config(**widths)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+            kv_cache_memory_bytes=32 << 20, enforce_eager=True)
+    assert str(err.value) == vm.refusal("HYV4ForCausalLM")
