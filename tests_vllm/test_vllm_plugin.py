@@ -234,3 +234,21 @@ def test_deepseek_v32_matches_our_model(v32_path):
     overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1}
     results = run_vllm(v32_path, toks, overrides)
     check_against_ours(v32_path, toks, results, overrides)
+
+
+# ------------------------------------------------------------------------ across processes, TP 2
+
+
+def test_glm5_tensor_parallel_2(glm_path, glm_prompts, monkeypatch):
+    """``tensor_parallel_size=2`` through vLLM's own CPU executor (two worker processes, its CPU
+    collectives), the plugin loaded in each: the same bars against this project's model as TP 1."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.fail(f"TP 2 needs two CPU cores, this process may use {cores}")
+    # vLLM binds each CPU worker to a NUMA node by default and refuses two workers on one node
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    overrides = {"use_index_cache": True, "index_topk_freq": 2}
+    results = run_vllm(glm_path, glm_prompts, overrides, tensor_parallel_size=2)
+    check_against_ours(glm_path, glm_prompts, results, overrides)
