@@ -175,19 +175,43 @@ def test_missing_vllm_fails_under_ci(tmp_path):
     assert local.returncode == 5, local.stdout + local.stderr  # nothing collected, said as such
 
 
-def test_refused_family_at_engine_start(tmp_path):
-    """A tiny HY-V4 written by transformers: vLLM's engine start ends in the plugin's one line (before,
-    vLLM 0.32 on CPU failed in weight loading: "Following weights were not initialized ...")."""
+HY_V4 = dict(vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+             num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+             kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, q_lora_rank=24,
+             index_topk=8, index_head_dim=128, index_n_heads=4, max_position_embeddings=256,
+             pad_token_id=None, bos_token_id=1, eos_token_id=2)
+MINIMAX_M3 = dict(vocab_size=96, hidden_size=48, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rotary_dim=8,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                  num_local_experts=4, num_experts_per_tok=2, dense_intermediate_size=24, shared_intermediate_size=8,
+                  index_n_heads=2, index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+                  layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse"],
+                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+
+
+def write_refused(path, architecture):
     transformers = pytest.importorskip("transformers")
+    if architecture == "HYV4ForCausalLM":
+        model = transformers.HYV4ForCausalLM(transformers.HYV4Config(**HY_V4))
+    elif architecture == "MiniMaxM3VLForCausalLM":
+        model = transformers.MiniMaxM3VLForCausalLM(transformers.MiniMaxM3VLTextConfig(**MINIMAX_M3))
+    else:
+        model = transformers.MiniMaxM3SparseForConditionalGeneration(transformers.MiniMaxM3VLConfig(
+            text_config=MINIMAX_M3, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                       num_attention_heads=2)))
+    model.save_pretrained(path)
+
+
+@pytest.mark.parametrize("architecture", ["HYV4ForCausalLM", "MiniMaxM3VLForCausalLM",
+                                          "MiniMaxM3SparseForConditionalGeneration"])
+def test_refused_family_at_engine_start(tmp_path, architecture):
+    """Tiny checkpoints written by transformers: vLLM's engine start ends in the plugin's one line
+    (before, vLLM 0.32 on CPU failed in weight loading for HY-V4, "Following weights were not
+    initialized ...", and with an AssertionError in the worker for MiniMax-M3)."""
     from vllm import LLM
 
-    widths = dict(vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-                  num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                  kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, q_lora_rank=24,
-                  index_topk=8, index_head_dim=128, index_n_heads=4, max_position_embeddings=256,
-                  pad_token_id=None, bos_token_id=1, eos_token_id=2)
-    transformers.HYV4ForCausalLM(transformers.HYV4Config(**widths)).save_pretrained(tmp_path)
+    write_refused(tmp_path, architecture)
     with pytest.raises(ValueError) as err:
         LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
             kv_cache_memory_bytes=32 << 20, enforce_eager=True)
-    assert str(err.value) == vm.refusal("HYV4ForCausalLM")
+    assert str(err.value) == vm.refusal(architecture)
