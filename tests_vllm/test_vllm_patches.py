@@ -4,6 +4,7 @@ families and widths refused in one line naming what is served; the CI guard of t
 
 import importlib
 import inspect
+import json
 import logging
 import os
 import subprocess
@@ -122,6 +123,42 @@ def test_refused_family_is_one_line_naming_the_served():
         assert "DeepseekV32ForCausalLM (deepseek_v32), GlmMoeDsaForCausalLM (glm_moe_dsa)" in msg
         entry = ModelRegistry.models[arch]
         assert (entry.module_name, entry.class_name) == (vm.__name__, vm.plugin_class_name(arch))
+
+
+def model_config(path, overrides=None, **shipped):
+    (path / "config.json").write_text(json.dumps(dict(model_type="deepseek_v4", **shipped)))
+    return SimpleNamespace(model=str(path), hf_overrides=overrides or {})
+
+
+@pytest.mark.parametrize("overrides,shipped,asked", [
+    (None, {}, False),
+    ({"index_topk_freq": 4}, {}, False),  # overrides count only with use_index_cache (DESIGN §2)
+    ({"use_index_cache": True, "index_topk_freq": 4}, {}, True),
+    (None, {"indexer_types": ["full", "full"]}, False),
+    (None, {"indexer_types": ["full", "shared"]}, True),
+    (None, {"index_topk_freq": 4}, True),
+    (None, {"index_topk_freq": 1}, False),
+])
+def test_deepseek_v4_index_cache_request(tmp_path, overrides, shipped, asked):
+    assert vm.index_cache_requested(model_config(tmp_path, overrides, **shipped)) is asked
+
+
+def test_deepseek_v4_stays_vllms_own_model_but_refuses_index_cache(tmp_path):
+    from vllm import ModelRegistry
+    from vllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    plugin.register()
+    arch = "DeepseekV4ForCausalLM"
+    cls = getattr(vm, vm.plugin_class_name(arch))
+    assert issubclass(cls, DeepseekV4ForCausalLM) and cls.__init__ is not DeepseekV4ForCausalLM.__init__
+    entry = ModelRegistry.models[arch]
+    assert (entry.module_name, entry.class_name) == (vm.__name__, vm.plugin_class_name(arch))
+    cfg = SimpleNamespace(model_config=model_config(tmp_path, {"use_index_cache": True, "index_topk_freq": 4}))
+    with pytest.raises(ValueError) as err:
+        cls(vllm_config=cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("indexcache: IndexCache on DeepseekV4ForCausalLM (deepseek_v4) is not served")
+    assert "DeepseekV32ForCausalLM (deepseek_v32), GlmMoeDsaForCausalLM (glm_moe_dsa)" in msg
 
 
 @pytest.mark.parametrize("field,value", [("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("index_head_dim", 64)])

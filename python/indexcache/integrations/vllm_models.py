@@ -136,6 +136,25 @@ REFUSED = {
 }
 
 
+# architectures vLLM serves on CPU itself, without IndexCache: left to vLLM's own model, except that
+# asking for IndexCache there is refused in one line instead of being silently ignored
+# architecture -> (model_type, module of vLLM's class)
+WITHOUT_INDEX_CACHE = {"DeepseekV4ForCausalLM": ("deepseek_v4", "vllm.models.deepseek_v4")}
+_INDEX_CACHE_KEYS = ("index_topk_freq", "index_topk_pattern")
+
+
+def index_cache_requested(model_config) -> bool:
+    """Whether the user's overrides or the checkpoint ask for IndexCache (DESIGN §2: overrides count with
+    ``use_index_cache: true``; a shipped ``indexer_types`` with a shared layer, or shipped freq/pattern)."""
+    overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
+    if overrides.get("use_index_cache"):
+        return True
+    shipped = _checkpoint_config(model_config)
+    if "shared" in (shipped.get("indexer_types") or []):
+        return True
+    return any(shipped.get(k) not in (None, 1, "") for k in _INDEX_CACHE_KEYS)
+
+
 def served_line() -> str:
     return ", ".join(f"{arch} ({mt})" for arch, (mt, _, _) in SERVED.items())
 
@@ -159,6 +178,20 @@ def _served_class(base, name: str):
     return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
 
 
+def _guarded_class(base, architecture: str):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        if index_cache_requested(vllm_config.model_config):
+            raise ValueError(
+                f"indexcache: IndexCache on {architecture} ({WITHOUT_INDEX_CACHE[architecture][0]}) is not served on "
+                f"vLLM's CPU platform: vLLM 0.32's own CPU model runs it without IndexCache (leave out "
+                f"use_index_cache), the indexcache plugin serves IndexCache for {served_line()}; run it with "
+                "this package's own engine (python -m indexcache generate --model CKPT ...)")
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+
+    name = f"IndexCacheGuarded{architecture}"
+    return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+
+
 def _refused_class(base, architecture: str):
     def __init__(self, *, vllm_config, prefix: str = ""):
         raise ValueError(refusal(architecture))
@@ -168,15 +201,27 @@ def _refused_class(base, architecture: str):
 
 
 def plugin_class_name(architecture: str) -> str:
-    return SERVED[architecture][2] if architecture in SERVED else f"IndexCacheRefused{architecture}"
+    if architecture in SERVED:
+        return SERVED[architecture][2]
+    return f"IndexCache{'Guarded' if architecture in WITHOUT_INDEX_CACHE else 'Refused'}{architecture}"
+
+
+def registered_architectures() -> tuple:
+    return (*SERVED, *REFUSED, *WITHOUT_INDEX_CACHE)
 
 
 def __getattr__(name):  # the registry imports the model classes by name, lazily
     from vllm.model_executor.models import deepseek_v2
 
-    for arch, (_, base, cls_name) in SERVED.items():
+    for _, base, cls_name in SERVED.values():
         if name == cls_name:
             globals()[name] = _served_class(getattr(deepseek_v2, base), name)
+            return globals()[name]
+    for arch, (_, module) in WITHOUT_INDEX_CACHE.items():
+        if name == plugin_class_name(arch):
+            import importlib
+
+            globals()[name] = _guarded_class(getattr(importlib.import_module(module), arch), arch)
             return globals()[name]
     for arch in REFUSED:
         if name == plugin_class_name(arch):

@@ -15,7 +15,7 @@ from typing import Optional
 
 from . import vllm_models
 from .vllm_backend import BACKEND_NAME, BACKEND_PATH, IndexCacheIndexerBackend, indexer_forward
-from .vllm_models import REFUSED, SERVED, plugin_class_name
+from .vllm_models import SERVED, plugin_class_name
 
 logger = logging.getLogger("indexcache.vllm")
 
@@ -115,7 +115,8 @@ PATCHES = (
           "the IndexCache plan, the families' config defaults and the width check need the config before "
           "vLLM builds the model",
           how="SERVED architectures registered to subclasses whose constructor edits hf_text_config "
-              "(index_topk_pattern, FAMILY_DEFAULTS) first; REFUSED architectures to classes that raise"),
+              "(index_topk_pattern, FAMILY_DEFAULTS) first; REFUSED architectures to classes that raise; "
+              "WITHOUT_INDEX_CACHE ones (DeepSeek-V4) to vLLM's own class, refusing only a request for IndexCache"),
 )
 
 
@@ -186,7 +187,7 @@ def install() -> None:
         raise
     if BACKEND_NAME not in AttentionBackendEnum.__members__:  # a second registration raises
         register_backend(BACKEND_NAME, BACKEND_PATH)
-    for arch in (*SERVED, *REFUSED):
+    for arch in vllm_models.registered_architectures():
         entry = getattr(ModelRegistry, "models", {}).get(arch)
         if (getattr(entry, "module_name", None), getattr(entry, "class_name", None)) != \
                 (vllm_models.__name__, plugin_class_name(arch)):  # vLLM warns on every re-registration
