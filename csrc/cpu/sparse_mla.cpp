@@ -1,7 +1,8 @@
 // CPU sparse MLA (absorbed form, DESIGN.md §5): per query row, attention of h_q heads over
 // the selected cache slots. Two passes per (row, head block): scores for every selected
-// key, an exact softmax, then P·V. With AVX-512 BF16 both products run on vdpbf16ps with
-// fp32 accumulation over keys packed 32 at a time; fp32 inputs take a portable fp32 path.
+// key, an exact softmax, then P·V. With AVX-512 BF16 the scores run on vdpbf16ps (exact
+// bf16 products, fp32 sums) and P·V on fp32 FMAs with P kept in fp32; fp32 inputs take a
+// portable fp32 path.
 // Every path is a template on the row width D = d_qk (576 for DSA, 512 for DeepSeek-V4's K=V
 // head, whose value is the whole row), so the 576 loops keep their compile-time bounds; a row's
 // keys are the valid entries of indices and then of extra_indices (mla_entry).
@@ -151,22 +152,27 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_keys(const
   }
 }
 
-// O^T[v0..v0+8][0:32] += Σ_kp vt[kp][v] · P[kp][0:32] over one chunk of key pairs.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_cols(const uint32_t* pt, const uint32_t* vt,
-                                                                              int64_t ldv, int64_t pairs, float* ot) {
+// O^T[v0..v0+8][0:32] += Σ_k V[k][v] · P[k][0:32] over one chunk of key pairs, in fp32: P stays
+// fp32 (rounding the probabilities to bf16 for vdpbf16ps would add ~2e-3 relative error, a
+// hundred times what the other paths carry), and each bf16 value of a pair vt[kp][v] =
+// (V[2kp][v], V[2kp+1][v]) is exact in fp32 (a shift or a mask of its 32 bits).
+__attribute__((target("avx512f,avx512bw"))) inline void pv_cols(const float* pt, const uint32_t* vt, int64_t ldv,
+                                                                 int64_t pairs, float* ot) {
   __m512 a0[8], a1[8];
   for (int c = 0; c < 8; ++c) {
     a0[c] = _mm512_loadu_ps(ot + c * kLaneHeads);
     a1[c] = _mm512_loadu_ps(ot + c * kLaneHeads + 16);
   }
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh p0 = (__m512bh)_mm512_loadu_si512(pt + kp * kLaneHeads);
-    const __m512bh p1 = (__m512bh)_mm512_loadu_si512(pt + kp * kLaneHeads + 16);
+    const float* pe = pt + 2 * kp * kLaneHeads;
+    const __m512 e0 = _mm512_loadu_ps(pe), e1 = _mm512_loadu_ps(pe + 16);
+    const __m512 o0 = _mm512_loadu_ps(pe + kLaneHeads), o1 = _mm512_loadu_ps(pe + kLaneHeads + 16);
     const uint32_t* vr = vt + kp * ldv;
     for (int c = 0; c < 8; ++c) {
-      const __m512bh vb = (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[c]));
-      a0[c] = _mm512_dpbf16_ps(a0[c], vb, p0);
-      a1[c] = _mm512_dpbf16_ps(a1[c], vb, p1);
+      const __m512 ve = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(vr[c] << 16)));
+      const __m512 vo = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(vr[c] & 0xFFFF0000u)));
+      a0[c] = _mm512_fmadd_ps(vo, o0, _mm512_fmadd_ps(ve, e0, a0[c]));
+      a1[c] = _mm512_fmadd_ps(vo, o1, _mm512_fmadd_ps(ve, e1, a1[c]));
     }
   }
   for (int c = 0; c < 8; ++c) {
@@ -187,6 +193,68 @@ __attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t*
     _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, lo, vb));
     _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
   }
+}
+
+// Softmax over the scores st[k][0:32] (keys k < n, heads h0..h0+31 across the lanes) in place ->
+// probabilities, rows n..rows-1 zeroed; per head its max, sum and NaN flag (bad: NaN when a score
+// or its sink is NaN / +inf). sinks [h_q] or nullptr.
+__attribute__((target("avx512f,avx512bw"))) void softmax_heads32(float* st, int64_t n, int64_t rows,
+                                                                  const float* sinks, int64_t h0, int64_t h_q,
+                                                                  float* mx, float* sum, float* bad) {
+  // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
+  // out and lse (docs/ops.md), one subtraction per score instead of a pass over the inputs.
+  __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
+  __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+  for (int64_t k = 0; k < n; ++k) {
+    const __m512 v0 = _mm512_loadu_ps(st + k * kLaneHeads);
+    const __m512 v1 = _mm512_loadu_ps(st + k * kLaneHeads + 16);
+    m0 = _mm512_max_ps(m0, v0);
+    m1 = _mm512_max_ps(m1, v1);
+    z0 = _mm512_add_ps(z0, _mm512_sub_ps(v0, v0));
+    z1 = _mm512_add_ps(z1, _mm512_sub_ps(v1, v1));
+  }
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  if (sinks != nullptr) {
+    // The sinks join max and sum (exp(-inf) would come out ~1e-38 from exp_ps: masked to 0);
+    // a NaN / +inf sink flags its head like a non-finite score.
+    alignas(64) float sk[kLaneHeads], skbad[kLaneHeads];
+    for (int64_t hh = 0; hh < kLaneHeads; ++hh) {
+      const float v = h0 + hh < h_q ? sinks[h0 + hh] : -std::numeric_limits<float>::infinity();
+      const bool ok = v < std::numeric_limits<float>::infinity();
+      sk[hh] = ok ? v : -std::numeric_limits<float>::infinity();
+      skbad[hh] = ok ? 0.f : quiet_nan();
+    }
+    const __m512 k0 = _mm512_load_ps(sk), k1 = _mm512_load_ps(sk + 16);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    m0 = _mm512_max_ps(m0, k0);
+    m1 = _mm512_max_ps(m1, k1);
+    z0 = _mm512_add_ps(z0, _mm512_load_ps(skbad));
+    z1 = _mm512_add_ps(z1, _mm512_load_ps(skbad + 16));
+    s0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k0, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k0, m0)));
+    s1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k1, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k1, m1)));
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const __m512 e0 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st + k * kLaneHeads), m0));
+    const __m512 e1 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st + k * kLaneHeads + 16), m1));
+    _mm512_storeu_ps(st + k * kLaneHeads, e0);
+    _mm512_storeu_ps(st + k * kLaneHeads + 16, e1);
+    s0 = _mm512_add_ps(s0, e0);
+    s1 = _mm512_add_ps(s1, e1);
+  }
+  _mm512_store_ps(bad, z0);
+  _mm512_store_ps(bad + 16, z1);
+  _mm512_store_ps(mx, m0);
+  _mm512_store_ps(mx + 16, m1);
+  _mm512_store_ps(sum, s0);
+  _mm512_store_ps(sum + 16, s1);
+  const __m512 i0 = _mm512_div_ps(_mm512_set1_ps(1.0f), s0), i1 = _mm512_div_ps(_mm512_set1_ps(1.0f), s1);
+  // P[k][h] = e[k][h] / sum[h] in place; a missing odd key (row n) contributes 0.
+  for (int64_t k = 0; k < n; ++k) {
+    float* e = st + k * kLaneHeads;
+    _mm512_storeu_ps(e, _mm512_mul_ps(_mm512_loadu_ps(e), i0));
+    _mm512_storeu_ps(e + 16, _mm512_mul_ps(_mm512_loadu_ps(e + 16), i1));
+  }
+  std::fill_n(st + n * kLaneHeads, (rows - n) * kLaneHeads, 0.f);
 }
 
 template <int D>
@@ -224,83 +292,21 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
   for (int64_t h = 0; h < p.h_q; ++h)
     for (int pp = 0; pp < kPairs; ++pp) qT[pp * h_pad + h] = qsrc[h * kPairs + pp];
   static thread_local std::vector<float> st, ot;
-  static thread_local std::vector<uint32_t> pt;
   st.resize(pairs * 2 * kLaneHeads);
-  pt.resize(pairs * kLaneHeads);
   ot.resize(p.d_v * kLaneHeads);
   for (int64_t h0 = 0; h0 < p.h_q; h0 += kLaneHeads) {
     const uint32_t* qb = qT.data() + h0;
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) qk_keys<D, 8>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
     for (; j < n; ++j) qk_keys<D, 1>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
-    // Softmax over keys, 32 heads at a time.
-    // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
-    // out and lse (docs/ops.md), one subtraction per score instead of a pass over the inputs.
-    __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
-    __m512 z0 = _mm512_setzero_ps(), z1 = z0;
-    for (int64_t k = 0; k < n; ++k) {
-      const __m512 v0 = _mm512_loadu_ps(st.data() + k * kLaneHeads);
-      const __m512 v1 = _mm512_loadu_ps(st.data() + k * kLaneHeads + 16);
-      m0 = _mm512_max_ps(m0, v0);
-      m1 = _mm512_max_ps(m1, v1);
-      z0 = _mm512_add_ps(z0, _mm512_sub_ps(v0, v0));
-      z1 = _mm512_add_ps(z1, _mm512_sub_ps(v1, v1));
-    }
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-    if (p.sinks != nullptr) {
-      // The sinks join max and sum (exp(-inf) would come out ~1e-38 from exp_ps: masked to 0);
-      // a NaN / +inf sink flags its head like a non-finite score.
-      alignas(64) float sk[kLaneHeads], skbad[kLaneHeads];
-      for (int64_t hh = 0; hh < kLaneHeads; ++hh) {
-        const float v = h0 + hh < p.h_q ? p.sinks[h0 + hh] : -std::numeric_limits<float>::infinity();
-        const bool ok = v < std::numeric_limits<float>::infinity();
-        sk[hh] = ok ? v : -std::numeric_limits<float>::infinity();
-        skbad[hh] = ok ? 0.f : quiet_nan();
-      }
-      const __m512 k0 = _mm512_load_ps(sk), k1 = _mm512_load_ps(sk + 16);
-      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      m0 = _mm512_max_ps(m0, k0);
-      m1 = _mm512_max_ps(m1, k1);
-      z0 = _mm512_add_ps(z0, _mm512_load_ps(skbad));
-      z1 = _mm512_add_ps(z1, _mm512_load_ps(skbad + 16));
-      s0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k0, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k0, m0)));
-      s1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k1, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k1, m1)));
-    }
-    for (int64_t k = 0; k < n; ++k) {
-      const __m512 e0 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads), m0));
-      const __m512 e1 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads + 16), m1));
-      _mm512_storeu_ps(st.data() + k * kLaneHeads, e0);
-      _mm512_storeu_ps(st.data() + k * kLaneHeads + 16, e1);
-      s0 = _mm512_add_ps(s0, e0);
-      s1 = _mm512_add_ps(s1, e1);
-    }
     alignas(64) float mx[kLaneHeads], sum[kLaneHeads], bad[kLaneHeads];
-    _mm512_store_ps(bad, z0);
-    _mm512_store_ps(bad + 16, z1);
-    _mm512_store_ps(mx, m0);
-    _mm512_store_ps(mx + 16, m1);
-    _mm512_store_ps(sum, s0);
-    _mm512_store_ps(sum + 16, s1);
-    const __m512 i0 = _mm512_div_ps(_mm512_set1_ps(1.0f), s0), i1 = _mm512_div_ps(_mm512_set1_ps(1.0f), s1);
-    // P pairs [kp][h] = (p[2kp][h], p[2kp+1][h]); a missing odd key contributes 0.
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      for (int half = 0; half < 2; ++half) {
-        const __m512 inv = half ? i1 : i0;
-        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st.data() + (2 * kp) * kLaneHeads + 16 * half), inv);
-        const __m512 b = 2 * kp + 1 < n
-                             ? _mm512_mul_ps(_mm512_loadu_ps(st.data() + (2 * kp + 1) * kLaneHeads + 16 * half), inv)
-                             : _mm512_setzero_ps();
-        const __m512i ab = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a)),
-                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b)), 16));
-        _mm512_storeu_si512(pt.data() + kp * kLaneHeads + 16 * half, ab);
-      }
-    }
-    // Chunks of 64 key pairs keep their P (8 KB) in L1 while every value column sweeps it.
+    softmax_heads32(st.data(), n, 2 * pairs, p.sinks, h0, p.h_q, mx, sum, bad);
+    // Chunks of 64 key pairs keep their P (16 KB) in L1 while every value column sweeps it.
     std::fill(ot.begin(), ot.end(), 0.f);
     for (int64_t c0 = 0; c0 < pairs; c0 += 64) {
       const int64_t cn = std::min<int64_t>(64, pairs - c0);
       for (int64_t v0 = 0; v0 < p.d_v; v0 += 8)
-        pv_cols(pt.data() + c0 * kLaneHeads, vt.data() + c0 * p.d_v + v0, p.d_v, cn, ot.data() + v0 * kLaneHeads);
+        pv_cols(st.data() + 2 * c0 * kLaneHeads, vt.data() + c0 * p.d_v + v0, p.d_v, cn, ot.data() + v0 * kLaneHeads);
     }
     const int64_t nh = std::min<int64_t>(kLaneHeads, p.h_q - h0);
     for (int64_t hh = 0; hh < nh; ++hh) {
