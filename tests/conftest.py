@@ -35,8 +35,10 @@ def pytest_report_header(config):
     paths = _C._cpu_paths()
     runs = ", ".join(p for p, why in paths.items() if not why)
     lacks = "; ".join(f"{p}: {why}" for p, why in paths.items() if why) or "none"
+    dispatch = ", ".join(f"{k} {v}" for k, v in _C._cpu_dispatch().items())
     return [f"cpu: {model} ({os.cpu_count()} logical CPUs); features: {feats}",
             f"cpu paths: auto -> {_C._cpu_isa()}; tested: {runs}; skipped: {lacks}",
+            f"cpu dispatch (auto, per op/dtype): {dispatch}",
             f"gpu: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (CUDA cases skip)'}"]
 
 

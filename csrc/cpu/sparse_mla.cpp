@@ -30,9 +30,6 @@ using cpu::exp_ps;
 
 constexpr int kTile = 32;
 constexpr int64_t kHeadBlock = 64;
-bool mla_use_bf16(const SparseMlaParams& p) {
-  return p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32 && use_avx512bf16();
-}
 
 // Row s of the cache as fp32 [D] (fp8_ds_mla only for D = 576).
 template <int D>
@@ -371,12 +368,18 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (zero heads once divided by zero below)
-  if (sparse_mla_path() == CpuPath::kAvx2) {
+  // isa.h: bf16 / fp8 on blas or avx512bf16 where the CPU has them, fp32 (and everything on AVX2-only
+  // CPUs) on avx2; portable only where it is the path requested or the only one.
+  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, sparse_mla_dtype(p.q_dtype, p.kv_dtype));
+  if (path == CpuPath::kAvx2) {
     sparse_mla_avx2(p);  // every dtype
     return;
   }
-  if (sparse_mla_path() == CpuPath::kBlas && sparse_mla_blas(p)) return;
-  const bool bf16 = mla_use_bf16(p);
+  if (path == CpuPath::kBlas) {
+    TORCH_CHECK(sparse_mla_blas(p), "indexcache: the blas CPU path declined a sparse_mla dtype isa.cpp gives it");
+    return;
+  }
+  const bool bf16 = path == CpuPath::kAvx512Bf16;
   const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t head_blocks = (p.h_q + hb - 1) / hb;
   at::parallel_for(0, p.s_q * head_blocks, 1, [&](int64_t begin, int64_t end) {
