@@ -162,9 +162,12 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // block_sparse_impl.h compiled for AVX2 + FMA. No AVX2 quantizer: quantize goes on to portable.
     case CpuPath::kAvx2: return op != CpuOp::kQuantize;
     // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
-    // AVX-512 top-k filter, block_sparse_impl.h and the e4m3 quantizer compiled for AVX-512.
-    // Sparse MLA only with bf16 queries and a bf16 or fp8 cache: fp32 goes on to avx2.
-    case CpuPath::kAvx512Bf16: return op != CpuOp::kSparseMla || dt != DType::kFloat32;
+    // AVX-512 top-k filter, block_sparse_impl.h (bf16) and the e4m3 quantizer compiled for
+    // AVX-512. fp32 goes on to avx2 for sparse MLA (no fp32 kernel here) and for block-sparse
+    // attention, whose AVX-512 build of the fp32 loops ran 1.3-1.9x slower than the AVX2 one on
+    // Zen 4 (docs/performance.md, issue 31 matrix).
+    case CpuPath::kAvx512Bf16:
+      return dt != DType::kFloat32 || (op != CpuOp::kSparseMla && op != CpuOp::kBlockSparse);
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h).
     case CpuPath::kBlas:
       return (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && dt != DType::kFloat32;
