@@ -1,8 +1,9 @@
 // CPU sparse MLA (absorbed form, DESIGN.md §5): per query row, attention of h_q heads over
 // the selected cache slots. Two passes per (row, head block): scores for every selected
 // key, an exact softmax, then P·V. With AVX-512 BF16 the scores run on vdpbf16ps (exact
-// bf16 products, fp32 sums) and P·V on fp32 FMAs with P kept in fp32; fp32 inputs take a
-// portable fp32 path.
+// bf16 products, fp32 sums) and P·V on fp32 FMAs with P kept in fp32. fp32 inputs (q or cache)
+// go to the avx2 kernels by dispatch (isa.h; avx2.cpp); the fp32 row loop below is the portable
+// path's.
 // Every path is a template on the row width D = d_qk (576 for DSA, 512 for DeepSeek-V4's K=V
 // head, whose value is the whole row), so the 576 loops keep their compile-time bounds; a row's
 // keys are the valid entries of indices and then of extra_indices (mla_entry).
@@ -121,12 +122,14 @@ void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse, const
 //
 // Heads run across the 16 lanes, so neither product needs the keys transposed:
 //   S^T[key][h] = Σ_p bcast(k_row[key] pair p) · qT[p][h..h+15]   (vdpbf16ps)
-//   O^T[v][h]   = Σ_kp bcast(V pair (2kp, 2kp+1) at v) · P[kp][h..h+15]
+//   O^T[v][h]   = Σ_k bcast(V[k][v]) · P[k][h..h+15]                  (fp32 FMA, P fp32)
+// or, with 16 heads or fewer, O[h][v..v+15] = Σ_k bcast(P[k][h]) · V[k][v..v+15] (pv_heads).
 // K rows are read in place from a bf16 cache (fp8 rows are dequantized to bf16 once).
 
 // A head block is NV 16-lane vectors: NV = 2 (32 heads) in general, NV = 1 when h_q <= 16 (a
 // tensor-parallel rank's share: V3.2 at TP 8 has 16 heads, GLM-5 8), so few heads are not padded
 // to 32. Scores and probabilities are st[key][16 * NV], the output O^T[v][16 * NV].
+
 // S^T[j][0:16NV] for keys j0..j0+KB-1 of one head block (rows of D bf16, D / 2 pairs).
 template <int D, int KB, int NV>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_keys(const uint32_t* qT, int64_t ldq,
