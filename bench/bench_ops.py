@@ -61,13 +61,14 @@ REPEAT = 1        # interleaved repeats per path (--repeat)
 SINKS = False     # --sinks: sparse MLA also with attention sinks, interleaved with the sink-free call
 
 
-def time_ours(fn, device, op="", **kw):
+def time_ours(fn, device, op="", dtype="", **kw):
     """Times fn on every path in ISAS, interleaved REPEAT times: {isa: (median, min, max, path)};
-    path is the one op's kernels took (op="sparse_mla" for sparse MLA, which may differ)."""
-    return {isa: t for (isa, _), t in time_variants({"": fn}, device, op, **kw).items()}
+    path is the one the op's kernels took for inputs of dtype (_C._cpu_isa(op, dtype)), or the
+    request with no op."""
+    return {isa: t for (isa, _), t in time_variants({"": fn}, device, op, dtype, **kw).items()}
 
 
-def time_variants(fns, device, op="", **kw):
+def time_variants(fns, device, op="", dtype="", **kw):
     """Like time_ours for several functions {name: fn}, interleaved within each repeat and path
     (so they meet the same machine load): {(isa, name): (median, min, max, path)}."""
     runs = {(isa, name): [] for isa in ISAS for name in fns}
@@ -76,7 +77,7 @@ def time_variants(fns, device, op="", **kw):
         for isa in ISAS:
             if device == "cpu":
                 _C._set_cpu_isa(isa)
-                paths[isa] = _C._cpu_isa(op)
+                paths[isa] = _C._cpu_isa(op, dtype)
             try:
                 for name, fn in fns.items():
                     runs[(isa, name)].append(timeit(fn, device, **kw))
@@ -392,6 +393,60 @@ def bench_block_sparse(records, device, quick):
                    base, gflop_per_s=flops / (t[0] * 1e-3) / 1e9)
 
 
+# --ops matrix: op x dtype x heads x path (issue 31), one thread's share of the machine.
+MATRIX_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matrix_record(records, op, dtype, heads, shape, flops, ours, fp32_rate):
+    """One record per requested path; baseline: auto's median, 'auto_path' what auto took."""
+    auto = ours.get("auto")
+    for isa, t in ours.items():
+        gf = flops / (t[0] * 1e-3) / 1e9
+        record(records, op, f"{shape} {dtype} {heads}h", 0, f"request={isa}", t, "auto",
+               auto[0] if auto else t[0], gflop_per_s=gf, dtype=dtype, heads=heads, request=isa,
+               auto_path=auto[3] if auto else "", fp32_matmul_fraction=gf / fp32_rate if fp32_rate else 0.0)
+
+
+def bench_matrix(records, device, quick, fp32_rate):
+    """sparse_mla (64 rows x top-512 of 8192, 576/512), indexer_topk (64 rows x 8192 keys, top-2048)
+    and block_sparse_attention (64 rows, 4 KV heads x 128, 16 blocks of 128) in fp32 and bf16 (the
+    indexer also fp8), at 8, 16 and 128 (indexer 64, block-sparse 64 query) heads, on every path."""
+    rows, n = (16 if quick else 64), 8192
+    for dtype, dt in MATRIX_DTYPES.items():
+        for h in (8, 16, 128):
+            cache = torch.randn(n, 1, 576).to(dt)
+            q = torch.randn(rows, h, 576).to(dt)
+            idx = torch.randint(0, n, (rows, 512), dtype=torch.int32)
+            out, lse = torch.empty(rows, h, 512, dtype=dt), torch.empty(rows, h)
+            ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse), device, "sparse_mla", dtype,
+                             min_time=0.3, max_iters=5)
+            matrix_record(records, "sparse_mla", dtype, h, f"{rows}q k512", 2 * rows * h * 512 * 1088, ours, fp32_rate)
+    for dtype in ("fp32", "bf16", "fp8"):
+        for h in (8, 16, 64):
+            q, k, w, qv, kv, ksc, wq, ks, ke = indexer_inputs(rows, n, h, device)
+            args = (qv, kv, ksc, wq) if dtype == "fp8" else (q.to(MATRIX_DTYPES[dtype]), k.to(MATRIX_DTYPES[dtype]),
+                                                              None, ref.indexer_weights(w))
+            buf = torch.empty(rows, 2048, dtype=torch.int32)
+            ours = time_ours(lambda: ops.indexer_topk(*args, ks, ke, 2048, out=buf), device, "indexer", dtype,
+                             min_time=0.3, max_iters=5)
+            matrix_record(records, "indexer_topk", dtype, h, f"{rows}q x {n}", 2 * rows * h * n * 128, ours, fp32_rate)
+    h_kv, bsz, topk, page, n_ctx = 4, 128, 16, 64, 8192
+    for dtype, dt in MATRIX_DTYPES.items():
+        for h_q in (8, 16, 64):
+            kc = torch.randn(n_ctx // page, page, h_kv, 128).to(dt)
+            vc = torch.randn_like(kc)
+            table = torch.randperm(kc.shape[0]).int().view(1, -1)
+            req, pos = torch.zeros(rows, dtype=torch.int32), torch.arange(n_ctx - rows, n_ctx, dtype=torch.int32)
+            qa = torch.randn(rows, h_q, 128).to(dt)
+            nb = n_ctx // bsz
+            blocks = torch.stack([torch.randperm(nb - 1)[:topk] for _ in range(rows * h_kv)]).int().view(rows, h_kv, topk)
+            res = (torch.empty_like(qa), torch.empty(rows, h_q))
+            ours = time_ours(lambda: ops.block_sparse_attention(qa, kc, vc, table, req, pos, blocks, bsz, 0.088, out=res),
+                             device, "block_sparse", dtype, min_time=0.3, max_iters=5)
+            matrix_record(records, "block_sparse_attention", dtype, h_q, f"{rows}q /{h_kv}kv x{topk}blk",
+                          2 * 2 * rows * h_q * topk * bsz * 128, ours, fp32_rate)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller shapes; under 5 minutes on 2 CPU cores")
@@ -401,7 +456,9 @@ def main():
     ap.add_argument("--isa", default="auto",
                     help="CPU path(s) for our ops, comma-separated: auto, portable, avx2, avx512bf16, blas")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats per path (median, min, max)")
-    ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse,mla_v4", help="which groups to run")
+    ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse,mla_v4",
+                    help="which groups to run; 'matrix' (CPU only, not in the default): op x dtype x heads "
+                         "{8, 16, 64/128} on every --isa path, with the path each took and auto's")
     ap.add_argument("--sinks", action="store_true",
                     help="sparse MLA also with attention sinks, interleaved with the sink-free call")
     ap.add_argument("--cpu-time", action="store_true",
@@ -439,11 +496,15 @@ def main():
         bench_block_sparse(records, args.device, args.quick)
     if "mla_v4" in groups:
         bench_mla_v4(records, args.device, args.quick)
+    if "matrix" in groups and args.device == "cpu":
+        bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"])
     if any("gflop_per_s" in r for r in records):
         ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
     for r in records:
         if "gflop_per_s" in r:
             r["matmul_fraction"] = r["gflop_per_s"] / ceiling.best
+        if "fp32_matmul_fraction" in r:
+            r["fp32_matmul_fraction"] = r["gflop_per_s"] / ceiling.rates["fp32"]
     print(f"matmul ceiling: fp32 {ceiling.rates['fp32']:.0f}, bf16 {ceiling.rates['bf16']:.1f} GFLOP/s "
           f"(torch.mm, best of start and end); shares below are of the {ceiling.dtype} rate")
     head = (f"{'op':<24} {'shape':<26} {'path':<11} {'ms':>9} {'min-max':>17} {'baseline':<15} {'base ms':>9} "
@@ -454,6 +515,8 @@ def main():
         rate = ""
         if "gflop_per_s" in r:
             rate = f"{r['gflop_per_s']:.0f} GFLOP/s ({100 * r['matmul_fraction']:.0f}% of {ceiling.dtype} matmul)"
+        if "fp32_matmul_fraction" in r:
+            rate += f", {100 * r['fp32_matmul_fraction']:.0f}% of fp32; request {r['request']}, auto took {r['auto_path']}"
         elif "gb_per_s" in r:
             rate = f"{r['gb_per_s']:.1f} GB/s"
         spread = f"{r.get('ms_min', r['ms']):.2f}-{r.get('ms_max', r['ms']):.2f}"

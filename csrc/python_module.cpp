@@ -32,6 +32,22 @@ indexcache::LayerPlan build_plan(int num_hidden_layers, int num_nextn_predict_la
   return indexcache::build_layer_plan(o);
 }
 
+const std::pair<const char*, indexcache::DType> kDtypeNames[] = {
+    {"fp32", indexcache::DType::kFloat32}, {"bf16", indexcache::DType::kBFloat16}, {"fp8", indexcache::DType::kFp8E4M3}};
+
+// ("sparse_mla", "fp32") -> the dispatch key; a ValueError naming the choices otherwise.
+std::pair<indexcache::CpuOp, indexcache::DType> cpu_op_key(const std::string& op, const std::string& dtype) {
+  std::string ops;
+  for (indexcache::CpuOp o : indexcache::kCpuOps) {
+    ops += std::string(ops.empty() ? "" : ", ") + indexcache::cpu_op_name(o);
+    if (op != indexcache::cpu_op_name(o)) continue;
+    for (const auto& [name, dt] : kDtypeNames)
+      if (dtype == name && indexcache::cpu_op_takes(o, dt)) return {o, dt};
+    throw py::value_error("CPU op '" + op + "' takes no dtype '" + dtype + "' (see _cpu_dispatch())");
+  }
+  throw py::value_error("unknown CPU op '" + op + "': choose one of " + ops);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, mod) {
@@ -77,11 +93,42 @@ PYBIND11_MODULE(_C, mod) {
       "that says why (_cpu_paths()).");
   mod.def(
       "_cpu_isa",
-      [](const std::string& op) {
-        return indexcache::cpu_path_name(op == "sparse_mla" ? indexcache::sparse_mla_path() : indexcache::cpu_path());
+      [](const std::string& op, const std::string& dtype) {
+        if (op.empty()) return std::string(indexcache::cpu_path_name(indexcache::cpu_path()));
+        const auto [o, dt] = cpu_op_key(op, dtype.empty() ? (op == "topk" ? "fp32" : "bf16") : dtype);
+        return std::string(indexcache::cpu_path_name(indexcache::cpu_op_path(o, dt)));
       },
-      py::arg("op") = "",
-      "The CPU path the kernels take; op='sparse_mla' for sparse MLA's (which may differ).");
+      py::arg("op") = "", py::arg("dtype") = "",
+      "The CPU path requested ('auto' resolved to this CPU's first choice); with op (indexer, topk, "
+      "sparse_mla, block_sparse, quantize) and dtype (fp32, bf16, fp8; default bf16, fp32 for topk) "
+      "the path that op takes for inputs of that dtype: where the requested path has no kernel of its "
+      "own for them, the next of blas, avx512bf16, avx2, portable that this CPU runs and has one.");
+  mod.def(
+      "_cpu_dispatch",
+      []() {
+        py::dict d;
+        for (indexcache::CpuOp o : indexcache::kCpuOps)
+          for (const auto& [name, dt] : kDtypeNames)
+            if (indexcache::cpu_op_takes(o, dt))
+              d[py::str(std::string(indexcache::cpu_op_name(o)) + "/" + name)] =
+                  indexcache::cpu_path_name(indexcache::cpu_op_path(o, dt));
+        return d;
+      },
+      "{'op/dtype': path} for every op and input dtype under the current request (_set_cpu_isa).");
+  mod.def(
+      "_cpu_kernels",
+      []() {
+        py::dict d;
+        for (indexcache::CpuPath p : indexcache::kCpuPaths) {
+          py::list l;
+          for (indexcache::CpuOp o : indexcache::kCpuOps)
+            for (const auto& [name, dt] : kDtypeNames)
+              if (indexcache::cpu_path_has_kernel(p, o, dt)) l.append(std::string(indexcache::cpu_op_name(o)) + "/" + name);
+          d[indexcache::cpu_path_name(p)] = l;
+        }
+        return d;
+      },
+      "{path: ['op/dtype', ...]}: the (op, dtype) pairs each path has its own kernel for (on a CPU that runs it).");
   mod.def(
       "_cpu_paths",
       []() {

@@ -28,12 +28,12 @@ def _cpu_model() -> str:
 
 
 def _isa_path(name):
-    """(the path of the indexer ops, the path of sparse_mla) that `name` selects here."""
+    """The path every (op, dtype) takes here when `name` is requested (_cpu_dispatch())."""
     import indexcache._C as _C
 
     _C._set_cpu_isa(name)
     try:
-        return _C._cpu_isa(), _C._cpu_isa("sparse_mla")
+        return _C._cpu_dispatch()
     finally:
         _C._set_cpu_isa("auto")
 
@@ -69,8 +69,9 @@ def pytest_report_header(config):
 
     feats = ", ".join(k for k, v in _C._cpu_features().items() if v) or "none"
     lines = [f"cpu: {_cpu_model()} ({os.cpu_count()} logical CPUs); features: {feats}",
-             f"cpu paths: auto -> {_C._cpu_isa()} (indexer ops), {_C._cpu_isa('sparse_mla')} (sparse_mla); "
-             "the fuzz tests draw from the paths that run"]
+             f"cpu paths: auto -> {_C._cpu_isa()} (each op and dtype: the dispatch line below); "
+             "the fuzz tests draw from the paths that run",
+             "cpu dispatch (auto, per op/dtype): " + ", ".join(f"{k} {v}" for k, v in _C._cpu_dispatch().items())]
     lines += [f"  {name}: {'runs' if not why else why if why == AS_AUTO else 'skipped, ' + why}"
               for name, why in cpu_path_plan().items()]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (the CUDA cases skip: no CUDA device)"

@@ -12,6 +12,9 @@
   decode (fp8 index-K cache included) reproduces its own whole-sequence logits.
 - Batches of two without padding, left padding, and two sequences packed in one row.
 - Every error path of ``enable``.
+- Every test that runs the ops runs on each CPU path this CPU has (``cpu_isa``: 'auto' and each
+  forced path that differs from it; a path the CPU lacks is skipped with its reason), so a bf16
+  or fp32 model agrees with transformers whichever kernels a CPU kind takes.
 
 Prompts are longer than ``index_topk`` (16), so dense attention could not pass.
 """
@@ -96,7 +99,7 @@ def logits(model, ids, **kw):
 # ============================================================================ GLM-5 against transformers
 
 @needs_supported
-def test_glm_shipped_indexer_types(tmp_path, monkeypatch):
+def test_glm_shipped_indexer_types(tmp_path, monkeypatch, cpu_isa):
     path = write_checkpoint(tmp_path, "glm_moe_dsa", seed=1, indexer_types=["full", "shared", "full", "shared"])
     ids = prompts(2, 60, seed=2)
     ref = load(path, "glm_moe_dsa")
@@ -122,7 +125,7 @@ def test_glm_shipped_indexer_types(tmp_path, monkeypatch):
     ('{"use_index_cache": true, "index_topk_pattern": "FSSF"}', "FSSF"),
 ])
 @needs_supported
-def test_glm_overrides_replace_shipped_indexer_types(tmp_path, overrides, pattern, lower_position_ties):
+def test_glm_overrides_replace_shipped_indexer_types(tmp_path, overrides, pattern, lower_position_ties, cpu_isa):
     # transformers writes indexer_types (all "full") into every GLM config it saves; the user's
     # freq / pattern replaces it (DESIGN §2)
     path = write_checkpoint(tmp_path, "glm_moe_dsa", seed=3)
@@ -141,7 +144,7 @@ def test_glm_overrides_replace_shipped_indexer_types(tmp_path, overrides, patter
 
 @pytest.mark.parametrize("fp8", [False, None])
 @needs_supported
-def test_deepseek_v32_pattern_equals_project_model(tmp_path, fp8):
+def test_deepseek_v32_pattern_equals_project_model(tmp_path, fp8, cpu_isa):
     from indexcache.models import from_pretrained
 
     path = write_checkpoint(tmp_path, "deepseek_v32", seed=5)
@@ -160,7 +163,7 @@ def test_deepseek_v32_pattern_equals_project_model(tmp_path, fp8):
 
 
 @needs_supported
-def test_deepseek_v32_all_full_equals_transformers(tmp_path, lower_position_ties):
+def test_deepseek_v32_all_full_equals_transformers(tmp_path, lower_position_ties, cpu_isa):
     # no overrides: V3.2 has no IndexCache in transformers, every layer F
     path = write_checkpoint(tmp_path, "deepseek_v32", seed=7)
     ids = prompts(2, 40, seed=8)
@@ -180,7 +183,7 @@ def glm_path(tmp_path_factory):
 
 @pytest.mark.parametrize("num_beams", [1, 2])
 @needs_supported
-def test_generate_equals_unpatched(glm_path, num_beams, lower_position_ties):
+def test_generate_equals_unpatched(glm_path, num_beams, lower_position_ties, cpu_isa):
     ids = prompts(2, 40, seed=10)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, num_beams=num_beams)
     want = load(glm_path, "glm_moe_dsa").generate(ids, **kw)
@@ -190,7 +193,7 @@ def test_generate_equals_unpatched(glm_path, num_beams, lower_position_ties):
 
 @pytest.mark.parametrize("fp8", [None, False])
 @needs_supported
-def test_cached_decode_equals_whole_sequence(glm_path, fp8):
+def test_cached_decode_equals_whole_sequence(glm_path, fp8, cpu_isa):
     # the latent and index-K caches (132-byte fp8 rows by default) give the same logits step by
     # step as one forward over the whole sequence
     model = enable(load(glm_path, "glm_moe_dsa"), indexer_fp8=fp8)
@@ -203,7 +206,7 @@ def test_cached_decode_equals_whole_sequence(glm_path, fp8):
 
 
 @needs_supported
-def test_crop_then_continue(glm_path):
+def test_crop_then_continue(glm_path, cpu_isa):
     # assisted decoding crops the cache; the latent and index-K caches crop with it
     model = enable(load(glm_path, "glm_moe_dsa"))
     ids = prompts(1, 36, seed=12)
@@ -227,7 +230,7 @@ def test_crop_then_continue(glm_path):
 # ============================================================================ batches
 
 @needs_supported
-def test_left_padded_batch_equals_single_prompts(glm_path):
+def test_left_padded_batch_equals_single_prompts(glm_path, cpu_isa):
     model = enable(load(glm_path, "glm_moe_dsa"))
     a, b = prompts(1, 40, seed=13), prompts(1, 28, seed=14)
     ids = torch.cat((a, torch.cat((torch.zeros(1, 12, dtype=torch.long), b), dim=1)))
@@ -239,7 +242,7 @@ def test_left_padded_batch_equals_single_prompts(glm_path):
 
 
 @needs_supported
-def test_two_sequences_packed_in_one_row(glm_path):
+def test_two_sequences_packed_in_one_row(glm_path, cpu_isa):
     # padding-free packing: position_ids restart at 0 and transformers' mask is block-diagonal
     model = enable(load(glm_path, "glm_moe_dsa"))
     a, b = prompts(1, 36, seed=15), prompts(1, 30, seed=16)
@@ -345,7 +348,7 @@ def test_disable_undoes_every_change(tmp_path):
 
 
 @needs_supported
-def test_bf16_model(glm_path, lower_position_ties):
+def test_bf16_model(glm_path, lower_position_ties, cpu_isa):
     # a bf16 model: bf16 latent cache and sparse MLA; with transformers' fp32 scores of the same bf16
     # q / k it selects what transformers selects, and attends in bf16 (absorbed vs its expanded form)
     ids = prompts(2, 40, seed=19)

@@ -688,6 +688,71 @@ def test_cpu_path_errors():
     assert _C._cpu_paths()[_C._cpu_isa()] == ""  # auto never picks a path the CPU lacks
 
 
+# The (op, dtype) pairs each path has a vectorised kernel of its own for (docs/ops.md, "CPU paths"),
+# written out here as the spec that isa.cpp's table must match.
+_ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/fp32", "sparse_mla/bf16",
+        "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16"}
+KERNELS = {"portable": _ALL, "avx2": _ALL - {"quantize/fp32", "quantize/bf16"},
+           "avx512bf16": _ALL - {"sparse_mla/fp32", "block_sparse/fp32"},
+           "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}}
+FALLBACK = ["blas", "avx512bf16", "avx2", "portable"]
+
+
+def _expected_dispatch(requested):
+    """Each (op, dtype) on the first path from `requested` on, in FALLBACK order, that this CPU
+    runs and that has a kernel for it."""
+    runs = [p for p in FALLBACK[FALLBACK.index(requested):] if not _C._cpu_paths()[p]]
+    return {key: next(p for p in runs if key in KERNELS[p]) for key in sorted(_ALL)}
+
+
+def test_cpu_dispatch_per_op_and_dtype():
+    assert {p: set(v) for p, v in _C._cpu_kernels().items()} == KERNELS
+    auto = _C._cpu_isa()
+    for name in ["auto", *[p for p, why in _C._cpu_paths().items() if not why]]:
+        _C._set_cpu_isa(name)
+        try:
+            got = _C._cpu_dispatch()
+            assert got == _expected_dispatch(auto if name == "auto" else name), name
+            for key, path in got.items():
+                op, dt = key.split("/")
+                assert _C._cpu_isa(op, dt) == path
+        finally:
+            _C._set_cpu_isa("auto")
+    got = _C._cpu_dispatch()
+    if not _C._cpu_paths()["avx2"]:
+        # no silent scalar loops: with AVX2 present, 'auto' runs no (op, dtype) on portable but the
+        # quantizer (no AVX2 kernel of its own), and fp32 sparse MLA never on portable
+        assert {k for k, p in got.items() if p == "portable"} <= {"quantize/fp32", "quantize/bf16"}
+        assert got["sparse_mla/fp32"] == "avx2"
+    assert _C._cpu_isa("sparse_mla") == got["sparse_mla/bf16"] and _C._cpu_isa("topk") == got["topk/fp32"]
+    with pytest.raises(ValueError, match="CPU op 'topk' takes no dtype 'bf16'"):
+        _C._cpu_isa("topk", "bf16")
+    with pytest.raises(ValueError, match="unknown CPU op 'mla': choose one of indexer, topk, sparse_mla"):
+        _C._cpu_isa("mla", "bf16")
+
+
+@pytest.mark.parametrize("q_dtype,cache_kind", [(torch.float32, "fp32"), (torch.float32, "bf16"),
+                                                (torch.bfloat16, "bf16"), (torch.bfloat16, "fp8")])
+def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind):
+    """The op really takes the path _cpu_isa reports: 'auto' is bit-identical to that path forced
+    (each path's kernels sum in their own order, so another path would almost surely differ in the
+    last bits)."""
+    dt = "fp32" if q_dtype == torch.float32 or cache_kind == "fp32" else cache_kind
+    path = _C._cpu_isa("sparse_mla", dt)
+    cache, idx = make_mla("cpu", cache_kind, 3, 32, 256)
+    q = torch.randn(3, 32, 576).to(q_dtype)
+    scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
+    want = ops.sparse_mla(q, cache, idx, scale)
+    _C._set_cpu_isa(path)
+    try:
+        got = ops.sparse_mla(q, cache, idx, scale)
+    finally:
+        _C._set_cpu_isa("auto")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ro, _ = ref.sparse_mla(q, cache, idx, scale)
+    assert rel_err(want[0], ro.to(want[0].dtype)) < (1e-5 if q_dtype == torch.float32 else 1e-2)
+
+
 # ------------------------------------------------------------------ registration
 
 def test_every_op_has_a_kernel_per_backend():

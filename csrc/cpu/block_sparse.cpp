@@ -13,8 +13,9 @@
 // folds in the block's P·V. Blocks go in ascending order, so results are bit-identical run to run.
 //
 // ISA paths: the kernel bodies (block_sparse_impl.h) are compiled three times: portable
-// (baseline x86-64 / any CPU), AVX2+FMA (the avx2 path) and AVX-512 (the avx512bf16 and blas
-// paths), auto-vectorised by the compiler from lane loops; isa.h's cpu_path() picks one at run time.
+// (baseline x86-64 / any CPU), AVX2+FMA (the avx2 path) and AVX-512 (the avx512bf16 path; blas has
+// none of its own and goes on to it), auto-vectorised by the compiler from lane loops; isa.h's
+// cpu_op_path() picks one at run time.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -272,16 +273,18 @@ void register_block_sparse_cpu(torch::Library& m) {
 
 void block_topk_cpu(const BlockTopkParams& p) {
 #if defined(__x86_64__)
-  if (use_avx512()) return avx512::block_topk(p);
-  if (use_avx2()) return avx2::block_topk(p);
+  const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.qk_dtype);
+  if (path == CpuPath::kAvx512Bf16) return avx512::block_topk(p);
+  if (path == CpuPath::kAvx2) return avx2::block_topk(p);
 #endif
   portable::block_topk(p);
 }
 
 void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
 #if defined(__x86_64__)
-  if (use_avx512()) return avx512::attention(p);
-  if (use_avx2()) return avx2::attention(p);
+  const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.dtype);
+  if (path == CpuPath::kAvx512Bf16) return avx512::attention(p);
+  if (path == CpuPath::kAvx2) return avx2::attention(p);
 #endif
   portable::attention(p);
 }

@@ -42,7 +42,7 @@ __attribute__((target("avx512f,avx512bw"))) void to_e4m3_avx512(const float* x, 
   }
 }
 
-bool quant_use_avx512() { return use_avx512(); }
+bool quant_use_avx512(DType dt) { return cpu_op_path(CpuOp::kQuantize, dt) == CpuPath::kAvx512Bf16; }
 
 // One group of 128 values: optional Hadamard, ue8m0 scale, e4m3 bytes.
 inline float quantize_group(const void* src, DType dt, int64_t offset, float eps, bool hadamard,
@@ -62,7 +62,7 @@ inline float quantize_group(const void* src, DType dt, int64_t offset, float eps
   }
   const float scale = ue8m0_scale(amax, eps);
   const float inv = 1.0f / scale;  // exact: scale is a power of two
-  if (quant_use_avx512()) {
+  if (quant_use_avx512(dt)) {
     for (int i = 0; i < kQuantGroup; ++i) buf[i] *= inv;
     to_e4m3_avx512(buf, dst);
   } else {

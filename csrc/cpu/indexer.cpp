@@ -43,8 +43,10 @@ constexpr int kTile = 32;
 constexpr int64_t kRowBlock = 8;      // query rows sharing one packed key tile
 constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 
-// The blas path (blas.h) declines fp32 inputs; they, like CPUs without AVX-512 BF16, run fp32.
-bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && use_avx512bf16(); }
+// The indexer's path for inputs of dt (isa.h: blas declines fp32, which then runs avx512bf16's
+// fp32 tile loop); the vdpbf16ps tiles run on the avx512bf16 path for bf16 and fp8 inputs.
+CpuPath indexer_path(DType dt) { return cpu_op_path(CpuOp::kIndexer, dt); }
+bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && indexer_path(dt) == CpuPath::kAvx512Bf16; }
 
 inline float elem_f32(const void* row, DType dt, int64_t i) {
   switch (dt) {
@@ -229,7 +231,7 @@ auto paged_query(const PagedIndexerParams& p, bool bf16) {
 // set_cpu_isa / cpu_isa: csrc/cpu/isa.cpp.
 
 void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
-  if (cpu_path() == CpuPath::kBlas && indexer_logits_blas(p, o)) return;
+  if (indexer_path(p.qk_dtype) == CpuPath::kBlas && indexer_logits_blas(p, o)) return;
   const bool bf16 = use_bf16_path(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
@@ -256,7 +258,7 @@ void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
 }
 
 void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
-  if (cpu_path() == CpuPath::kBlas && indexer_logits_paged_blas(p, o)) return;
+  if (indexer_path(DType::kFp8E4M3) == CpuPath::kBlas && indexer_logits_paged_blas(p, o)) return;
   const bool bf16 = use_bf16_path(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);
@@ -331,8 +333,9 @@ __attribute__((target("avx512f"))) int64_t filter_at_least_avx512(const float* x
 int64_t topk_row(const float* x, int64_t n, int64_t k, int32_t* out, std::vector<uint32_t>& scratch,
                  Scratch<uint32_t>& key_buf, Scratch<int32_t>& pos_buf) {
   int64_t j = 0;
-  const bool avx512 = use_avx512();
-  if (n >= 8 * k && n >= 4096 && (avx512 || use_avx2())) {
+  const CpuPath path = cpu_op_path(CpuOp::kTopk, DType::kFloat32);
+  const bool avx512 = path == CpuPath::kAvx512Bf16;
+  if (n >= 8 * k && n >= 4096 && (avx512 || path == CpuPath::kAvx2)) {
     // 32 contiguous runs of 16 (one cache line each) spread over the row: as good a sample
     // for the floor as 512 strided values, at 32 cache misses instead of 512.
     constexpr int64_t m = 512, run = 16, runs = m / run;
@@ -387,7 +390,7 @@ void topk_cpu(const TopkParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
-  if (cpu_path() == CpuPath::kBlas && indexer_topk_blas(p, o)) return;
+  if (indexer_path(p.qk_dtype) == CpuPath::kBlas && indexer_topk_blas(p, o)) return;
   const bool bf16 = use_bf16_path(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
@@ -401,7 +404,7 @@ void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
-  if (cpu_path() == CpuPath::kBlas && indexer_topk_paged_blas(p, o)) return;
+  if (indexer_path(DType::kFp8E4M3) == CpuPath::kBlas && indexer_topk_paged_blas(p, o)) return;
   const bool bf16 = use_bf16_path(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);

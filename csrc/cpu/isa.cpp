@@ -132,11 +132,62 @@ CpuPath cpu_path() {
   return r == CpuPath::kAuto ? auto_path() : r;
 }
 
-CpuPath sparse_mla_path() {
-  // On Zen 4 brgemm led sparse MLA in wall-time runs on a loaded machine, but not in CPU time
-  // nor at one or two decode rows (docs/performance.md), so 'auto' keeps the AVX-512 BF16
-  // kernels there: the same choice as the indexer's today.
-  return cpu_path();
+const char* cpu_op_name(CpuOp op) {
+  switch (op) {
+    case CpuOp::kIndexer: return "indexer";
+    case CpuOp::kTopk: return "topk";
+    case CpuOp::kSparseMla: return "sparse_mla";
+    case CpuOp::kBlockSparse: return "block_sparse";
+    case CpuOp::kQuantize: return "quantize";
+  }
+  return "?";
+}
+
+bool cpu_op_takes(CpuOp op, DType dt) {
+  switch (op) {
+    case CpuOp::kIndexer: return true;
+    case CpuOp::kTopk: return dt == DType::kFloat32;
+    case CpuOp::kSparseMla: return true;
+    case CpuOp::kBlockSparse:
+    case CpuOp::kQuantize: return dt != DType::kFp8E4M3;
+  }
+  return false;
+}
+
+bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
+  if (!cpu_op_takes(op, dt)) return false;
+  switch (p) {
+    case CpuPath::kPortable: return true;
+    // avx2.cpp: sparse MLA in every dtype and the top-k filter; the indexer's fp32 tile loop and
+    // block_sparse_impl.h compiled for AVX2 + FMA. No AVX2 quantizer: quantize goes on to portable.
+    case CpuPath::kAvx2: return op != CpuOp::kQuantize;
+    // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
+    // AVX-512 top-k filter, block_sparse_impl.h (bf16) and the e4m3 quantizer compiled for
+    // AVX-512. fp32 goes on to avx2 for sparse MLA (no fp32 kernel here) and for block-sparse
+    // attention, whose AVX-512 build of the fp32 loops ran 1.3-1.9x slower than the AVX2 one on
+    // Zen 4 (docs/performance.md, issue 31 matrix).
+    case CpuPath::kAvx512Bf16:
+      return dt != DType::kFloat32 || (op != CpuOp::kSparseMla && op != CpuOp::kBlockSparse);
+    // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h).
+    case CpuPath::kBlas:
+      return (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && dt != DType::kFloat32;
+    case CpuPath::kAuto: return false;
+  }
+  return false;
+}
+
+CpuPath cpu_op_path(CpuOp op, DType dt) {
+  // The fallback order: blas, avx512bf16, avx2, portable; a request starts the walk at its path.
+  static constexpr CpuPath kOrder[] = {CpuPath::kBlas, CpuPath::kAvx512Bf16, CpuPath::kAvx2, CpuPath::kPortable};
+  static const bool runs[4] = {cpu_path_unavailable(kOrder[0]).empty(), cpu_path_unavailable(kOrder[1]).empty(),
+                               cpu_path_unavailable(kOrder[2]).empty(), true};
+  const CpuPath want = cpu_path();
+  bool started = false;
+  for (int i = 0; i < 4; ++i) {
+    started = started || kOrder[i] == want;
+    if (started && runs[i] && cpu_path_has_kernel(kOrder[i], op, dt)) return kOrder[i];
+  }
+  return CpuPath::kPortable;
 }
 
 TileRelease::~TileRelease() {

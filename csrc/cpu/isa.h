@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "indexcache/ops.h"
+
 namespace indexcache {
 
 // The code paths, in the order `auto` prefers them from last to first. kAuto is a request only.
@@ -32,19 +34,33 @@ std::string cpu_path_unavailable(CpuPath p);
 // Requests a path (kAuto restores the default); throws std::invalid_argument with the reason
 // when the CPU cannot run it, leaving the current request unchanged.
 void request_cpu_path(CpuPath p);
-// The path the indexer, top-k and cache ops take.
+// The path requested, with kAuto resolved to the CPU's first choice (blas where AMX tiles are,
+// else avx512bf16, else avx2, else portable): where the op runs when that path has a kernel for
+// its input dtype. cpu_op_path below is what an op actually takes.
 CpuPath cpu_path();
-// The path sparse MLA takes (the same today; kept apart because its choice is measured apart).
-CpuPath sparse_mla_path();
 
-// The AVX-512 kernels (quantization, top-k filter, bf16 tiles) run on the AVX-512 BF16 and blas
-// paths, where the CPU has them; the portable and avx2 paths never run them (so forcing 'avx2'
-// on an AVX-512 CPU tests the AVX2 kernels).
-inline bool avx512_family(CpuPath p) { return p == CpuPath::kAvx512Bf16 || p == CpuPath::kBlas; }
-inline bool use_avx512() { return avx512_family(cpu_path()) && cpu_features().avx512; }
-inline bool use_avx512bf16() { return avx512_family(cpu_path()) && cpu_features().avx512bf16; }
-// The AVX2 + FMA kernels (csrc/cpu/avx2.cpp: sparse MLA, the top-k filter) run on the avx2 path,
-// which only a CPU with AVX2, FMA and F16C can take.
-inline bool use_avx2() { return cpu_path() == CpuPath::kAvx2; }
+// The op families as dispatch sees them; each takes one path per input dtype.
+enum class CpuOp : int { kIndexer = 0, kTopk, kSparseMla, kBlockSparse, kQuantize };
+inline constexpr CpuOp kCpuOps[] = {CpuOp::kIndexer, CpuOp::kTopk, CpuOp::kSparseMla, CpuOp::kBlockSparse,
+                                    CpuOp::kQuantize};
+const char* cpu_op_name(CpuOp op);  // "indexer", "topk", "sparse_mla", "block_sparse", "quantize"
+// The input dtypes an op takes (the key of its dispatch): indexer fp32 / bf16 / fp8 (q and k);
+// topk fp32 (logits); sparse_mla fp32 (q or cache fp32), bf16 (bf16 q and cache), fp8 (bf16 q,
+// fp8_ds_mla cache); block_sparse fp32 / bf16; quantize fp32 / bf16 (its input).
+bool cpu_op_takes(CpuOp op, DType dt);
+// Whether path p has its own vectorised kernel for (op, dt); portable has every one (the scalar
+// reference loops, which no other path falls back to unless it is the only path the CPU runs).
+bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt);
+// The path (op, dt) takes: the requested path (cpu_path()) where that path has a kernel for it,
+// else the first path after it in the order blas, avx512bf16, avx2, portable that this CPU runs
+// and that has one. So 'auto' takes, per op and dtype, the fastest kernel this CPU has (fp32
+// sparse MLA on an AVX-512 BF16 CPU: the avx2 kernels), and a forced path runs its own kernels
+// wherever it has them ('avx2' on an AVX-512 CPU tests the AVX2 kernels; 'portable' the loops).
+CpuPath cpu_op_path(CpuOp op, DType dt);
+// sparse_mla's dispatch dtype for a query and cache dtype (cpu_op_takes above).
+inline DType sparse_mla_dtype(DType q, DType kv) {
+  if (q == DType::kFloat32 || kv == DType::kFloat32) return DType::kFloat32;
+  return kv;
+}
 
 }  // namespace indexcache

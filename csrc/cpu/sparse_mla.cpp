@@ -1,7 +1,9 @@
 // CPU sparse MLA (absorbed form, DESIGN.md §5): per query row, attention of h_q heads over
 // the selected cache slots. Two passes per (row, head block): scores for every selected
-// key, an exact softmax, then P·V. With AVX-512 BF16 both products run on vdpbf16ps with
-// fp32 accumulation over keys packed 32 at a time; fp32 inputs take a portable fp32 path.
+// key, an exact softmax, then P·V. With AVX-512 BF16 the scores run on vdpbf16ps (exact
+// bf16 products, fp32 sums) and P·V on fp32 FMAs with P kept in fp32. fp32 inputs (q or cache)
+// go to the avx2 kernels by dispatch (isa.h; avx2.cpp); the fp32 row loop below is the portable
+// path's.
 // Every path is a template on the row width D = d_qk (576 for DSA, 512 for DeepSeek-V4's K=V
 // head, whose value is the whole row), so the 576 loops keep their compile-time bounds; a row's
 // keys are the valid entries of indices and then of extra_indices (mla_entry).
@@ -29,9 +31,6 @@ using cpu::exp_ps;
 
 constexpr int kTile = 32;
 constexpr int64_t kHeadBlock = 64;
-bool mla_use_bf16(const SparseMlaParams& p) {
-  return p.q_dtype == DType::kBFloat16 && p.kv_dtype != DType::kFloat32 && use_avx512bf16();
-}
 
 // Row s of the cache as fp32 [D] (fp8_ds_mla only for D = 576).
 template <int D>
@@ -123,56 +122,88 @@ void softmax_rows(float* s, int64_t nh, int64_t n, int64_t ld, float* lse, const
 //
 // Heads run across the 16 lanes, so neither product needs the keys transposed:
 //   S^T[key][h] = Σ_p bcast(k_row[key] pair p) · qT[p][h..h+15]   (vdpbf16ps)
-//   O^T[v][h]   = Σ_kp bcast(V pair (2kp, 2kp+1) at v) · P[kp][h..h+15]
+//   O^T[v][h]   = Σ_k bcast(V[k][v]) · P[k][h..h+15]                  (fp32 FMA, P fp32)
+// or, with 16 heads or fewer, O[h][v..v+15] = Σ_k bcast(P[k][h]) · V[k][v..v+15] (pv_heads).
 // K rows are read in place from a bf16 cache (fp8 rows are dequantized to bf16 once).
 
-constexpr int kLaneHeads = 32;  // heads per block: two 16-lane vectors
+// A head block is NV 16-lane vectors: NV = 2 (32 heads) in general, NV = 1 when h_q <= 16 (a
+// tensor-parallel rank's share: V3.2 at TP 8 has 16 heads, GLM-5 8), so few heads are not padded
+// to 32. Scores and probabilities are st[key][16 * NV], the output O^T[v][16 * NV].
 
-// S^T[j][0:32] for keys j0..j0+KB-1 of one 32-head block (rows of D bf16, D / 2 pairs).
-template <int D, int KB>
+// S^T[j][0:16NV] for keys j0..j0+KB-1 of one head block (rows of D bf16, D / 2 pairs).
+template <int D, int KB, int NV>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_keys(const uint32_t* qT, int64_t ldq,
                                                                               const uint32_t* const* krows,
                                                                               float scale, float* st) {
-  __m512 a0[KB], a1[KB];
-  for (int j = 0; j < KB; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
+  __m512 a[KB][NV];
+  for (int j = 0; j < KB; ++j)
+    for (int v = 0; v < NV; ++v) a[j][v] = _mm512_setzero_ps();
   for (int p = 0; p < D / 2; ++p) {
-    const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qT + p * ldq);
-    const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qT + p * ldq + 16);
+    __m512bh q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qT + p * ldq + 16 * v);
     for (int j = 0; j < KB; ++j) {
       const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(krows[j][p]));
-      a0[j] = _mm512_dpbf16_ps(a0[j], kb, q0);
-      a1[j] = _mm512_dpbf16_ps(a1[j], kb, q1);
+      for (int v = 0; v < NV; ++v) a[j][v] = _mm512_dpbf16_ps(a[j][v], kb, q[v]);
     }
   }
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int j = 0; j < KB; ++j) {
-    _mm512_storeu_ps(st + j * kLaneHeads, _mm512_mul_ps(a0[j], sc));
-    _mm512_storeu_ps(st + j * kLaneHeads + 16, _mm512_mul_ps(a1[j], sc));
-  }
+  for (int j = 0; j < KB; ++j)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + (j * NV + v) * 16, _mm512_mul_ps(a[j][v], sc));
 }
 
-// O^T[v0..v0+8][0:32] += Σ_kp vt[kp][v] · P[kp][0:32] over one chunk of key pairs.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void pv_cols(const uint32_t* pt, const uint32_t* vt,
-                                                                              int64_t ldv, int64_t pairs, float* ot) {
-  __m512 a0[8], a1[8];
-  for (int c = 0; c < 8; ++c) {
-    a0[c] = _mm512_loadu_ps(ot + c * kLaneHeads);
-    a1[c] = _mm512_loadu_ps(ot + c * kLaneHeads + 16);
-  }
+// O^T[v0..v0+C][0:16NV] += Σ_k V[k][v] · P[k][0:16NV] over one chunk of key pairs, in fp32: P stays
+// fp32 (rounding the probabilities to bf16 for vdpbf16ps would add ~2e-3 relative error, a
+// hundred times what the other paths carry), and each bf16 value of a pair vt[kp][v] =
+// (V[2kp][v], V[2kp+1][v]) is exact in fp32 (a shift or a mask of its 32 bits).
+template <int NV, int C>
+__attribute__((target("avx512f,avx512bw"))) inline void pv_cols(const float* pt, const uint32_t* vt, int64_t ldv,
+                                                                 int64_t pairs, float* ot) {
+  constexpr int LH = 16 * NV;
+  __m512 a[C][NV];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < NV; ++v) a[c][v] = _mm512_loadu_ps(ot + c * LH + 16 * v);
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh p0 = (__m512bh)_mm512_loadu_si512(pt + kp * kLaneHeads);
-    const __m512bh p1 = (__m512bh)_mm512_loadu_si512(pt + kp * kLaneHeads + 16);
+    const float* pe = pt + 2 * kp * LH;
+    __m512 e[NV], o[NV];
+    for (int v = 0; v < NV; ++v) {
+      e[v] = _mm512_loadu_ps(pe + 16 * v);
+      o[v] = _mm512_loadu_ps(pe + LH + 16 * v);
+    }
     const uint32_t* vr = vt + kp * ldv;
-    for (int c = 0; c < 8; ++c) {
-      const __m512bh vb = (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[c]));
-      a0[c] = _mm512_dpbf16_ps(a0[c], vb, p0);
-      a1[c] = _mm512_dpbf16_ps(a1[c], vb, p1);
+    for (int c = 0; c < C; ++c) {
+      const __m512 ve = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(vr[c] << 16)));
+      const __m512 vo = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(vr[c] & 0xFFFF0000u)));
+      for (int v = 0; v < NV; ++v) a[c][v] = _mm512_fmadd_ps(vo, o[v], _mm512_fmadd_ps(ve, e[v], a[c][v]));
     }
   }
-  for (int c = 0; c < 8; ++c) {
-    _mm512_storeu_ps(ot + c * kLaneHeads, a0[c]);
-    _mm512_storeu_ps(ot + c * kLaneHeads + 16, a1[c]);
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ot + c * LH + 16 * v, a[c][v]);
+}
+
+// Few heads (h_q <= 16): O[h][c0 + 0:16CB] = Σ_k P[k][h] · V[k][c0 + 0:16CB] for HB heads from h0,
+// value columns across the lanes, read straight from the bf16 key rows (exact in fp32) and each
+// reused for HB heads; P[k][h] (fp32, st[k][16]) is broadcast. With heads across the lanes
+// instead, 8 heads would fill half a vector and every value would need a broadcast of its own.
+template <int HB, int CB>
+__attribute__((target("avx512f,avx512bw"))) inline void pv_heads(const float* st, const uint32_t* const* krows,
+                                                                  int64_t n, int64_t h0, int64_t c0, float* o,
+                                                                  int64_t ldo) {
+  __m512 a[HB][CB];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < CB; ++c) a[h][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; ++k) {
+    const uint16_t* vr = reinterpret_cast<const uint16_t*>(krows[k]) + c0;
+    __m512 v[CB];
+    for (int c = 0; c < CB; ++c)
+      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * c))), 16));
+    for (int h = 0; h < HB; ++h) {
+      const __m512 pb = _mm512_set1_ps(st[k * 16 + h0 + h]);
+      for (int c = 0; c < CB; ++c) a[h][c] = _mm512_fmadd_ps(pb, v[c], a[h][c]);
+    }
   }
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o + (h0 + h) * ldo + c0 + 16 * c, a[h][c]);
 }
 
 // vt[kp][c] = (a[c], b[c]) as a bf16 pair, for two bf16 rows of d_v values.
@@ -189,130 +220,159 @@ __attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t*
   }
 }
 
-template <int D>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const SparseMlaParams& p, int64_t t,
-                                                                        const std::vector<int32_t>& slots) {
-  constexpr int kPairs = D / 2;
-  const int64_t n = static_cast<int64_t>(slots.size());
-  const int64_t pairs = (n + 1) / 2;
-  static thread_local std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [n][576]
-  static thread_local std::vector<const uint32_t*> krows;
-  static const uint16_t zero_row[kMlaDim] = {};
-  krows.resize(pairs * 2);
-  if (p.kv_dtype == DType::kBFloat16) {
-    for (int64_t j = 0; j < n; ++j)
-      krows[j] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.kv) + slots[j] * D);
-  } else {
-    deq.resize(n * D);
-    for (int64_t j = 0; j < n; ++j) {
-      load_kv_row_bf16<D>(p, slots[j], deq.data() + j * D);
-      krows[j] = reinterpret_cast<const uint32_t*>(deq.data() + j * D);
+// Softmax over the scores st[k][0:16NV] (keys k < n, heads h0.. across the lanes) in place ->
+// probabilities, rows n..rows-1 zeroed; per head its max, sum and NaN flag (bad: NaN when a score
+// or its sink is NaN / +inf). sinks [h_q] or nullptr.
+template <int NV>
+__attribute__((target("avx512f,avx512bw"))) void softmax_heads(float* st, int64_t n, int64_t rows, const float* sinks,
+                                                                int64_t h0, int64_t h_q, float* mx, float* sum,
+                                                                float* bad) {
+  constexpr int LH = 16 * NV;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
+  // out and lse (docs/ops.md), one subtraction per score instead of a pass over the inputs.
+  __m512 m[NV], z[NV], sm[NV];
+  for (int v = 0; v < NV; ++v) {
+    m[v] = _mm512_set1_ps(-kInf);
+    z[v] = sm[v] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < n; ++k)
+    for (int v = 0; v < NV; ++v) {
+      const __m512 x = _mm512_loadu_ps(st + k * LH + 16 * v);
+      m[v] = _mm512_max_ps(m[v], x);
+      z[v] = _mm512_add_ps(z[v], _mm512_sub_ps(x, x));
+    }
+  if (sinks != nullptr) {
+    // The sinks join max and sum (exp(-inf) would come out ~1e-38 from exp_ps: masked to 0);
+    // a NaN / +inf sink flags its head like a non-finite score.
+    alignas(64) float sk[LH], skbad[LH];
+    for (int64_t hh = 0; hh < LH; ++hh) {
+      const float x = h0 + hh < h_q ? sinks[h0 + hh] : -kInf;
+      const bool ok = x < kInf;
+      sk[hh] = ok ? x : -kInf;
+      skbad[hh] = ok ? 0.f : quiet_nan();
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m512 kv = _mm512_load_ps(sk + 16 * v);
+      m[v] = _mm512_max_ps(m[v], kv);
+      z[v] = _mm512_add_ps(z[v], _mm512_load_ps(skbad + 16 * v));
+      sm[v] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(kv, _mm512_set1_ps(-kInf), _CMP_NEQ_OQ),
+                                  exp_ps(_mm512_sub_ps(kv, m[v])));
     }
   }
-  if (n % 2) krows[n] = reinterpret_cast<const uint32_t*>(zero_row);
-  // V as key pairs [pairs][d_v] (shared by all head blocks).
-  static thread_local std::vector<uint32_t> vt;
-  vt.resize(pairs * p.d_v);
-  for (int64_t kp = 0; kp < pairs; ++kp)
-    interleave_rows(reinterpret_cast<const uint16_t*>(krows[2 * kp]), reinterpret_cast<const uint16_t*>(krows[2 * kp + 1]),
-                    p.d_v, vt.data() + kp * p.d_v);
-  // q as pairs with heads across lanes: qT[p][h], heads padded to a multiple of 32.
-  const int64_t h_pad = (p.h_q + kLaneHeads - 1) / kLaneHeads * kLaneHeads;
-  static thread_local std::vector<uint32_t> qT;
-  qT.assign(kPairs * h_pad, 0);
+  for (int64_t k = 0; k < n; ++k)
+    for (int v = 0; v < NV; ++v) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st + k * LH + 16 * v), m[v]));
+      _mm512_storeu_ps(st + k * LH + 16 * v, e);
+      sm[v] = _mm512_add_ps(sm[v], e);
+    }
+  __m512 inv[NV];
+  for (int v = 0; v < NV; ++v) {
+    _mm512_store_ps(bad + 16 * v, z[v]);
+    _mm512_store_ps(mx + 16 * v, m[v]);
+    _mm512_store_ps(sum + 16 * v, sm[v]);
+    inv[v] = _mm512_div_ps(_mm512_set1_ps(1.0f), sm[v]);
+  }
+  // P[k][h] = e[k][h] / sum[h] in place; a missing odd key (row n) contributes 0.
+  for (int64_t k = 0; k < n; ++k)
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(st + k * LH + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(st + k * LH + 16 * v), inv[v]));
+  std::fill_n(st + n * LH, (rows - n) * LH, 0.f);
+}
+
+// One row's bf16 operands: key row pointers krows[0:2*pairs) (an odd count padded with a zero row),
+// V as key pairs vt[pairs][d_v] (pair_values: for the 32-head blocks' P·V), q as pairs with heads
+// across lanes qT[D / 2][h_pad].
+struct RowBf16 {
+  std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [n][576]
+  std::vector<const uint32_t*> krows;
+  std::vector<uint32_t> vt, qT;
+  std::vector<float> st, ot;  // scores / probabilities [2 * pairs][LH], O^T [d_v][LH]
+};
+
+template <int D>
+__attribute__((target("avx512f,avx512bw"))) void prepare_row_bf16(const SparseMlaParams& p, int64_t t,
+                                                                   const std::vector<int32_t>& slots, int64_t h_pad,
+                                                                   bool pair_values, RowBf16& w) {
+  constexpr int kPairs = D / 2;
+  static const uint16_t zero_row[kMlaDim] = {};
+  const int64_t n = static_cast<int64_t>(slots.size()), pairs = (n + 1) / 2;
+  w.krows.resize(pairs * 2);
+  if (p.kv_dtype == DType::kBFloat16) {
+    for (int64_t j = 0; j < n; ++j)
+      w.krows[j] = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.kv) + slots[j] * D);
+  } else {
+    w.deq.resize(n * D);
+    for (int64_t j = 0; j < n; ++j) {
+      load_kv_row_bf16<D>(p, slots[j], w.deq.data() + j * D);
+      w.krows[j] = reinterpret_cast<const uint32_t*>(w.deq.data() + j * D);
+    }
+  }
+  if (n % 2) w.krows[n] = reinterpret_cast<const uint32_t*>(zero_row);
+  if (pair_values) {
+    w.vt.resize(pairs * p.d_v);
+    for (int64_t kp = 0; kp < pairs; ++kp)
+      interleave_rows(reinterpret_cast<const uint16_t*>(w.krows[2 * kp]),
+                      reinterpret_cast<const uint16_t*>(w.krows[2 * kp + 1]), p.d_v, w.vt.data() + kp * p.d_v);
+  }
+  w.qT.assign(kPairs * h_pad, 0);
   const uint32_t* qsrc = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + t * p.h_q * D);
   for (int64_t h = 0; h < p.h_q; ++h)
-    for (int pp = 0; pp < kPairs; ++pp) qT[pp * h_pad + h] = qsrc[h * kPairs + pp];
-  static thread_local std::vector<float> st, ot;
-  static thread_local std::vector<uint32_t> pt;
-  st.resize(pairs * 2 * kLaneHeads);
-  pt.resize(pairs * kLaneHeads);
-  ot.resize(p.d_v * kLaneHeads);
-  for (int64_t h0 = 0; h0 < p.h_q; h0 += kLaneHeads) {
-    const uint32_t* qb = qT.data() + h0;
+    for (int pp = 0; pp < kPairs; ++pp) w.qT[pp * h_pad + h] = qsrc[h * kPairs + pp];
+}
+
+// Row t over its selected slots, head blocks of 16 * NV heads.
+template <int D, int NV>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const SparseMlaParams& p, int64_t t,
+                                                                        const std::vector<int32_t>& slots) {
+  constexpr int LH = 16 * NV, KB = 16 / NV, C = 16 / NV;  // 16 accumulators in each product
+  const int64_t n = static_cast<int64_t>(slots.size()), pairs = (n + 1) / 2;
+  const int64_t h_pad = (p.h_q + LH - 1) / LH * LH;
+  static thread_local RowBf16 w;
+  prepare_row_bf16<D>(p, t, slots, h_pad, NV == 2, w);
+  w.st.resize(pairs * 2 * LH);
+  w.ot.resize(p.d_v * LH);
+  float* st = w.st.data();
+  for (int64_t h0 = 0; h0 < p.h_q; h0 += LH) {
+    const uint32_t* qb = w.qT.data() + h0;
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) qk_keys<D, 8>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
-    for (; j < n; ++j) qk_keys<D, 1>(qb, h_pad, krows.data() + j, p.sm_scale, st.data() + j * kLaneHeads);
-    // Softmax over keys, 32 heads at a time.
-    // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
-    // out and lse (docs/ops.md), one subtraction per score instead of a pass over the inputs.
-    __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
-    __m512 z0 = _mm512_setzero_ps(), z1 = z0;
-    for (int64_t k = 0; k < n; ++k) {
-      const __m512 v0 = _mm512_loadu_ps(st.data() + k * kLaneHeads);
-      const __m512 v1 = _mm512_loadu_ps(st.data() + k * kLaneHeads + 16);
-      m0 = _mm512_max_ps(m0, v0);
-      m1 = _mm512_max_ps(m1, v1);
-      z0 = _mm512_add_ps(z0, _mm512_sub_ps(v0, v0));
-      z1 = _mm512_add_ps(z1, _mm512_sub_ps(v1, v1));
-    }
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-    if (p.sinks != nullptr) {
-      // The sinks join max and sum (exp(-inf) would come out ~1e-38 from exp_ps: masked to 0);
-      // a NaN / +inf sink flags its head like a non-finite score.
-      alignas(64) float sk[kLaneHeads], skbad[kLaneHeads];
-      for (int64_t hh = 0; hh < kLaneHeads; ++hh) {
-        const float v = h0 + hh < p.h_q ? p.sinks[h0 + hh] : -std::numeric_limits<float>::infinity();
-        const bool ok = v < std::numeric_limits<float>::infinity();
-        sk[hh] = ok ? v : -std::numeric_limits<float>::infinity();
-        skbad[hh] = ok ? 0.f : quiet_nan();
-      }
-      const __m512 k0 = _mm512_load_ps(sk), k1 = _mm512_load_ps(sk + 16);
-      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      m0 = _mm512_max_ps(m0, k0);
-      m1 = _mm512_max_ps(m1, k1);
-      z0 = _mm512_add_ps(z0, _mm512_load_ps(skbad));
-      z1 = _mm512_add_ps(z1, _mm512_load_ps(skbad + 16));
-      s0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k0, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k0, m0)));
-      s1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k1, ninf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(k1, m1)));
-    }
-    for (int64_t k = 0; k < n; ++k) {
-      const __m512 e0 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads), m0));
-      const __m512 e1 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + k * kLaneHeads + 16), m1));
-      _mm512_storeu_ps(st.data() + k * kLaneHeads, e0);
-      _mm512_storeu_ps(st.data() + k * kLaneHeads + 16, e1);
-      s0 = _mm512_add_ps(s0, e0);
-      s1 = _mm512_add_ps(s1, e1);
-    }
-    alignas(64) float mx[kLaneHeads], sum[kLaneHeads], bad[kLaneHeads];
-    _mm512_store_ps(bad, z0);
-    _mm512_store_ps(bad + 16, z1);
-    _mm512_store_ps(mx, m0);
-    _mm512_store_ps(mx + 16, m1);
-    _mm512_store_ps(sum, s0);
-    _mm512_store_ps(sum + 16, s1);
-    const __m512 i0 = _mm512_div_ps(_mm512_set1_ps(1.0f), s0), i1 = _mm512_div_ps(_mm512_set1_ps(1.0f), s1);
-    // P pairs [kp][h] = (p[2kp][h], p[2kp+1][h]); a missing odd key contributes 0.
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      for (int half = 0; half < 2; ++half) {
-        const __m512 inv = half ? i1 : i0;
-        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(st.data() + (2 * kp) * kLaneHeads + 16 * half), inv);
-        const __m512 b = 2 * kp + 1 < n
-                             ? _mm512_mul_ps(_mm512_loadu_ps(st.data() + (2 * kp + 1) * kLaneHeads + 16 * half), inv)
-                             : _mm512_setzero_ps();
-        const __m512i ab = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a)),
-                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b)), 16));
-        _mm512_storeu_si512(pt.data() + kp * kLaneHeads + 16 * half, ab);
+    for (; j + KB <= n; j += KB) qk_keys<D, KB, NV>(qb, h_pad, w.krows.data() + j, p.sm_scale, st + j * LH);
+    for (; j < n; ++j) qk_keys<D, 1, NV>(qb, h_pad, w.krows.data() + j, p.sm_scale, st + j * LH);
+    alignas(64) float mx[LH], sum[LH], bad[LH];
+    softmax_heads<NV>(st, n, 2 * pairs, p.sinks, h0, p.h_q, mx, sum, bad);
+    const int64_t nh = std::min<int64_t>(LH, p.h_q - h0);
+    // O^T[v][LH] (32-head blocks) or O[16][d_v] (few heads, pv_heads)
+    int64_t ld_h = 1, ld_c = LH;
+    if constexpr (NV == 1) {
+      ld_h = p.d_v;
+      ld_c = 1;
+      for (int64_t c0 = 0; c0 < p.d_v; c0 += 64)
+        for (int64_t hh = 0; hh < nh; hh += 4) pv_heads<4, 4>(st, w.krows.data(), n, hh, c0, w.ot.data(), p.d_v);
+    } else {
+      // Chunks of 64 key pairs keep their P (16 KB) in L1 while every value column sweeps it.
+      std::fill(w.ot.begin(), w.ot.end(), 0.f);
+      for (int64_t c0 = 0; c0 < pairs; c0 += 64) {
+        const int64_t cn = std::min<int64_t>(64, pairs - c0);
+        for (int64_t v0 = 0; v0 < p.d_v; v0 += C)
+          pv_cols<NV, C>(st + 2 * c0 * LH, w.vt.data() + c0 * p.d_v + v0, p.d_v, cn, w.ot.data() + v0 * LH);
       }
     }
-    // Chunks of 64 key pairs keep their P (8 KB) in L1 while every value column sweeps it.
-    std::fill(ot.begin(), ot.end(), 0.f);
-    for (int64_t c0 = 0; c0 < pairs; c0 += 64) {
-      const int64_t cn = std::min<int64_t>(64, pairs - c0);
-      for (int64_t v0 = 0; v0 < p.d_v; v0 += 8)
-        pv_cols(pt.data() + c0 * kLaneHeads, vt.data() + c0 * p.d_v + v0, p.d_v, cn, ot.data() + v0 * kLaneHeads);
-    }
-    const int64_t nh = std::min<int64_t>(kLaneHeads, p.h_q - h0);
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = h0 + hh;
-      if (bad[hh] != bad[hh]) {
-        p.lse[t * p.h_q + h] = quiet_nan();
-        for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, quiet_nan());
-        continue;
-      }
-      p.lse[t * p.h_q + h] = mx[hh] + std::log(sum[hh]);
-      for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, ot[c * kLaneHeads + hh]);
+      const bool nan = bad[hh] != bad[hh];
+      p.lse[t * p.h_q + h] = nan ? quiet_nan() : mx[hh] + std::log(sum[hh]);
+      for (int64_t c = 0; c < p.d_v; ++c)
+        store_out(p, (t * p.h_q + h) * p.d_v + c, nan ? quiet_nan() : w.ot[hh * ld_h + c * ld_c]);
     }
+  }
+}
+
+template <int D>
+void row_bf16_heads(const SparseMlaParams& p, int64_t t, const std::vector<int32_t>& slots) {
+  if (p.h_q <= 16) {
+    row_bf16<D, 1>(p, t, slots);
+  } else {
+    row_bf16<D, 2>(p, t, slots);
   }
 }
 
@@ -365,12 +425,18 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (zero heads once divided by zero below)
-  if (sparse_mla_path() == CpuPath::kAvx2) {
+  // isa.h: bf16 / fp8 on blas or avx512bf16 where the CPU has them, fp32 (and everything on AVX2-only
+  // CPUs) on avx2; portable only where it is the path requested or the only one.
+  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, sparse_mla_dtype(p.q_dtype, p.kv_dtype));
+  if (path == CpuPath::kAvx2) {
     sparse_mla_avx2(p);  // every dtype
     return;
   }
-  if (sparse_mla_path() == CpuPath::kBlas && sparse_mla_blas(p)) return;
-  const bool bf16 = mla_use_bf16(p);
+  if (path == CpuPath::kBlas) {
+    TORCH_CHECK(sparse_mla_blas(p), "indexcache: the blas CPU path declined a sparse_mla dtype isa.cpp gives it");
+    return;
+  }
+  const bool bf16 = path == CpuPath::kAvx512Bf16;
   const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t head_blocks = (p.h_q + hb - 1) / hb;
   at::parallel_for(0, p.s_q * head_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -393,9 +459,9 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
       if (bf16) {
         // one task per row: hb == h_q on this path
         if (p.d_qk == kMlaDim) {
-          row_bf16<kMlaDim>(p, t, slots);
+          row_bf16_heads<kMlaDim>(p, t, slots);
         } else {
-          row_bf16<kMlaLatent>(p, t, slots);
+          row_bf16_heads<kMlaLatent>(p, t, slots);
         }
       } else {
         row_f32(p, t, h0, nh, slots);
