@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     from indexcache.cli.generate import add_generate_parser
 
     add_generate_parser(sub)
-    from indexcache.cli.patterns import add_pattern_parsers
+    from indexcache.cli.pattern_commands import add_pattern_parsers
 
     add_pattern_parsers(sub)
     return parser
