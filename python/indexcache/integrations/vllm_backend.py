@@ -26,7 +26,7 @@ import torch
 
 from indexcache import ops
 from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, MLA_LATENT, MLA_ROPE
-from indexcache.models.blocks.indexer import fp8_query_inputs
+from indexcache.models.blocks.indexer import fp8_query_inputs, paged_fp8_topk
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
@@ -305,24 +305,6 @@ def indexer_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) 
     cache = cache.reshape(cache.shape[0], -1)
     ops.index_k_cache_insert(k[:n].float().contiguous(), meta.slot_mapping[:n].to(torch.int64), cache, hadamard)
     ops.fill_topk_buffer_(buf, n)
-    topk = self.topk_tokens
-    row, b, nreq = 0, 0, meta.num_reqs
-    while b < nreq:
-        qn = meta.q_lens_cpu[b]
-        if qn == 1:  # a run of decode requests: one batched call
-            e = b
-            while e < nreq and meta.q_lens_cpu[e] == 1:
-                e += 1
-            rows = slice(row, row + e - b)
-            ops.indexer_topk_paged(q_fp8[rows], w[rows], cache, meta.block_table[b:e], meta.seq_lens[b:e], 1,
-                                   topk, out=buf[rows])
-            row, b = row + e - b, e
-            continue
-        if qn > 0:
-            # a prefill (or chunk of one): its rows are the last qn "decode rows" of a request holding
-            # seq_len tokens, so row j sees keys [0, seq_len - qn + j]: causal, context included
-            rows = slice(row, row + qn)
-            ops.indexer_topk_paged(q_fp8[rows], w[rows], cache, meta.block_table[b:b + 1],
-                                   meta.seq_lens[b:b + 1], qn, topk, out=buf[rows])
-        row, b = row + qn, b + 1
+    paged_fp8_topk(q_fp8, w, cache, meta.block_table, meta.seq_lens, meta.q_lens_cpu, meta.seq_lens_cpu,
+                   self.topk_tokens, buf)
     return buf

@@ -124,17 +124,12 @@ class Indexer(nn.Module):
 
     def _topk_paged_fp8(self, q, weights, cache, rows, meta, ctx):
         nq = meta.uniform_q
-        if nq is not None and nq <= 8:  # decode / MTP verify: one batched call
+        if nq is not None and nq <= MAX_BATCHED_ROWS:  # decode / MTP verify: one call, no host lengths
             ops.indexer_topk_paged(q, weights, cache, meta.block_table, meta.seq_lens, nq, self.topk, out=rows)
             return
         self._need_host_lengths(ctx)
-        for b, off in enumerate(meta.row_offsets()):
-            c, qn = meta.ctx_lens[b], meta.q_lens[b]
-            for r0, r1 in row_chunks(qn, (c + qn) * self.n_heads, INDEXER_CHUNK_ELEMS):
-                # rows r0..r1 of this chunk are "decode rows" of a request holding c + r1 tokens
-                lens = torch.tensor([c + r1], dtype=torch.int32, device=q.device)
-                ops.indexer_topk_paged(q[off + r0:off + r1], weights[off + r0:off + r1], cache,
-                                       meta.block_table[b:b + 1], lens, r1 - r0, self.topk, out=rows[off + r0:off + r1])
+        seq_lens = [c + qn for c, qn in zip(meta.ctx_lens, meta.q_lens)]
+        paged_fp8_topk(q, weights, cache, meta.block_table, meta.seq_lens, meta.q_lens, seq_lens, self.topk, rows)
 
     def _need_host_lengths(self, ctx):
         if ctx.sync_free:
@@ -154,6 +149,42 @@ class Indexer(nn.Module):
                 ke = torch.arange(c + r0 + 1, c + r1 + 1, dtype=torch.int32, device=q.device)
                 self._score_topk(q[off + r0:off + r1], keys[:c + r1], None, weights[off + r0:off + r1], ks, ke,
                                  rows[off + r0:off + r1])
+
+
+MAX_BATCHED_ROWS = 8  # rows per request that the paged top-k op takes in one batched call
+
+
+def paged_fp8_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, q_lens: list, seq_lens_host: list, topk: int, out: torch.Tensor) -> None:
+    """The fp8 indexer's top-k over a paged index-K cache for a flattened batch of requests, into
+    ``out`` ``[N, topk]`` (request-relative positions, DESIGN §3-§4); the model and the vLLM
+    backend both call this. q ``[N, H, 128]`` e4m3 and weights ``[N, H]`` fp32 (``fp8_query_inputs``),
+    block_table int32 ``[B, max_blocks]``, seq_lens int32 ``[B]`` on the device; q_lens and
+    seq_lens_host per request on the host (a request's rows are its last q_lens tokens). A run of
+    consecutive requests with the same number of rows, at most ``MAX_BATCHED_ROWS`` (decode, MTP
+    verify), is one call; a longer request (a prefill or a chunk of one) goes in row chunks whose
+    scores stay under ``INDEXER_CHUNK_ELEMS``, row j seeing keys ``[0, seq_len - q_len + j]``."""
+    heads, row, b, nreq = q.shape[1], 0, 0, len(q_lens)
+    while b < nreq:
+        qn = q_lens[b]
+        if qn <= MAX_BATCHED_ROWS:
+            e = b
+            while e < nreq and q_lens[e] == qn:
+                e += 1
+            rows = slice(row, row + (e - b) * qn)
+            if qn:
+                ops.indexer_topk_paged(q[rows], weights[rows], cache, block_table[b:e], seq_lens[b:e], qn, topk,
+                                       out=out[rows])
+            row, b = rows.stop, e
+            continue
+        ctx_len = seq_lens_host[b] - qn
+        for r0, r1 in row_chunks(qn, seq_lens_host[b] * heads, INDEXER_CHUNK_ELEMS):
+            # rows r0..r1 are the last r1 - r0 "decode rows" of a request holding ctx_len + r1 tokens
+            lens = torch.tensor([ctx_len + r1], dtype=torch.int32, device=q.device)
+            chunk = slice(row + r0, row + r1)
+            ops.indexer_topk_paged(q[chunk], weights[chunk], cache, block_table[b:b + 1], lens, r1 - r0, topk,
+                                   out=out[chunk])
+        row, b = row + qn, b + 1
 
 
 def fp8_query_inputs(q: torch.Tensor, w: torch.Tensor, hadamard: bool) -> tuple[torch.Tensor, torch.Tensor]:
