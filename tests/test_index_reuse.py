@@ -258,3 +258,19 @@ def test_generate_short_prompts_match_reuse_1(rng):
     assert all(len(t) == 12 for t in generate(four, long, max_new_tokens=12).tokens)
     with pytest.raises(ValueError, match="index_reuse_steps 4"):
         generate(four, prompts, max_new_tokens=2, decode_step="static")
+
+
+def test_the_vllm_plugin_refuses_it(tmp_path):
+    """Not in the vLLM plugin yet: a clear error, not a plan that silently ignores the key."""
+    from types import SimpleNamespace
+    import indexcache.integrations.vllm_models as plugin  # (a from-import asks the module for __path__,
+    # which its lazy __getattr__ answers by importing vllm)
+    apply_index_cache_plan = plugin.apply_index_cache_plan
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    hf = SimpleNamespace(num_hidden_layers=4, num_nextn_predict_layers=0)
+    mc = SimpleNamespace(model=str(tmp_path), hf_text_config=hf,
+                         hf_overrides={"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 2})
+    with pytest.raises(ValueError, match="index_reuse_steps 2 is not in the vLLM plugin"):
+        apply_index_cache_plan(SimpleNamespace(model_config=mc))
+    mc.hf_overrides = {"use_index_cache": True, "index_topk_freq": 2}
+    assert apply_index_cache_plan(SimpleNamespace(model_config=mc)).pattern == "FFSF"
