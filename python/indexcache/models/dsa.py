@@ -373,7 +373,7 @@ class DSAForCausalLM(nn.Module):
         selections (models/step_reuse.py); False (prefill) computes every row."""
         ctx = self.forward_context(meta, cache, timer, sync_free=sync_free)
         if meta.paged:
-            ctx.reuse_steps, ctx.reuse_rows = self.index_reuse_steps, reuse
+            ctx.reuse_steps, ctx.decode_reuse = self.index_reuse_steps, reuse
         return self.hidden_states(input_ids, ctx)
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

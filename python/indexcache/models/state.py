@@ -100,7 +100,6 @@ class SelectionStore:
         return list(self._saved)
 
 
-
 class CacheManager:
     """Hands out fixed-size blocks to requests; a request's block table grows on demand."""
 
@@ -274,7 +273,7 @@ class ForwardContext:
     sync_free: bool = False
     torch_pass: Optional[TorchPass] = None  # set: a differentiable forward (blocks run reference definitions)
     reuse_steps: int = 1                 # index_reuse_steps in force (1: every F layer computes every row)
-    reuse_rows: bool = True              # False: every row computes, selections are still saved (prefill)
+    decode_reuse: bool = True            # False: every row computes, selections are still saved (prefill)
 
     def is_full(self, layer_id: int) -> bool:
         return bool(self.full[layer_id])

@@ -47,7 +47,7 @@ def plan_forward(ctx: ForwardContext, layer_id: int) -> Optional[ReusePlan]:
     store, offs = ctx.cache.selections, meta.row_offsets()
     compute, reused = [], []
     for b, rid in enumerate(meta.rids):
-        saved = store.get(rid, layer_id) if meta.q_lens[b] == 1 and ctx.reuse_rows else None
+        saved = store.get(rid, layer_id) if meta.q_lens[b] == 1 and ctx.decode_reuse else None
         pos = meta.ctx_lens[b]
         if saved is not None and 0 < pos - saved[0] < steps:
             reused.append((b, offs[b], saved[0], saved[1]))
