@@ -274,3 +274,16 @@ def test_the_vllm_plugin_refuses_it(tmp_path):
         apply_index_cache_plan(SimpleNamespace(model_config=mc))
     mc.hf_overrides = {"use_index_cache": True, "index_topk_freq": 2}
     assert apply_index_cache_plan(SimpleNamespace(model_config=mc)).pattern == "FFSF"
+
+
+def test_mtp_rounds_run_and_match_reuse_1_on_short_prompts(rng):
+    """MTP rounds (verify rows always compute) run under reuse 4 and, on contexts within
+    index_topk, give the tokens of reuse 1."""
+    over = {"use_index_cache": True, "index_topk_freq": 2}
+    cfg = dict(CFG, index_topk=16, num_nextn_predict_layers=1)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (4, 6)]
+    one = DeepseekV32ForCausalLM.from_config(cfg, over, seed=2)
+    four = DeepseekV32ForCausalLM.from_config(cfg, {**over, "index_reuse_steps": 4}, seed=2)
+    a = generate(one, prompts, max_new_tokens=6, num_speculative_tokens=2)
+    b = generate(four, prompts, max_new_tokens=6, num_speculative_tokens=2)
+    assert b.tokens == a.tokens and b.rounds > 0
