@@ -66,8 +66,6 @@ class DSAModel(nn.Module):
         return self.norm(x if self.hc_head is None else self.hc_head(x))
 
 
-
-
 # model_type -> family class: every subclass that names its own model_type (registry.py imports them all)
 FAMILIES: dict = {}
 
