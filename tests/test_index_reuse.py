@@ -205,8 +205,11 @@ def test_saved_selections_are_freed_with_the_request(rng):
     assert sorted(store.requests()) == [0, 1]
     assert all(store.get(0, l) is not None for l in full)
     assert store.get(0, full[0])[0] == 9  # the prefill's last row: the decode at position 10 reused it
+    drv.lens[1] = 3  # rolled back (rejected positions): a row at or before the saved one recomputes
+    drv.step([(1, 1)])
+    assert store.get(1, full[0])[0] == 3
     drv.cache.manager.free(0)
-    assert store.requests() == [1] and store.get(0, full[0]) is None
+    assert store.requests() == [1] and store.get(0, full[0]) is None and store.get(1, full[0]) is not None
     drv.cache.manager.allocate(0, 40)  # a new request under the same id starts from nothing
     drv.lens[0] = 0
     drv.step([(0, 1)])
@@ -287,3 +290,11 @@ def test_mtp_rounds_run_and_match_reuse_1_on_short_prompts(rng):
     a = generate(one, prompts, max_new_tokens=6, num_speculative_tokens=2)
     b = generate(four, prompts, max_new_tokens=6, num_speculative_tokens=2)
     assert b.tokens == a.tokens and b.rounds > 0
+
+
+def test_a_batch_without_request_ids_is_refused(rng):
+    model = make(2)
+    drv = Driver(model, rng, [0])
+    meta = BatchMeta.paged_batch(drv.cache, [0], [0], [1])
+    with pytest.raises(ValueError, match="request ids"):
+        model.forward_tokens(torch.tensor([1]), dataclasses.replace(meta, rids=None), drv.cache)
