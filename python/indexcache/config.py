@@ -16,6 +16,7 @@ INDEX_CACHE_KEYS: dict[str, tuple[tuple[type, ...], Any]] = {
     "index_topk_pattern": ((str,), None),
     "index_skip_topk_offset": ((int,), 2),
     "indexer_types": ((list,), None),
+    "index_reuse_steps": ((int,), 1),
 }
 # Settings (other than the switch) whose presence in config.json means "trained this way".
 SHIPPED_KEYS = ("index_topk_freq", "index_topk_pattern", "index_skip_topk_offset", "indexer_types")
@@ -50,10 +51,13 @@ def _check_type(key: str, value: Any, where: str) -> None:
     if not ok:
         expected = {"use_index_cache": "true or false", "index_topk_freq": "an integer >= 1",
                     "index_topk_pattern": "a string of 'F'/'S'", "index_skip_topk_offset": "an integer >= 1",
-                    "indexer_types": 'a list of "full"/"shared"'}[key]
+                    "indexer_types": 'a list of "full"/"shared"', "index_reuse_steps": "an integer >= 1"}[key]
         raise ValueError(f"{key} in {where} must be {expected}, got {type(value).__name__} {value!r}")
     if key == "indexer_types" and not all(isinstance(t, str) for t in value):
         raise ValueError(f'indexer_types in {where} must be a list of "full"/"shared" strings, got {value!r}')
+    if key == "index_reuse_steps" and value < 1:
+        raise ValueError(f"index_reuse_steps in {where} must be an integer >= 1 (1: every decode step computes), "
+                         f"got {value!r}")
 
 
 @dataclass
@@ -63,6 +67,8 @@ class IndexCacheConfig:
     index_topk_pattern: Optional[str] = None
     index_skip_topk_offset: int = 2
     indexer_types: Optional[list] = None
+    # decode steps an F layer's selection serves (1: off); only with use_index_cache (DESIGN.md §2)
+    index_reuse_steps: int = 1
     shipped_by_checkpoint: bool = False  # the settings in force came from config.json itself
     num_hidden_layers: Optional[int] = None
     num_nextn_predict_layers: int = 0
@@ -120,12 +126,17 @@ class IndexCacheConfig:
             return INDEX_CACHE_KEYS[key][1] if value is None else value
 
         num_layers = merged.get("num_hidden_layers")
+        reuse = merged.get("index_reuse_steps")
+        if reuse is not None and reuse != 1 and not explicit_on:
+            warnings.warn(f"index_reuse_steps {reuse} ignored: it needs \"use_index_cache\": true", UserWarning,
+                          stacklevel=2)
         return cls(
             use_index_cache=enabled,
             index_topk_freq=get("index_topk_freq"),
             index_topk_pattern=get("index_topk_pattern"),
             index_skip_topk_offset=get("index_skip_topk_offset"),
             indexer_types=get("indexer_types"),
+            index_reuse_steps=reuse if explicit_on and reuse is not None else 1,
             shipped_by_checkpoint=ships and enabled and (source is config or not ic_overrides),
             num_hidden_layers=num_layers if isinstance(num_layers, int) else None,
             num_nextn_predict_layers=int(merged.get("num_nextn_predict_layers") or 0),
@@ -162,6 +173,8 @@ class IndexCacheConfig:
             s += "; IndexCache off"
         else:
             s += f"; from {plan.rule}"
+        if self.index_reuse_steps > 1:
+            s += f"; F layers recompute every {self.index_reuse_steps} decode steps (index_reuse_steps)"
         if self.shipped_by_checkpoint:
             s += "; settings shipped in the checkpoint's config.json"
         return "; ".join([s] + self.replaced)
@@ -179,4 +192,6 @@ class IndexCacheConfig:
             out["index_topk_freq"] = self.index_topk_freq
             if self.index_skip_topk_offset != 2:
                 out["index_skip_topk_offset"] = self.index_skip_topk_offset
+        if self.index_reuse_steps > 1:
+            out["index_reuse_steps"] = self.index_reuse_steps
         return json.dumps(out)

@@ -46,6 +46,9 @@ def apply_index_cache_plan(vllm_config) -> "object":
     hf = model_config.hf_text_config
     overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
     cfg = IndexCacheConfig.from_config(_checkpoint_config(model_config), overrides)
+    if cfg.index_reuse_steps > 1:
+        raise ValueError(f"indexcache: index_reuse_steps {cfg.index_reuse_steps} is not in the vLLM plugin yet "
+                         "(it runs in this package's own model and generate); use 1 with vLLM")
     plan = cfg.plan(hf.num_hidden_layers, int(getattr(hf, "num_nextn_predict_layers", 0) or 0))
     hf.index_topk_pattern = plan.pattern
     hf.index_topk_freq = 1

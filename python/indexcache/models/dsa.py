@@ -66,8 +66,6 @@ class DSAModel(nn.Module):
         return self.norm(x if self.hc_head is None else self.hc_head(x))
 
 
-
-
 # model_type -> family class: every subclass that names its own model_type (registry.py imports them all)
 FAMILIES: dict = {}
 
@@ -188,6 +186,9 @@ class DSAForCausalLM(nn.Module):
         indexed = cls.indexed_layers(args)
         plan = ic.plan(len(indexed), args.num_nextn_predict_layers)
         par = parallel or ParallelContext()
+        if ic.index_reuse_steps > 1 and par.world_size > 1:
+            raise ValueError(f"index_reuse_steps {ic.index_reuse_steps} runs in one process for now (this run has "
+                             f"tp_size {par.tp_size} x pp_size {par.pp_size}); use 1 under tensor/pipeline parallelism")
         if pp_stage_starts_full and par.pp_size > 1:
             plan = stage_full_plan(plan, par.pp_size, indexed, args.num_hidden_layers)
         validate_parallel(args, par)
@@ -355,12 +356,23 @@ class DSAForCausalLM(nn.Module):
         h = self.forward_tokens(input_ids.reshape(-1).to(self.device), meta)
         return self.compute_logits(h).view(b, t, -1)
 
+    @property
+    def index_reuse_steps(self) -> int:
+        """Decode steps an F layer's selection serves a request (``index_reuse_steps``; 1: off)."""
+        return self.ic_config.index_reuse_steps if self.ic_config is not None else 1
+
     @torch.no_grad()
     def forward_tokens(self, input_ids: torch.Tensor, meta: BatchMeta, cache: Optional[PagedKVCache] = None,
-                       timer: Optional[StageTimer] = None, sync_free: bool = False) -> torch.Tensor:
+                       timer: Optional[StageTimer] = None, sync_free: bool = False, *,
+                       reuse: bool = True) -> torch.Tensor:
         """Main layers over a flattened batch; returns the final-normed hidden states ``[N, hidden]``.
-        ``sync_free``: read nothing back to the host (a CUDA graph's decode step, runtime/cuda_graph.py)."""
-        return self.hidden_states(input_ids, self.forward_context(meta, cache, timer, sync_free=sync_free))
+        ``sync_free``: read nothing back to the host (a CUDA graph's decode step, runtime/cuda_graph.py).
+        ``reuse``: under ``index_reuse_steps`` > 1, a request's single row may reuse its F layers' last
+        selections (models/step_reuse.py); False (prefill) computes every row."""
+        ctx = self.forward_context(meta, cache, timer, sync_free=sync_free)
+        if meta.paged:
+            ctx.reuse_steps, ctx.decode_reuse = self.index_reuse_steps, reuse
+        return self.hidden_states(input_ids, ctx)
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Embedding, the main layers and the final norm under ``ctx`` (gradients follow the caller's

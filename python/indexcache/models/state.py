@@ -31,6 +31,7 @@ class BatchMeta:
     block_table: torch.Tensor         # int32 [B, max_blocks]
     block_size: int
     slot_mapping: Optional[torch.Tensor] = None  # int64 [N]
+    rids: Optional[tuple] = None      # the requests' ids in the cache (paged_batch; step reuse keys on them)
 
     @property
     def num_tokens(self) -> int:
@@ -74,10 +75,30 @@ class BatchMeta:
         req = torch.repeat_interleave(torch.arange(len(q_lens), dtype=torch.int32), torch.tensor(q_lens)).to(device)
         lens = torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32, device=device)
         slots = ops.positions_to_slots(pos.view(-1, 1).int(), req, table, cache.block_size).view(-1).long()
-        return cls(pos, req, q_lens, ctx_lens, lens, table, cache.block_size, slots)
+        return cls(pos, req, q_lens, ctx_lens, lens, table, cache.block_size, slots, tuple(rids))
 
 
 # ============================================================================ paged caches
+
+class SelectionStore:
+    """Per request id, per layer id: (position of the row, its selection int32 ``[index_topk]``)."""
+
+    def __init__(self):
+        self._saved: dict = {}
+
+    def get(self, rid, layer_id: int) -> Optional[tuple]:
+        return self._saved.get(rid, {}).get(layer_id)
+
+    def put(self, rid, layer_id: int, pos: int, row: torch.Tensor) -> None:
+        self._saved.setdefault(rid, {})[layer_id] = (pos, row)
+
+    def free(self, rid) -> None:
+        self._saved.pop(rid, None)
+
+    def requests(self) -> list:
+        """The request ids holding a saved selection."""
+        return list(self._saved)
+
 
 class CacheManager:
     """Hands out fixed-size blocks to requests; a request's block table grows on demand."""
@@ -86,6 +107,7 @@ class CacheManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks - 1, -1, -1))
         self._tables: dict = {}
+        self.on_free: list = []  # callables of a request id, run when it is freed
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +129,8 @@ class CacheManager:
 
     def free(self, rid) -> None:
         self._free.extend(reversed(self._tables.pop(rid, [])))
+        for hook in self.on_free:
+            hook(rid)
 
     def block_table(self, rids: Sequence, device, width: Optional[int] = None) -> torch.Tensor:
         """int32 ``[len(rids), width]`` (default: the longest table); unused columns hold block 0."""
@@ -146,6 +170,9 @@ class PagedKVCache:
             raise ValueError(f"kv_cache_dtype 'fp8_ds_mla' stores a 512 + 64 latent; this model's is "
                              f"{args.kv_lora_rank} + {args.qk_rope_head_dim} (use 'bf16' or 'fp32')")
         self.manager = CacheManager(num_blocks, block_size)
+        # step reuse (models/step_reuse.py): each request's last selection per F layer, freed with it
+        self.selections = SelectionStore()
+        self.manager.on_free.append(self.selections.free)
         self.kv, self.index_k = [], []
         for layer in model.model.layers:
             if layer.self_attn is None:  # a layer of another pipeline stage: its caches live there
@@ -245,6 +272,8 @@ class ForwardContext:
     # masked form and the paths that need host-side lengths refuse.
     sync_free: bool = False
     torch_pass: Optional[TorchPass] = None  # set: a differentiable forward (blocks run reference definitions)
+    reuse_steps: int = 1                 # index_reuse_steps in force (1: every F layer computes every row)
+    decode_reuse: bool = True            # False: every row computes, selections are still saved (prefill)
 
     def is_full(self, layer_id: int) -> bool:
         return bool(self.full[layer_id])

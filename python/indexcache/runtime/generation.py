@@ -161,6 +161,8 @@ def resolve_decode_step(mode: str, model, cache, k: int, timer) -> str:
     if mode == "eager":
         return mode
     reason = unsupported_reason(model, cache, graph=mode != "static")
+    if reason is None and model.index_reuse_steps > 1:
+        reason = f"index_reuse_steps {model.index_reuse_steps} decides per request on the host (use 'eager')"
     if mode == "auto":
         return "graph" if reason is None and k == 0 and timer is None else "eager"
     if k:
@@ -249,7 +251,7 @@ def prefill(run: Run) -> None:
     for batch in token_chunks([(r, len(r.prompt)) for r in run.reqs], run.budget):
         ids = run.ids(t for r, s, n in batch for t in r.prompt[s:s + n])
         meta = run.meta([r.i for r, _, _ in batch], [s for _, s, _ in batch], [n for _, _, n in batch])
-        h = model.forward_tokens(ids, meta, run.cache, run.s.timer)
+        h = model.forward_tokens(ids, meta, run.cache, run.s.timer, reuse=False)  # prefill always computes
         offs = meta.row_offsets()
         ending = [(r, offs[j] + n - 1) for j, (r, s, n) in enumerate(batch) if s + n == len(r.prompt)]
         if ending:

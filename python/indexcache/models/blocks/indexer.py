@@ -15,6 +15,7 @@ from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext
 
 from ..args import INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, ModelArgs
+from .. import step_reuse
 from ..state import ForwardContext, row_chunks
 from .norms import LayerNorm
 from .rope import apply_rope
@@ -50,10 +51,18 @@ class Indexer(nn.Module):
     def project(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rows ``[N, hidden]`` and their query latents ``[N, q_lora_rank]`` -> (queries ``[N, H, D]``,
         keys ``[N, D]``, both rotated, in the model dtype; raw head weights fp32 ``[N, H]``)."""
+        q, w = self.queries(x, qr, cos, sin)
+        return q, self.keys(x, cos, sin), w
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The rotated queries ``[N, H, D]`` and raw fp32 head weights ``[N, H]`` of ``project``."""
         n = x.shape[0]
         q = self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
-        return q, k, self.weights_proj(x.float())
+        return q, self.weights_proj(x.float())
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotated keys ``[N, D]`` of ``project``."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
 
     def dense_inputs(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The torch form's inputs over ``B`` requests: x ``[B, T, hidden]``, qr ``[B, T, q_lora]``, cos/sin
@@ -73,10 +82,15 @@ class Indexer(nn.Module):
             return differentiable.dense_topk(q, k, w, self.topk, tp.chunks)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Fill rows ``[:N]`` of the shared buffer with request-relative positions; returns them."""
+        """Fill rows ``[:N]`` of the shared buffer with request-relative positions; returns them.
+        Under step reuse (``models/step_reuse.py``) only the rows that recompute score keys; every
+        row's key enters the cache."""
         n, meta = x.shape[0], ctx.meta
+        plan = step_reuse.plan_forward(ctx, self.layer_id)
+        sub = slice(None) if plan is None or plan.rows is None else plan.rows
         with ctx.stage(self.layer_id, "indexer"):
-            q, k, w = self.project(x, qr, ctx.cos, ctx.sin)
+            k = self.keys(x, ctx.cos, ctx.sin)
+            q, w = self.queries(x[sub], qr[sub], ctx.cos[sub], ctx.sin[sub])
             if self.fp8:
                 q_in, weights = fp8_query_inputs(q, w, self.hadamard)
             else:
@@ -95,14 +109,26 @@ class Indexer(nn.Module):
         with ctx.stage(self.layer_id, "topk"):
             rows = ctx.topk_rows
             ops.fill_topk_buffer_(ctx.topk_buffer, n)
-            if not meta.paged:
-                self._topk_dense(q_in, k_in, k_scale, weights, rows, meta)
-            elif self.fp8:
-                self._topk_paged_fp8(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
+            if plan is None or plan.rows is None:
+                self._topk(q_in, k_in, k_scale, weights, rows, meta, ctx)
             else:
-                self._topk_paged_fp32(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
+                if plan.meta is not None:
+                    out = torch.full((plan.rows.numel(), self.topk), -1, dtype=rows.dtype, device=rows.device)
+                    self._topk(q_in, None, None, weights, out, plan.meta, ctx)
+                    rows[plan.rows] = out
+                step_reuse.write_reused(plan, rows)
+            if plan is not None:
+                step_reuse.save(plan, rows)
         ctx.topk_valid = True
         return rows
+
+    def _topk(self, q_in, k_in, k_scale, weights, rows, meta, ctx) -> None:
+        if not meta.paged:
+            self._topk_dense(q_in, k_in, k_scale, weights, rows, meta)
+        elif self.fp8:
+            self._topk_paged_fp8(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
+        else:
+            self._topk_paged_fp32(q_in, weights, ctx.cache.index_k[self.layer_id], rows, meta, ctx)
 
     def _score_topk(self, q, k, k_scale, weights, ks, ke, out):
         if k.shape[-1] == INDEX_HEAD_DIM:

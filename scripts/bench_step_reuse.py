@@ -1,0 +1,104 @@
+"""index_reuse_steps on the embedded model (docs/model.md): teacher-forced decode over held-out
+text after a prompt, per R: the recall of the rows reuse would attend over against each F layer's
+fresh selection, bits per byte of the decoded bytes, and generate's decode tokens per second.
+
+    PYTHONPATH=python python scripts/bench_step_reuse.py [--prompt 1024] [--steps 256] [--reuse 1 2 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+
+from indexcache.models import from_pretrained
+from indexcache.models.state import BatchMeta
+from indexcache.models.step_reuse import reused_row
+from indexcache.models.tiny import embedded_model_path
+from indexcache.runtime import generate
+from indexcache.tools.text import load_text
+
+BLOCK = 64
+
+
+def teacher_forced(model, text: list, prompt: int, steps: int):
+    """Prefill ``text[:prompt]``, then decode ``text[prompt:prompt + steps]`` one byte a step: (bits
+    per byte of the decoded bytes, {F layer: [its attended row per step]})."""
+    cache = model.allocate_cache(-(-(prompt + steps + 1) // BLOCK), "auto", BLOCK)
+    cache.manager.allocate(0, prompt + steps + 1)
+    rows: dict = {}
+    hooks = [l.self_attn.sparse_attn.register_forward_hook(
+        lambda m, a, o, i=l.layer_id: rows.setdefault(i, []).append(a[1][-1].clone()))
+        for l in model.model.layers if l.self_attn.indexer is not None]
+    meta = BatchMeta.paged_batch(cache, [0], [0], [prompt])
+    h = model.forward_tokens(torch.tensor(text[:prompt]), meta, cache, reuse=False)
+    logits = model.compute_logits(h[-1:])
+    nll = 0.0
+    for t in range(steps):
+        target = text[prompt + t]
+        nll -= torch.log_softmax(logits[0], -1)[target].item()
+        meta = BatchMeta.paged_batch(cache, [0], [prompt + t], [1])
+        logits = model.compute_logits(model.forward_tokens(torch.tensor([target]), meta, cache))
+    for hk in hooks:
+        hk.remove()
+    return nll / steps / math.log(2), {i: r[1:] for i, r in rows.items()}  # decode rows only
+
+
+def recall(fresh: dict, prompt: int, reuse: int) -> dict:
+    """Per F layer: the mean share of the fresh selection that reuse R's rows keep (rows R-1
+    steps after a recompute at most), over every decode step that has its earlier row."""
+    out = {}
+    for layer, rs in fresh.items():
+        got = []
+        for t in range(len(rs)):
+            for d in range(1, reuse):
+                if t - d < 0:
+                    continue
+                pos, k = prompt + t, rs[t].numel()
+                row = reused_row(rs[t - d], pos - d, pos, k)
+                want = set(rs[t][rs[t] >= 0].tolist())
+                got.append(len(want & set(row[row >= 0].tolist())) / len(want))
+        out[layer] = round(sum(got) / len(got), 4) if got else None
+    return out
+
+
+def decode_rate(model, text: list, prompt: int, new: int) -> float:
+    res = generate(model, [text[:prompt]], max_new_tokens=new, decode_step="eager", decode_threads=2, stop_tokens=[])
+    return res.decode_tokens_per_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--rate-prompt", type=int, default=3000)
+    ap.add_argument("--rate-new", type=int, default=64)
+    ap.add_argument("--reuse", type=int, nargs="+", default=[1, 2, 4, 8])
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    text = list(load_text("heldout", a.prompt + a.steps + a.rate_prompt + 16))
+    path = embedded_model_path()
+    report = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "prompt": a.prompt, "steps": a.steps}
+    fresh = None
+    for r in a.reuse:
+        model = from_pretrained(path, hf_overrides={"use_index_cache": True, "index_topk_freq": 2,
+                                                    "index_reuse_steps": r}, dtype=torch.float32)
+        bpb, rows = teacher_forced(model, text, a.prompt, a.steps)
+        if r == 1:
+            fresh = rows
+        t0 = time.perf_counter()
+        rate = decode_rate(model, text, a.rate_prompt, a.rate_new)
+        report[f"reuse_{r}"] = {"bits_per_byte": round(bpb, 4), "decode_tok_s": round(rate, 1),
+                                "rate_seconds": round(time.perf_counter() - t0, 1),
+                                "recall_of_fresh": recall(fresh, a.prompt, r) if fresh is not None else None}
+        print(json.dumps({f"reuse_{r}": report[f"reuse_{r}"]}), flush=True)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
