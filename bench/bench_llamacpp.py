@@ -225,7 +225,8 @@ KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\
 def llama_cache_bytes(log_text: str) -> dict:
     """From llama.cpp's own log: its DSA cache is two llama_kv_cache instances, the MLA latent one
     and the indexer-key one, in that order (src/llama-kv-cache-dsa.cpp)."""
-    rows = [(float(m[1]) * 2 ** 20 / int(m[2]), int(m[3]), m[4]) for m in KV_LINE.findall(log_text)]
+    rows = [(float(mib) * 2 ** 20 / int(cells), int(layers), t) for mib, cells, layers, t in KV_LINE.findall(log_text)]
+    rows = rows[-2:]  # a first pass sizes the context (buffers 0.00 MiB); the last two are the real ones
     if len(rows) != 2:
         return {"unparsed": [ln for ln in log_text.splitlines() if "llama_kv_cache" in ln]}
     return {"kv_bytes_per_token": rows[0][0], "kv_type": rows[0][2], "index_k_bytes_per_token": rows[1][0],
@@ -239,9 +240,9 @@ def llama_greedy(bins: Path, gguf: Path, prompt: str, n: int, threads: int) -> t
     ids = json.loads(ids.strip().splitlines()[-1])
     run = subprocess.run([str(bins / "llama-completion"), "-m", str(gguf), "-p", prompt, "-n", str(n),
                           "--temp", "0", "--top-k", "1", "--ignore-eos", "--no-display-prompt", "-no-cnv",
-                          "-t", str(threads), "-c", str(len(ids) + n + 64), "--seed", "0"],
+                          "-t", str(threads), "-c", str(len(ids) + n + 64), "--seed", "0", "-v"],
                          check=True, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    return ids, run.stdout, run.stderr
+    return ids, run.stdout.removesuffix("\n\n"), run.stderr
 
 
 def correctness(bins: Path, gguf: Path, model, tok, n_prompt: int, n: int, threads: int, seed: int) -> dict:
@@ -296,7 +297,8 @@ TORCH_DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 
 
 def prepare(args) -> tuple:
-    """(llama.cpp binaries, {dtype: {config: gguf}}, {dtype: {config: our model}}, all-F checkpoint)."""
+    """(llama.cpp binaries, {dtype: {config: gguf}}, {dtype: {config: our model}}, llama.cpp source,
+    {config: checkpoint})."""
     import torch
 
     from indexcache.models import from_pretrained
@@ -314,7 +316,7 @@ def prepare(args) -> tuple:
             if m.plan.pattern != "".join("F" if t == "full" else "S" for t in shipped):
                 raise RuntimeError(f"our {c} plan {m.plan.pattern} differs from the shipped indexer_types {shipped}")
             models[dt][c] = m.eval()
-    return bins, ggufs, models, ckpts["all-F"]
+    return bins, ggufs, models, src, ckpts
 
 
 def measure(args, bins, ggufs, models) -> list:
@@ -382,24 +384,26 @@ def memory_table(ours: dict, theirs: dict) -> str:
     return "\n".join(lines)
 
 
-def checks(args, bins, ggufs, ckpt: Path, src_tok) -> dict:
-    """Greedy check (fp32 indexer on our side, as llama.cpp keeps f16 index keys) and both
-    engines' cache bytes per token, for every config of the first dtype."""
-    dt = next(iter(ggufs))
-    out = {"dtype": dt, "greedy": {}, "memory_ours": {}, "memory_llama": {}}
+def checks(args, bins, src: Path, ckpts: dict, tok) -> dict:
+    """Greedy check per config on the f32 GGUF against our f32 model (fp32 indexer: llama.cpp keeps
+    f16 index keys and f32 activations), and the same in bf16; both engines' cache bytes per token."""
     import torch
 
     from indexcache.models import from_pretrained
-    for config, gguf in ggufs[dt].items():
-        m = from_pretrained(ckpt, dtype=getattr(torch, TORCH_DTYPES[dt]), hf_overrides=OURS_OVERRIDES[config],
-                            indexer_fp8=False).eval()
-        fp8 = from_pretrained(ckpt, dtype=getattr(torch, TORCH_DTYPES[dt]), hf_overrides=OURS_OVERRIDES[config])
-        out["memory_ours"][config] = ours_cache_bytes(fp8)
-        if args.check_prompt:
-            res = correctness(bins, gguf, m, src_tok, args.check_prompt, args.check_tokens, max(args.threads),
-                              args.seed + 100)
-            out["memory_llama"][config] = res.pop("memory")
-            out["greedy"][config] = res
+    out = {"greedy": {}, "memory_ours": {}, "memory_llama": {}}
+    for dt in ("f32", "bf16"):
+        for config in args.configs.split(","):
+            gguf = convert(src, ckpts[config], dt)
+            m = from_pretrained(ckpts["all-F"], dtype=getattr(torch, TORCH_DTYPES[dt]),
+                                hf_overrides=OURS_OVERRIDES[config], indexer_fp8=False).eval()
+            if dt == "bf16":
+                fp8 = from_pretrained(ckpts["all-F"], dtype=torch.bfloat16, hf_overrides=OURS_OVERRIDES[config])
+                out["memory_ours"][config] = ours_cache_bytes(fp8)
+            if args.check_prompt:
+                res = correctness(bins, gguf, m, tok, args.check_prompt, args.check_tokens, max(args.threads),
+                                  args.seed + 100)
+                out["memory_llama"][config] = res.pop("memory")
+                out["greedy"][f"{dt} {config}"] = res
     return out
 
 
@@ -407,11 +411,11 @@ def main(argv=None):
     args = parse_args(argv)
     info = dict(cpu_info(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv))
     log(json.dumps(info))
-    bins, ggufs, models, ckpt = prepare(args)
+    bins, ggufs, models, src, ckpts = prepare(args)
     for per in models.values():
         for m in per.values():
             ours_run(m, 128, 2, max(args.threads), 0)
-    check = checks(args, bins, ggufs, ckpt, gpt2_tokenizer(llama_source(args.cache_dir.expanduser())))
+    check = checks(args, bins, src, ckpts, gpt2_tokenizer(src))
     records = measure(args, bins, ggufs, models)
     rows = summarize(records)
     info["loadavg_after"] = os.getloadavg()
