@@ -438,6 +438,7 @@ def main(argv=None):
         for m in per.values():
             ours_run(m, 128, 2, max(args.threads), 0)
     check = checks(args, bins, src, ckpts, gpt2_tokenizer(src))
+    log(json.dumps({"checks": check}))
     records = measure(args, bins, ggufs, models)
     rows = summarize(records)
     info["loadavg_after"] = os.getloadavg()
