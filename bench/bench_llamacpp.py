@@ -304,6 +304,8 @@ def parse_args(argv=None):
     p.add_argument("--index-heads", type=int, default=32)
     p.add_argument("--topk", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from-records", type=Path, default=None,
+                   help="only summarise a .records.jsonl of an earlier (possibly cut short) run")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the llama.cpp build")
     args = p.parse_args(argv)
     if args.quick:
@@ -431,6 +433,10 @@ def checks(args, bins, src: Path, ckpts: dict, tok) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.from_records:
+        records = [json.loads(ln) for ln in args.from_records.read_text().splitlines() if ln.strip()]
+        print(table(summarize(records)))
+        return
     info = dict(cpu_info(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv))
     log(json.dumps(info))
     bins, ggufs, models, src, ckpts = prepare(args)
