@@ -113,25 +113,6 @@ def glm_config(args, vocab_size: int, indexer_types: list):
         topk_method="noaux_tc", scoring_func="sigmoid")
 
 
-def randomize(model, seed: int):
-    """Seeded weights whose activations stay O(1) through the layers (norms near 1, unit
-    embeddings, fan-in scaled matrices), so the indexers' top-k are not ties of noise."""
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("norm.weight"):
-                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
-            elif name.endswith("bias"):
-                t.copy_(0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
-
-
 def ic_types(layers: int) -> list:
     """``indexer_types`` of ``index_topk_freq`` 4 at the default offset 2 (DESIGN §2): F {0, 1, 5, ...}."""
     return ["full" if max(i - 1, 0) % 4 == 0 else "shared" for i in range(layers)]
@@ -142,6 +123,8 @@ def write_checkpoints(args, src: Path, work: Path) -> dict:
     (the shared layers' indexer weights are not saved: transformers builds none there)."""
     import torch
     import transformers
+
+    from indexcache.tools.random_weights import randomize_
     tok = gpt2_tokenizer(src)
     plans = {"all-F": ["full"] * args.layers, "IndexCache": ic_types(args.layers)}
     shape = f"L{args.layers}-h{args.hidden}-k{args.topk}-s{args.seed}"
@@ -152,7 +135,7 @@ def write_checkpoints(args, src: Path, work: Path) -> dict:
     for config, types in plans.items():
         model = transformers.GlmMoeDsaForCausalLM(glm_config(args, len(tok), types))
         if state is None:
-            randomize(model, args.seed)
+            randomize_(model, args.seed)
             state = model.state_dict()
         else:
             model.load_state_dict(state, strict=False)

@@ -1,27 +1,7 @@
-"""Random weights for transformers' own DSA models, shared by the tests that write tiny
-checkpoints with `save_pretrained` (tests/test_families.py, tests/test_integration_transformers.py,
-tests_vllm/). Norms near 1, small biases, unit embeddings, fan-in scaled matrices: a random
-model whose activations stay O(1) through a few layers, so top-k choices are not ties of noise."""
+"""What the tests comparing against transformers' own DSA models share: a top-k with the ops' tie
+order (their random weights are indexcache.tools.random_weights.randomize_)."""
 
 import torch
-
-
-def randomize_(model, seed):
-    """Fills every parameter and buffer of `model` (but RoPE's inv_freq) in place; returns it."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
-            elif name.endswith("bias"):
-                t.copy_(0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
-    return model
 
 
 def stable_topk(self, k, dim=-1, largest=True, sorted=True):

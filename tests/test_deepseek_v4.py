@@ -13,7 +13,9 @@ import warnings
 import pytest
 import torch
 from gloo_ranks import model_outputs, run_on_ranks
-from hf_weights import randomize_, stable_topk
+from hf_weights import stable_topk
+
+from indexcache.tools.random_weights import randomize_
 from test_model import run_paged
 
 from indexcache.models import DeepseekV4ForCausalLM, from_pretrained

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from hf_weights import randomize_
+from indexcache.tools.random_weights import randomize_
 
 from indexcache.cli import main
 from indexcache.models import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM, from_pretrained

@@ -24,7 +24,9 @@ import warnings
 
 import pytest
 import torch
-from hf_weights import randomize_, stable_topk
+from hf_weights import stable_topk
+
+from indexcache.tools.random_weights import randomize_
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,12 +6,9 @@ error: a CI job that runs these tests must have built .venv-vllm."""
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-# tests/hf_weights.py: the random weights every suite's tiny transformers checkpoints share.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 # One process for the engine (no spawned engine core): faster start, and the tests can create
 # several LLM instances in turn. The plugin registers itself in every process either way

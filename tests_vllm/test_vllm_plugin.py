@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from hf_weights import randomize_
+from indexcache.tools.random_weights import randomize_
 from references import greedy_gap, load_ours, ours_logprobs, transformers_logprobs
 
 vllm = pytest.importorskip("vllm")
