@@ -19,6 +19,7 @@ from test_model import run_paged
 
 from indexcache.models import BatchMeta, MiniMaxM3ForCausalLM, MiniMaxM3VLTextTower, from_pretrained
 from indexcache.runtime.generation import generate
+from indexcache.tools import random_weights
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "MiniMaxM3VLForCausalLM"):
@@ -42,21 +43,8 @@ def rel(a, b):
 
 
 def randomize_(model, seed):
-    """Every weight random: norms (1 + w) near 1, router biases small, matrices fan-in scaled."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("norm.weight"):
-                t.copy_(0.2 * torch.randn(t.shape, generator=g))
-            elif name.endswith("bias"):
-                t.copy_(0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
-    return model.float().eval()
+    """Every weight random, the norms (1 + w) near 1: the shared weights with the norms centred on 0."""
+    return random_weights.randomize_(model, seed, norm_center=0.0).float().eval()
 
 
 def hf_text(path, seed=0, **extra):
