@@ -189,14 +189,15 @@ class Run:
         self.stop = set(int(t) for t in stop)
         self.device = model.device
         self.gen = torch.Generator(device=self.device).manual_seed(s.seed)
+        # Before the cache is allocated: a bad count is a ValueError. Ranks of one model choose
+        # together or not at all: every rank must select the same rows.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.threads = DecodeThreads(s.decode_threads, tune=self.device.type == "cpu" and not distributed)
         self.reqs = [Request(i, p) for i, p in enumerate(prompts)]
         room = [len(p) + max_new_tokens + self.k + 2 for p in prompts]  # tokens each request may hold
         per_req = [-(-n // BLOCK_SIZE) for n in room]
         self.cache = model.allocate_cache(sum(per_req), s.kv_cache_dtype, BLOCK_SIZE)
         self.step_mode = resolve_decode_step(s.decode_step, model, self.cache, self.k, s.timer)
-        # Ranks of one model choose together or not at all: every rank must select the same rows.
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.threads = DecodeThreads(s.decode_threads, tune=self.device.type == "cpu" and not distributed)
         # batch size -> DecodeStep (its graph captured on first use). The graphs share one memory
         # pool, which is safe because the batch only shrinks: a graph is never replayed after a
         # later one was captured (that capture may reuse the earlier graph's freed temporaries).

@@ -36,7 +36,7 @@ def candidates(max_threads: int) -> list:
 
 
 class DecodeThreads:
-    """Sets torch's intra-op thread count around each decode step (``with tuner.step():``).
+    """Sets torch's intra-op thread count for each decode step (``tuner.run(step)``).
 
     ``fixed``: a count to use for every step (no timing); None: choose by timing as above.
     ``tune``: False for a device where the host's thread count is not the step's (CUDA). The
