@@ -322,3 +322,45 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, s
 # Defined in reference_block_sparse.py (kept apart for size), part of this module's contract.
 from indexcache.reference_block_sparse import (block_scores, block_sparse_attention, block_topk,  # noqa: E402,F401
                                                block_topk_paged, paged_rows, select_blocks)
+
+
+# ----------------------------------------------------------------------------- delta-rule linear attention
+# GLM-5.3-Flash's Kimi Delta Attention (per-channel gate) and Qwen3.8-Flash-Next's Gated DeltaNet
+# (scalar gate) are one recurrence; kernels compute it chunk-wise for prefill, step-wise for decode.
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """Gated delta-rule linear attention over a varlen batch, continuing each sequence's state.
+
+    q, k ``[T, h_k, d_k]`` (bf16/fp32, already normalised as the model does), v ``[T, h_v, d_v]``,
+    h_v a multiple of h_k: value head ``h`` reads query/key head ``h // (h_v // h_k)``.
+    g fp32 log-decay, ``[T, h_v]`` (one scalar per head and token: Gated DeltaNet) or
+    ``[T, h_v, d_k]`` (one per key channel: KDA); beta fp32 ``[T, h_v]``.
+    state fp32 ``[n_slots, h_v, d_k, d_v]``, updated in place; cu_seqlens int32 ``[B + 1]``
+    (sequence ``b`` is tokens ``cu_seqlens[b]:cu_seqlens[b+1]``); state_indices int32 ``[B]``,
+    the state row sequence ``b`` continues (a new sequence's row holds zeros). Per token t of a
+    sequence with state S ``[d_k, d_v]`` (per value head)::
+
+        S = diag(exp(g_t)) S                 # a scalar g_t scales all of S
+        S = S + beta_t * k_t (v_t - S^T k_t)^T
+        o_t = scale * S^T q_t
+
+    Returns o ``[T, h_v, d_v]`` in v's dtype; all arithmetic in fp32.
+    """
+    group = v.shape[1] // k.shape[1]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    qf = q.float().repeat_interleave(group, dim=1)
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    starts = cu_seqlens.tolist()
+    for b, slot in enumerate(state_indices.tolist()):
+        s = state[slot].clone()  # [h_v, d_k, d_v]
+        for t in range(starts[b], starts[b + 1]):
+            decay = gf[t].exp()
+            s = s * (decay[:, None, None] if gf.dim() == 2 else decay[:, :, None])
+            pred = torch.einsum("hkv,hk->hv", s, kf[t])
+            s = s + kf[t][:, :, None] * ((vf[t] - pred) * bf[t][:, None])[:, None, :]
+            out[t] = scale * torch.einsum("hkv,hk->hv", s, qf[t])
+        state[slot] = s
+    return out.to(v.dtype)
