@@ -3,6 +3,11 @@ text after a prompt, per R: the recall of the rows reuse would attend over again
 fresh selection, bits per byte of the decoded bytes, and generate's decode tokens per second.
 
     PYTHONPATH=python python scripts/bench_step_reuse.py [--prompt 1024] [--steps 256] [--reuse 1 2 4 8]
+        [--min-recall 0.5 0.8] [--pattern FSSSFSSS] [--no-rate] [--json OUT]
+
+``--min-recall``: each R > 1 also runs adaptively (``index_reuse_min_recall``) at each bar, with
+the share of checked steps that recomputed early. ``--pattern``: the F/S plan under the reuse
+(default freq 2).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ BLOCK = 64
 
 def teacher_forced(model, text: list, prompt: int, steps: int):
     """Prefill ``text[:prompt]``, then decode ``text[prompt:prompt + steps]`` one byte a step: (bits
-    per byte of the decoded bytes, {F layer: [its attended row per step]})."""
+    per byte of the decoded bytes, {F layer: [its attended row per step]}, the cache's selection store)."""
     cache = model.allocate_cache(-(-(prompt + steps + 1) // BLOCK), "auto", BLOCK)
     cache.manager.allocate(0, prompt + steps + 1)
     rows: dict = {}
@@ -45,7 +50,7 @@ def teacher_forced(model, text: list, prompt: int, steps: int):
         logits = model.compute_logits(model.forward_tokens(torch.tensor([target]), meta, cache))
     for hk in hooks:
         hk.remove()
-    return nll / steps / math.log(2), {i: r[1:] for i, r in rows.items()}  # decode rows only
+    return nll / steps / math.log(2), {i: r[1:] for i, r in rows.items()}, cache.selections  # decode rows only
 
 
 def recall(fresh: dict, prompt: int, reuse: int) -> dict:
@@ -78,26 +83,42 @@ def main() -> None:
     ap.add_argument("--rate-prompt", type=int, default=3000)
     ap.add_argument("--rate-new", type=int, default=64)
     ap.add_argument("--reuse", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--min-recall", type=float, nargs="*", default=[])
+    ap.add_argument("--pattern", default=None)
+    ap.add_argument("--no-rate", action="store_true", help="skip the decode tokens/s runs")
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(2)
     text = list(load_text("heldout", a.prompt + a.steps + a.rate_prompt + 16))
     path = embedded_model_path()
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "prompt": a.prompt, "steps": a.steps}
+              "threads": torch.get_num_threads(), "prompt": a.prompt, "steps": a.steps,
+              "plan": a.pattern or "freq 2"}
+    base = {"use_index_cache": True, **({"index_topk_pattern": a.pattern} if a.pattern else {"index_topk_freq": 2})}
+    runs = [(r, None) for r in a.reuse] + [(r, m) for r in a.reuse if r > 1 for m in a.min_recall]
     fresh = None
-    for r in a.reuse:
-        model = from_pretrained(path, hf_overrides={"use_index_cache": True, "index_topk_freq": 2,
-                                                    "index_reuse_steps": r}, dtype=torch.float32)
-        bpb, rows = teacher_forced(model, text, a.prompt, a.steps)
+    for r, m in runs:
+        over = {**base, "index_reuse_steps": r, **({"index_reuse_min_recall": m} if m is not None else {})}
+        model = from_pretrained(path, hf_overrides=over, dtype=torch.float32)
+        bpb, rows, store = teacher_forced(model, text, a.prompt, a.steps)
         if r == 1:
             fresh = rows
-        t0 = time.perf_counter()
-        rate = decode_rate(model, text, a.rate_prompt, a.rate_new)
-        report[f"reuse_{r}"] = {"bits_per_byte": round(bpb, 4), "decode_tok_s": round(rate, 1),
-                                "rate_seconds": round(time.perf_counter() - t0, 1),
-                                "recall_of_fresh": recall(fresh, a.prompt, r) if fresh is not None else None}
-        print(json.dumps({f"reuse_{r}": report[f"reuse_{r}"]}), flush=True)
+        name = f"reuse_{r}" + (f"_min_recall_{m:g}" if m is not None else "")
+        rec = {"bits_per_byte": round(bpb, 4)}
+        if m is not None:
+            rec["checked_steps"], rec["recomputed_early"] = store.checked, store.recomputed
+        elif fresh is not None:
+            rec["recall_of_fresh"] = recall(fresh, a.prompt, r)
+        if not a.no_rate:
+            t0 = time.perf_counter()
+            rec["decode_tok_s"] = round(decode_rate(model, text, a.rate_prompt, a.rate_new), 1)
+            rec["rate_seconds"] = round(time.perf_counter() - t0, 1)
+        report[name] = rec
+        print(json.dumps({name: rec}), flush=True)
     print(json.dumps(report, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -298,3 +298,96 @@ def test_a_batch_without_request_ids_is_refused(rng):
     meta = BatchMeta.paged_batch(drv.cache, [0], [0], [1])
     with pytest.raises(ValueError, match="request ids"):
         model.forward_tokens(torch.tensor([1]), dataclasses.replace(meta, rids=None), drv.cache)
+
+
+# ----------------------------------------------------------------------------- adaptive reuse
+
+def recall_of(reused: list, fresh: list) -> float:
+    f = [p for p in fresh if p >= 0]
+    return 1.0 if not f else sum(p in set(reused) for p in f) / len(f)
+
+
+class AdaptiveReference(Reference):
+    """``Reference`` under index_reuse_min_recall r: the first F layer computes every row; where a
+    request would reuse, its rule row's recall of that fresh row decides: below r every F layer
+    computes and saves, else the others reuse and the first keeps its older saved row."""
+
+    def __init__(self, model, steps, min_recall):
+        super().__init__(model, steps)
+        self.min_recall = min_recall
+        self.counts.update(checked=0, forced=0)
+
+    def check(self, meta, prefill, used, fresh):
+        offs = meta.row_offsets()
+        probe = self.full.index(True)
+        forced = set()
+        for b, rid in enumerate(meta.rids):
+            saved = self.saved.get((rid, probe))
+            if prefill or meta.q_lens[b] != 1 or saved is None or meta.ctx_lens[b] - saved[0] >= self.steps:
+                continue
+            self.counts["checked"] += 1
+            r = recall_of(rule(saved[1], saved[0], meta.ctx_lens[b], self.k), fresh[probe][offs[b]].tolist())
+            if r < self.min_recall:
+                forced.add(rid)
+        self.counts["forced"] += len(forced)
+        source = None
+        for layer_id, full in enumerate(self.full):
+            if not full:
+                assert torch.equal(used[layer_id], used[source])
+                continue
+            source = layer_id
+            for b, rid in enumerate(meta.rids):
+                off, q_len, ctx_len = offs[b], meta.q_lens[b], meta.ctx_lens[b]
+                saved = self.saved.get((rid, layer_id))
+                window = not prefill and q_len == 1 and saved is not None and ctx_len - saved[0] < self.steps
+                if window and rid not in forced:
+                    if layer_id == probe:  # computes, keeps its older saved row
+                        assert sorted(used[layer_id][off].tolist()) == sorted(fresh[layer_id][off].tolist())
+                    else:
+                        assert used[layer_id][off].tolist() == rule(saved[1], saved[0], ctx_len, self.k)
+                        self.counts["reused"] += 1
+                    continue
+                for r in range(off, off + q_len):
+                    assert sorted(used[layer_id][r].tolist()) == sorted(fresh[layer_id][r].tolist())
+                self.saved[(rid, layer_id)] = (ctx_len + q_len - 1, used[layer_id][off + q_len - 1].tolist())
+
+
+@pytest.mark.parametrize("min_recall", [0.25, 0.75, 1.0])
+def test_adaptive_reuse_follows_the_probe_layer(rng, min_recall):
+    """Two requests at different points of their schedules, contexts past index_topk: every F
+    layer's rows are the rule's or fresh exactly as the probe layer's recall decides, and the
+    store's counters agree with the reference's."""
+    torch.manual_seed(rng.randrange(2 ** 31))
+    steps = 4
+    model = DeepseekV32ForCausalLM.from_config(
+        CFG, {"use_index_cache": True, "index_topk_freq": 1, "index_reuse_steps": steps,
+              "index_reuse_min_recall": min_recall}, seed=rng.randrange(100))
+    rec, drv = Recorder(model), Driver(model, rng, [0, 1])
+    ref = AdaptiveReference(model, steps, min_recall)
+    for work, prefill in [([(0, 30)], True), ([(0, 1)], False), ([(1, 25)], True)] + [([(0, 1), (1, 1)], False)] * 14:
+        meta, _, _ = drv.step(work, prefill)
+        ref.check(meta, prefill, *rec.take())
+    store = drv.cache.selections
+    assert (store.checked, store.recomputed) == (ref.counts["checked"], ref.counts["forced"])
+    assert ref.counts["checked"] > 0
+    if min_recall == 1.0:
+        assert ref.counts["forced"] > 0
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, "0.9", True])
+def test_min_recall_validation(bad):
+    with pytest.raises(ValueError, match="index_reuse_min_recall"):
+        IndexCacheConfig.from_config({"num_hidden_layers": 4}, {"use_index_cache": True, "index_reuse_steps": 4,
+                                                                "index_reuse_min_recall": bad})
+
+
+def test_min_recall_needs_reuse_and_is_printed():
+    with pytest.warns(UserWarning, match="index_reuse_min_recall 0.9 ignored"):
+        off = IndexCacheConfig.from_config({"num_hidden_layers": 4}, {"use_index_cache": True,
+                                                                      "index_reuse_min_recall": 0.9})
+    assert off.index_reuse_min_recall is None
+    on = IndexCacheConfig.from_config({"num_hidden_layers": 4}, {"use_index_cache": True, "index_reuse_steps": 4,
+                                                                 "index_reuse_min_recall": 0.9})
+    assert on.index_reuse_min_recall == 0.9
+    assert "earlier when a reused selection holds < 0.9" in on.describe(on.plan())
+    assert '"index_reuse_min_recall": 0.9' in on.hf_overrides_json()

@@ -17,6 +17,7 @@ INDEX_CACHE_KEYS: dict[str, tuple[tuple[type, ...], Any]] = {
     "index_skip_topk_offset": ((int,), 2),
     "indexer_types": ((list,), None),
     "index_reuse_steps": ((int,), 1),
+    "index_reuse_min_recall": ((float, int), None),
 }
 # Settings (other than the switch) whose presence in config.json means "trained this way".
 SHIPPED_KEYS = ("index_topk_freq", "index_topk_pattern", "index_skip_topk_offset", "indexer_types")
@@ -45,19 +46,23 @@ def parse_overrides(hf_overrides: Union[None, str, Mapping[str, Any]]) -> dict[s
 
 def _check_type(key: str, value: Any, where: str) -> None:
     types, _ = INDEX_CACHE_KEYS[key]
-    if value is None and key in ("index_topk_pattern", "indexer_types"):
+    if value is None and key in ("index_topk_pattern", "indexer_types", "index_reuse_min_recall"):
         return
     ok = isinstance(value, types) and not (bool not in types and isinstance(value, bool))
     if not ok:
         expected = {"use_index_cache": "true or false", "index_topk_freq": "an integer >= 1",
                     "index_topk_pattern": "a string of 'F'/'S'", "index_skip_topk_offset": "an integer >= 1",
-                    "indexer_types": 'a list of "full"/"shared"', "index_reuse_steps": "an integer >= 1"}[key]
+                    "indexer_types": 'a list of "full"/"shared"', "index_reuse_steps": "an integer >= 1",
+                    "index_reuse_min_recall": "a number in (0, 1]"}[key]
         raise ValueError(f"{key} in {where} must be {expected}, got {type(value).__name__} {value!r}")
     if key == "indexer_types" and not all(isinstance(t, str) for t in value):
         raise ValueError(f'indexer_types in {where} must be a list of "full"/"shared" strings, got {value!r}')
     if key == "index_reuse_steps" and value < 1:
         raise ValueError(f"index_reuse_steps in {where} must be an integer >= 1 (1: every decode step computes), "
                          f"got {value!r}")
+    if key == "index_reuse_min_recall" and not 0 < value <= 1:
+        raise ValueError(f"index_reuse_min_recall in {where} must be a number in (0, 1] (the share of a fresh "
+                         f"selection the reused one must hold), got {value!r}")
 
 
 @dataclass
@@ -69,6 +74,9 @@ class IndexCacheConfig:
     indexer_types: Optional[list] = None
     # decode steps an F layer's selection serves (1: off); only with use_index_cache (DESIGN.md §2)
     index_reuse_steps: int = 1
+    # adaptive step reuse: a request recomputes early when its reused selection holds less than this
+    # share of the probe F layer's fresh one (models/step_reuse.py); None: fixed schedule
+    index_reuse_min_recall: Optional[float] = None
     shipped_by_checkpoint: bool = False  # the settings in force came from config.json itself
     num_hidden_layers: Optional[int] = None
     num_nextn_predict_layers: int = 0
@@ -130,6 +138,11 @@ class IndexCacheConfig:
         if reuse is not None and reuse != 1 and not explicit_on:
             warnings.warn(f"index_reuse_steps {reuse} ignored: it needs \"use_index_cache\": true", UserWarning,
                           stacklevel=2)
+        min_recall = merged.get("index_reuse_min_recall")
+        if min_recall is not None and (not explicit_on or reuse is None or reuse == 1):
+            warnings.warn(f"index_reuse_min_recall {min_recall} ignored: it needs \"use_index_cache\": true and "
+                          "index_reuse_steps > 1", UserWarning, stacklevel=2)
+            min_recall = None
         return cls(
             use_index_cache=enabled,
             index_topk_freq=get("index_topk_freq"),
@@ -137,6 +150,7 @@ class IndexCacheConfig:
             index_skip_topk_offset=get("index_skip_topk_offset"),
             indexer_types=get("indexer_types"),
             index_reuse_steps=reuse if explicit_on and reuse is not None else 1,
+            index_reuse_min_recall=None if min_recall is None else float(min_recall),
             shipped_by_checkpoint=ships and enabled and (source is config or not ic_overrides),
             num_hidden_layers=num_layers if isinstance(num_layers, int) else None,
             num_nextn_predict_layers=int(merged.get("num_nextn_predict_layers") or 0),
@@ -175,6 +189,8 @@ class IndexCacheConfig:
             s += f"; from {plan.rule}"
         if self.index_reuse_steps > 1:
             s += f"; F layers recompute every {self.index_reuse_steps} decode steps (index_reuse_steps)"
+            if self.index_reuse_min_recall is not None:
+                s += f", earlier when a reused selection holds < {self.index_reuse_min_recall:g} of a fresh one"
         if self.shipped_by_checkpoint:
             s += "; settings shipped in the checkpoint's config.json"
         return "; ".join([s] + self.replaced)
@@ -194,4 +210,6 @@ class IndexCacheConfig:
                 out["index_skip_topk_offset"] = self.index_skip_topk_offset
         if self.index_reuse_steps > 1:
             out["index_reuse_steps"] = self.index_reuse_steps
+            if self.index_reuse_min_recall is not None:
+                out["index_reuse_min_recall"] = self.index_reuse_min_recall
         return json.dumps(out)

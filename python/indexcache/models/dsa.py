@@ -372,6 +372,7 @@ class DSAForCausalLM(nn.Module):
         ctx = self.forward_context(meta, cache, timer, sync_free=sync_free)
         if meta.paged:
             ctx.reuse_steps, ctx.decode_reuse = self.index_reuse_steps, reuse
+            ctx.reuse_min_recall = self.ic_config.index_reuse_min_recall if self.ic_config is not None else None
         return self.hidden_states(input_ids, ctx)
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -85,6 +85,10 @@ class SelectionStore:
 
     def __init__(self):
         self._saved: dict = {}
+        # adaptive reuse (index_reuse_min_recall): steps whose reuse the probe layer checked, and of
+        # those, the ones whose recall fell short so every F layer recomputed
+        self.checked = 0
+        self.recomputed = 0
 
     def get(self, rid, layer_id: int) -> Optional[tuple]:
         return self._saved.get(rid, {}).get(layer_id)
@@ -274,6 +278,8 @@ class ForwardContext:
     torch_pass: Optional[TorchPass] = None  # set: a differentiable forward (blocks run reference definitions)
     reuse_steps: int = 1                 # index_reuse_steps in force (1: every F layer computes every row)
     decode_reuse: bool = True            # False: every row computes, selections are still saved (prefill)
+    reuse_min_recall: Optional[float] = None  # adaptive step reuse: the probe layer's recall bar (None: fixed)
+    reuse_forced: set = field(default_factory=set)  # request ids the probe layer sent back to computing
 
     def is_full(self, layer_id: int) -> bool:
         return bool(self.full[layer_id])

@@ -7,6 +7,15 @@ requests with more than one row in the forward (MTP verify) always compute. Ever
 forward saves, per request and per F layer, the request's last row and its position in the
 paged cache's ``SelectionStore`` (models/state.py); the store drops a request when the cache frees it.
 
+Adaptive reuse (``index_reuse_min_recall`` r): the probe layer, the first F layer of the plan,
+computes every decode row. Where a request would reuse, its reused row is checked against the
+fresh one: the recall is the share of the fresh selection's positions that the reused row also
+holds. Below r, every later F layer recomputes that request in this forward and all F layers save
+anew (the schedule restarts); at or above r they reuse, and the probe keeps its older saved row so
+that the next check compares against the selection the other layers still reuse. The check costs
+the probe layer's indexer (one F layer's scoring per step, not all of them) and one comparison of
+two k-rows per request; ``SelectionStore.checked`` / ``.recomputed`` count the outcomes.
+
 The reuse rule (``reused_row``): with ``m = pos - saved_pos`` new positions ``saved_pos + 1 ..
 pos``, the row keeps every new position (the most recent ``k`` when ``m >= k``) and the
 ``k - m`` smallest positions of the saved selection; the row is ascending, then ``-1``.
@@ -34,6 +43,14 @@ class ReusePlan:
     rows: Optional[torch.Tensor]
     meta: Optional[BatchMeta]
     reused: list
+    probed: list = ()  # the probe layer: (request index, its row, saved position, saved selection) to check
+
+
+def probe_layer(ctx: ForwardContext) -> Optional[int]:
+    """The layer whose fresh rows check the others' reuse (None: adaptive reuse is off)."""
+    if ctx.reuse_min_recall is None:
+        return None
+    return next((i for i, f in enumerate(ctx.full) if f), None)
 
 
 def plan_forward(ctx: ForwardContext, layer_id: int) -> Optional[ReusePlan]:
@@ -45,16 +62,20 @@ def plan_forward(ctx: ForwardContext, layer_id: int) -> Optional[ReusePlan]:
         raise ValueError(f"index_reuse_steps {steps} decides on the host per request: it needs an eager "
                          "forward over a BatchMeta.paged_batch (request ids known)")
     store, offs = ctx.cache.selections, meta.row_offsets()
-    compute, reused = [], []
+    probing = layer_id == probe_layer(ctx)
+    compute, reused, probed = [], [], []
     for b, rid in enumerate(meta.rids):
         saved = store.get(rid, layer_id) if meta.q_lens[b] == 1 and ctx.decode_reuse else None
         pos = meta.ctx_lens[b]
-        if saved is not None and 0 < pos - saved[0] < steps:
-            reused.append((b, offs[b], saved[0], saved[1]))
-        else:
+        if saved is None or not 0 < pos - saved[0] < steps or rid in ctx.reuse_forced:
             compute.append(b)
+        elif probing:
+            probed.append((b, offs[b], saved[0], saved[1]))
+            compute.append(b)
+        else:
+            reused.append((b, offs[b], saved[0], saved[1]))
     if not reused:
-        return ReusePlan(ctx, layer_id, None, meta, [])
+        return ReusePlan(ctx, layer_id, None, meta, [], probed)
     rows = [r for b in compute for r in range(offs[b], offs[b] + meta.q_lens[b])]
     rows_t = torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
     return ReusePlan(ctx, layer_id, rows_t, sub_batch(meta, compute, rows_t) if compute else None, reused)
@@ -89,10 +110,33 @@ def write_reused(plan: ReusePlan, rows: torch.Tensor) -> None:
         rows[row] = reused_row(saved, saved_pos, meta.ctx_lens[b], k)
 
 
+def recall(reused: torch.Tensor, fresh: torch.Tensor) -> float:
+    """The share of ``fresh``'s valid positions that ``reused`` holds too (1.0 when fresh has none)."""
+    f = fresh[fresh >= 0]
+    if f.numel() == 0:
+        return 1.0
+    return torch.isin(f, reused[reused >= 0]).sum().item() / f.numel()
+
+
+def check(plan: ReusePlan, rows: torch.Tensor) -> None:
+    """The probe layer's check (``rows`` its fresh rows of this forward): the requests whose reused
+    row would hold less than ``index_reuse_min_recall`` of the fresh one recompute in every later F
+    layer of this forward."""
+    ctx, meta = plan.ctx, plan.ctx.meta
+    store, k = ctx.cache.selections, rows.shape[1]
+    for b, row, saved_pos, saved in plan.probed:
+        store.checked += 1
+        if recall(reused_row(saved, saved_pos, meta.ctx_lens[b], k), rows[row]) < ctx.reuse_min_recall:
+            store.recomputed += 1
+            ctx.reuse_forced.add(meta.rids[b])
+
+
 def save(plan: ReusePlan, rows: torch.Tensor) -> None:
-    """Keep each computing request's last row of this forward as its layer's last selection."""
+    """Keep each computing request's last row of this forward as its layer's last selection (a probed
+    request whose reuse passed the check keeps the probe's older row)."""
     meta, store = plan.ctx.meta, plan.ctx.cache.selections
     reused = {b for b, *_ in plan.reused}
+    reused |= {b for b, *_ in plan.probed if meta.rids[b] not in plan.ctx.reuse_forced}
     offs = meta.row_offsets()
     last = [(b, offs[b] + meta.q_lens[b] - 1) for b in range(len(meta.q_lens)) if b not in reused]
     if not last:

@@ -118,6 +118,7 @@ class Indexer(nn.Module):
                     rows[plan.rows] = out
                 step_reuse.write_reused(plan, rows)
             if plan is not None:
+                step_reuse.check(plan, rows)
                 step_reuse.save(plan, rows)
         ctx.topk_valid = True
         return rows
