@@ -274,6 +274,7 @@ class ForwardContext:
     torch_pass: Optional[TorchPass] = None  # set: a differentiable forward (blocks run reference definitions)
     reuse_steps: int = 1                 # index_reuse_steps in force (1: every F layer computes every row)
     decode_reuse: bool = True            # False: every row computes, selections are still saved (prefill)
+    input_ids: Optional[torch.Tensor] = None  # int64 [N] the rows' token ids, for layers that read them (PLE)
 
     def is_full(self, layer_id: int) -> bool:
         return bool(self.full[layer_id])

@@ -136,6 +136,7 @@ class PatternRunner:
         ``state`` (a run whose pattern agrees with this one below ``start``) for the hidden input
         and the reused rows."""
         ctx = self.model.forward_context(self.meta, full=pattern_full(self.model, pattern))
+        ctx.input_ids = self.inputs  # layers that read token ids (Qwen3.8-Flash-Next's PLE)
         first = 0 if start == 0 else self.model.indexed[start]  # the layers below see the same pattern
         if first == 0:
             x = self.model.model.embed(self.inputs)
