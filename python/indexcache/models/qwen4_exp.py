@@ -32,6 +32,7 @@ on the model core of ``dsa.py``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -409,8 +410,16 @@ class Qwen4ExpTextTower(Qwen4ExpForCausalLM):
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
         return {**{k: v for k, v in text.items() if k in INDEX_CACHE_KEYS}, **config}
 
+    _index_tensor = re.compile(r"^model\.language_model\.layers\.(\d+)\.self_attn\.indexer\.")
+
     def drops_checkpoint_tensor(self, name: str) -> bool:
-        return name.startswith(("model.visual.", "mtp.")) or super().drops_checkpoint_tensor(name)
+        if name.startswith(("model.visual.", "mtp.")) or super().drops_checkpoint_tensor(name):
+            return True  # the vision tower, the MTP module, the n-gram hash constants
+        m = self._index_tensor.match(name)
+        if m is None or int(m.group(1)) >= len(self.model.layers):
+            return False
+        attn = self.model.layers[int(m.group(1))].self_attn
+        return attn is not None and attn.indexer is None  # an S indexed layer's indexer
 
 
 def text_args(config: dict, defaults: dict) -> dict:
