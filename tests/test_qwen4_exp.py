@@ -254,7 +254,11 @@ def test_plan_command_covers_the_indexed_layers(text, capsys):
 
 def test_pattern_tools_run(text, tmp_path, capsys):
     from indexcache.cli import main
-    path, _ = text
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(text[0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))  # byte-level ids
     sample = tmp_path / "t.txt"
     sample.write_bytes(bytes(torch.randint(32, 127, (400,), generator=torch.Generator().manual_seed(3)).tolist()))
     common = ["--model", str(path), "--text", str(sample), "--context", "40", "--windows", "2"]
@@ -262,7 +266,7 @@ def test_pattern_tools_run(text, tmp_path, capsys):
     assert "are layers 1, 3, 4, 6" in capsys.readouterr().out
     assert main(["search", *common]) == 0
     capsys.readouterr()
-    assert main(["eval", *common, "--hf-overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFS"}']) == 0
+    assert main(["eval", *common, "--overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFS"}']) == 0
     assert "FSFS" in capsys.readouterr().out
 
 
