@@ -211,6 +211,17 @@ def test_paged_decode_and_chunked_prefill_equal_prefill(text):
     assert "gdn" not in cache.states[1] and "ple" not in cache.states[5]
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         model.allocate_cache(4, "fp8_ds_mla")
+    # request state slots: handed out on first use, returned on free, exhaustion is a clear error
+    small = model.allocate_cache(4, max_num_seqs=1)
+    for rid in (0, 1):
+        small.manager.allocate(rid, 3)
+    model.forward_tokens(torch.tensor([5, 6, 7]), BatchMeta.paged_batch(small, [0], [0], [3]), small)
+    with pytest.raises(RuntimeError, match="state slots"):
+        model.forward_tokens(torch.tensor([5, 6, 7]), BatchMeta.paged_batch(small, [1], [0], [3]), small)
+    small.manager.free(0)
+    got = model.compute_logits(model.forward_tokens(torch.tensor([5, 6, 7]),
+                                                    BatchMeta.paged_batch(small, [1], [0], [3]), small))
+    assert rel(got, model(torch.tensor([[5, 6, 7]]))[0]) < 1e-5  # the reused slot starts empty
     # a sync-free step (a captured decode step) is refused with a clear error
     cache.manager.allocate(0, 3)
     with pytest.raises(ValueError, match="sync-free"):
@@ -282,8 +293,13 @@ def test_config_errors_name_the_field(text):
         ({"indexer_head_dim": None}, "indexer_head_dim"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
         ({"output_gate_type": "gelu"}, "output_gate_type"),
+        ({"ple_embed_dim": 18}, "ple_embed_dim 18"),
+        ({"layer_types": [IDX] * 7, "ple_layer_ids": []}, None),  # every layer indexed: fine
     ]
     for change, match in cases:
+        if match is None:
+            assert Qwen4ExpForCausalLM.from_config({**cfg, **change}).indexed == list(range(7))
+            continue
         with pytest.raises(ValueError, match=match):
             Qwen4ExpForCausalLM.from_config({**cfg, **change})
     with pytest.raises(ValueError, match="pattern"):  # one character per indexed layer (4), not per layer (7)
