@@ -261,6 +261,15 @@ def test_plan_command_covers_the_indexed_layers(text, capsys):
                  '{"use_index_cache": true, "index_topk_freq": 2}']) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["pattern"] == "FFSF" and got["indexed_layers"] == INDEXED
+    # what IndexCache removes, in QSA's terms: 1 of 4 F indexed layers' projection, block scoring, raw keys
+    costs = got["costs"]
+    assert costs["compress_ratio"] == 4 and costs["dims"]["index_n_heads"] == 2
+    cache = costs["index_k_cache_bytes_per_sequence"]
+    assert cache["all_f"] == 4 * costs["context"] * 16 * 2 and cache["removed_fraction"] == 0.25
+    ctx, per_block, proj = 10, 2 * 2 * 16 + 2, 2 * 32 * 3 * 16
+    assert main(["plan", "--config", str(path), "--json", "--context", str(ctx)]) == 0
+    prefill = json.loads(capsys.readouterr().out)["costs"]["prefill_flops"]["all_f"]
+    assert prefill == 4 * (ctx * proj + sum((t + 1) // 4 for t in range(ctx)) * per_block)
 
 
 def test_pattern_tools_run(text, tmp_path, capsys):

@@ -496,3 +496,34 @@ def text_args(config: dict, defaults: dict) -> dict:
              ple_embed_dim=ple_dim, output_gate_type=gate,
              rope_parameters={"rope_type": "default", "rope_theta": params["rope_theta"]})
     return c
+
+
+def qsa_indexer_costs(config: dict, plan, context: int, cache_bytes: int = 2) -> dict:
+    """What the plan removes against all-F at ``context`` tokens, over the indexed layers
+    (``indexcache plan``): QSA's projection (``index_qk_proj``) and block scoring (q · k per head
+    and the ReLU head sum, one key per ``indexer_compress_ratio`` tokens), and its raw-key cache
+    (``indexer_head_dim`` values of ``cache_bytes`` per token). Top-k and pooling not counted."""
+    if context < 1:
+        raise ValueError(f"context must be >= 1 token, got {context}")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    c = text_args({**text, **{k: v for k, v in config.items() if k not in _VL_KEYS}},
+                  Qwen4ExpForCausalLM._text_defaults)
+    h, hd, hidden, r = (int(c["indexer_n_heads"]), int(c["indexer_head_dim"]), int(c["hidden_size"]),
+                        int(c["indexer_compress_ratio"]))
+    proj = 2 * hidden * (h + 1) * hd
+    per_block = 2 * h * hd + h
+    decode = proj + (context // r) * per_block
+    q, rem = divmod(context, r)  # Σ_{n=1..context} floor(n / r): the complete blocks each row scores
+    prefill = context * proj + (r * q * (q - 1) // 2 + q * (rem + 1)) * per_block
+    cache = context * hd * cache_bytes
+
+    def entry(per_layer):
+        full, kept = per_layer * plan.num_hidden_layers, per_layer * plan.num_full
+        return {"all_f": full, "plan": kept, "removed": full - kept,
+                "removed_fraction": (full - kept) / full if full else 0.0}
+
+    return {"context": context, "compress_ratio": r,
+            "dims": {"hidden_size": hidden, "index_n_heads": h, "index_head_dim": hd},
+            "index_k_label": f"raw index keys per sequence ({hd * cache_bytes} B/token/layer)",
+            "decode_flops_per_token": entry(decode), "prefill_flops": entry(prefill),
+            "index_k_cache_bytes_per_sequence": entry(cache)}
