@@ -283,7 +283,25 @@ def test_pattern_tools_run(text, tmp_path, capsys):
     sample.write_bytes(bytes(torch.randint(32, 127, (400,), generator=torch.Generator().manual_seed(3)).tolist()))
     common = ["--model", str(path), "--text", str(sample), "--context", "40", "--windows", "2"]
     assert main(["overlap", *common]) == 0
-    assert "are layers 1, 3, 4, 6" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "are layers 1, 3, 4, 6" in out and "QSA block (2 of 4 tokens) overlap" in out
+    # by hand: per query row with more complete blocks than the budget, the share of indexed layer
+    # i's blocks (the selected ones and the query's own) that indexed layer j also reads
+    from indexcache.tools.patterns import PatternRunner, load_all_full, overlap_matrix, text_windows
+    windows = text_windows(sample.read_bytes(), 40, 2)
+    model = load_all_full(path)
+    m = overlap_matrix(model, windows)
+    state = PatternRunner(model, windows).run("FFFF")
+    pos = torch.arange(40).repeat(2)
+    for i, j in ((0, 1), (3, 2)):
+        shares = []
+        for row in range(pos.shape[0]):
+            if (pos[row] + 1) // 4 <= 2:
+                continue
+            a = {int(b) for b in state.rows[i][row] if b >= 0}
+            b = {int(b) for b in state.rows[j][row] if b >= 0}
+            shares.append(len(a & b) / len(a))
+        assert float(m[i, j]) == pytest.approx(sum(shares) / len(shares), abs=1e-6)  # fp32 shares there
     assert main(["search", *common]) == 0
     capsys.readouterr()
     assert main(["eval", *common, "--overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFS"}']) == 0
