@@ -189,6 +189,11 @@ def test_vl_checkpoint_loads_its_text_tower(tmp_path, ids):
     assert torch.equal(back(ids), ic(ids))
     with pytest.raises(ValueError, match="needs its text_config"):
         Qwen4ExpTextTower.from_config({"model_type": "qwen4_exp"})
+    # IndexCache settings shipped in text_config are the checkpoint's own
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["text_config"].update(use_index_cache=True, index_topk_freq=2)
+    model = Qwen4ExpTextTower.from_config(cfg)
+    assert model.plan.pattern == "FFSF" and "shipped" in model.plan_summary()
 
 
 # ============================================================================ serving paths
@@ -219,6 +224,9 @@ def test_paged_decode_and_chunked_prefill_equal_prefill(text):
     with pytest.raises(RuntimeError, match="state slots"):
         model.forward_tokens(torch.tensor([5, 6, 7]), BatchMeta.paged_batch(small, [1], [0], [3]), small)
     small.manager.free(0)
+    small.manager.allocate(0, 4)
+    with pytest.raises(ValueError, match="has no state"):  # a freed request cannot continue
+        model.forward_tokens(torch.tensor([8]), BatchMeta.paged_batch(small, [0], [3], [1]), small)
     got = model.compute_logits(model.forward_tokens(torch.tensor([5, 6, 7]),
                                                     BatchMeta.paged_batch(small, [1], [0], [3]), small))
     assert rel(got, model(torch.tensor([[5, 6, 7]]))[0]) < 1e-5  # the reused slot starts empty

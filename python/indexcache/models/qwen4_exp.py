@@ -182,7 +182,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
         meta = ctx.meta
         if ctx.cache is None:
             return list(range(len(meta.q_lens)))
-        return [ctx.cache.slot(rid) for rid in meta.rids]
+        return [ctx.cache.slot(rid, c == 0) for rid, c in zip(meta.rids, meta.ctx_lens)]
 
     def _states(self, ctx: ForwardContext, name: str, shapes, dtypes, slots: list) -> list:
         """This layer's per-request state tensors (the cache's rows, new requests' rows zeroed; or,
@@ -281,9 +281,12 @@ class Qwen4ExpPagedCache:
         """The empty-state value of a state tensor (eos for token histories, else 0)."""
         return self.eos if t.dtype == torch.long else 0
 
-    def slot(self, rid) -> int:
-        """Request ``rid``'s state slot (handed out on first use)."""
+    def slot(self, rid, first: bool = False) -> int:
+        """Request ``rid``'s state slot, handed out when ``first`` (its first tokens run now)."""
         if rid not in self._slot:
+            if not first:
+                raise ValueError(f"request {rid!r} continues at a later position but has no state in this cache "
+                                 "(its first tokens never ran through it, or it was freed)")
             if not self._free:
                 raise RuntimeError(f"request {rid!r}: all {self.max_num_seqs} state slots are in use "
                                    "(free finished requests or allocate the cache with a larger max_num_seqs)")
