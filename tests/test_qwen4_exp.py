@@ -341,3 +341,21 @@ def test_config_errors_name_the_field(text):
         Qwen4ExpForCausalLM.from_config(cfg, {"use_index_cache": True, "index_topk_pattern": "FSSFFSS"})
     with pytest.raises(ValueError, match="index_reuse_steps"):
         Qwen4ExpForCausalLM.from_config(cfg, {"use_index_cache": True, "index_reuse_steps": 2})
+
+
+def test_another_shape_equals_transformers(tmp_path):
+    """Default layer_types (every fourth layer indexed), no PLE, a sigmoid output gate, three
+    streams, as many value as key heads, a wider index head, an odd budget of 3 blocks of 3."""
+    extra = dict(layer_types=None, num_hidden_layers=8, ple_layer_ids=None, output_gate_type="sigmoid", hc_count=3,
+                 linear_num_value_heads=2, indexer_head_dim=24, indexer_n_heads=3, indexer_budget=9,
+                 indexer_compress_ratio=3, num_experts=3, num_experts_per_tok=1, norm_topk_prob=False)
+    ref = hf_text(tmp_path, seed=33, **extra)
+    ids = torch.randint(0, TEXT["vocab_size"], (1, 33), generator=torch.Generator().manual_seed(34))
+    model = ours(tmp_path)
+    assert model.indexed == [3, 7] and model.args.hc_count == 3 and not model.args.ple_layer_ids
+    assert rel(model(ids), hf_logits(ref, ids)) < 1e-4
+    shared = ours(tmp_path, {"use_index_cache": True, "index_topk_pattern": "FS"})
+    assert shared.model.layers[7].self_attn.indexer is None
+    assert rel(shared(ids), hf_logits(ref, ids, "FS")) < 1e-4
+    seq = ids[0].tolist()
+    assert rel(run_paged(shared, [seq], [11], chunk=5)[0], shared(ids)[0]) < 1e-5
