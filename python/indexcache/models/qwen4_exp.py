@@ -36,7 +36,6 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from indexcache.config import INDEX_CACHE_KEYS
@@ -45,8 +44,9 @@ from indexcache.formats import BLOCK_SIZE
 from .args import ModelArgs
 from .blocks.gdn import GatedDeltaNet
 from .blocks.gqa import OffsetRMSNorm
-from .blocks.moe import MLP, MoE
-from .blocks.ple import GroupRMSNorm, PLELayer
+from .blocks.gated_residual import GatedResidual
+from .blocks.ple import PLELayer
+from .blocks.softmax_moe import SoftmaxMoE
 from .blocks.qsa import IndexedAttention
 from .dsa import DSAForCausalLM
 from .state import CacheManager, ForwardContext, _kv_dtype
@@ -88,66 +88,6 @@ class Qwen4ExpArgs(ModelArgs):
         return int(e[0] if isinstance(e, (list, tuple)) else e)
 
 
-class GatedResidual(nn.Module):
-    """transformers' ``Qwen4ExpTextGatedResidual`` over streams ``[N, hc, D]``: the block input is
-    the mean over streams of the normed streams times a low-rank sigmoid mix; with ``combine``, also
-    the per-stream injection weights ``2 sigmoid(block_inject_weight(normed) / hc)``."""
-
-    def __init__(self, hidden: int, hc: int, lowrank: int, eps: float, combine: bool = True):
-        super().__init__()
-        self.hc, self.hidden = hc, hidden
-        self.hc_norm = GroupRMSNorm(hc * hidden, hidden, eps)
-        self.input_mix_weight_down = nn.Linear(hc * hidden, lowrank, bias=False)
-        self.input_mix_weight_up = nn.Linear(lowrank, hc * hidden, bias=False)
-        self.block_inject_weight = nn.Linear(hc * hidden, hc, bias=False) if combine else None
-
-    def forward(self, streams: torch.Tensor):
-        normed = self.hc_norm(streams.flatten(-2))
-        mix = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc)))
-        mixed = (mix.unflatten(-1, (self.hc, self.hidden)) * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
-        if self.block_inject_weight is None:
-            return mixed
-        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)
-
-
-class SoftmaxRouter(nn.Module):
-    """Softmax over the experts in fp32, the top ``k`` kept (renormalised when ``norm``)."""
-
-    def __init__(self, n_experts: int, hidden: int, k: int, norm: bool):
-        super().__init__()
-        self.k, self.norm = k, norm
-        self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
-        top, idx = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.k, dim=-1)
-        if self.norm:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return idx, top.to(logits.dtype)
-
-
-class QwenMoE(MoE):
-    """Routed SwiGLU experts (``MoE``'s dispatch) plus one shared expert gated by ``sigmoid(shared_expert_gate)``."""
-
-    def __init__(self, args: Qwen4ExpArgs, par=None):
-        nn.Module.__init__(self)  # MoE's constructor builds the sigmoid router
-        from indexcache.parallel import ParallelContext
-        self.par = par or ParallelContext()
-        d = args.hidden_size
-        self.gate = SoftmaxRouter(args.n_routed_experts, d, args.num_experts_per_tok, args.norm_topk_prob)
-        self.n_experts, self.e0, self.e1 = args.n_routed_experts, 0, args.n_routed_experts
-        self.experts = nn.ModuleList(MLP(d, args.moe_intermediate_size) for _ in range(args.n_routed_experts))
-        self.shared_experts = None
-        self.shared_expert = MLP(d, args.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(d, 1, bias=False)
-
-    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
-        idx, weights = self.gate(x)
-        y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return (y.to(x.dtype) + shared).to(x.dtype)
-
-
 class Qwen4ExpDecoderLayer(nn.Module):
     """PLE (on its layers), gated residual around the token mixer (Gated DeltaNet or indexed
     attention) and around the MoE. Streams ``[N, hc, hidden]`` in and out."""
@@ -167,7 +107,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
                        ratio=args.indexer_compress_ratio, rope_dim=args.qk_rope_head_dim, rope_theta=args.rope_theta)
             self.self_attn = IndexedAttention(d, args.num_attention_heads, args.num_kv_heads, args.gqa_head_dim, eps,
                                               qsa, build_indexer, layer_id)
-        self.mlp = QwenMoE(args)
+        self.mlp = SoftmaxMoE(args)
         self.ple = None
         if layer_id + 1 in args.ple_layer_ids:
             ngram = dict(vocab=args.vocab_size, ngram_size=args.ngram_size, heads_per_ngram=args.heads_per_ngram,
@@ -495,6 +435,7 @@ def text_args(config: dict, defaults: dict) -> dict:
              v_head_dim=head, index_n_heads=c["indexer_n_heads"], index_head_dim=c["indexer_head_dim"],
              index_topk=int(c["indexer_budget"]) // int(c["indexer_compress_ratio"]) + 1,
              intermediate_size=c["shared_expert_intermediate_size"], n_routed_experts=c["num_experts"],
+             shared_intermediate_size=c["shared_expert_intermediate_size"],
              n_shared_experts=0, num_nextn_predict_layers=0, hc_mult=int(c["hc_count"]), ple_layer_ids=ple,
              ple_embed_dim=ple_dim, output_gate_type=gate,
              rope_parameters={"rope_type": "default", "rope_theta": params["rope_theta"]})
