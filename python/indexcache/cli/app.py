@@ -68,7 +68,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     widths = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # a VL config's text tower
     dims = {k: widths[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in widths}
-    costs = _deepseek_v4_costs(config, plan, args.context) if v4 else indexer_costs(plan, args.context, dims)
+    if v4:
+        costs = _deepseek_v4_costs(config, plan, args.context)
+    elif config.get("model_type") in ("qwen4_exp", "qwen4_exp_text") and args.layers is None:
+        from indexcache.models.qwen4_exp import qsa_indexer_costs  # QSA: one key per block of tokens
+        costs = qsa_indexer_costs(config, plan, args.context)
+    else:
+        costs = indexer_costs(plan, args.context, dims)
     main_id = (lambda i: i) if indexed is None else (lambda i: indexed[i])  # plan position -> main layer id
     layers = []
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
@@ -136,6 +142,7 @@ def _print_costs(costs: dict, context: int, csa: Optional[list]) -> None:
           f"{costs['dims']['index_n_heads']} heads x {costs['dims']['index_head_dim']} indexer):")
     k_label = (f"index-K cache per sequence ({costs['dims']['index_head_dim'] + 4} B/entry/layer)" if csa is not None
                else "index-K cache per sequence (132 B/token/layer)")
+    k_label = costs.get("index_k_label", k_label)
     rows = [("decode_flops_per_token", "indexer FLOPs per generated token", "FLOP"),
             ("prefill_flops", f"indexer FLOPs per prefill of {context} tokens", "FLOP"),
             ("index_k_cache_bytes_per_sequence", k_label, "B")]

@@ -95,6 +95,8 @@ def cmd_overlap(args) -> int:
     a = model.args
     what = (f"top-{a.index_topk_blocks} block ({a.index_block_size} keys, per KV head)" if a.index_block_size
             else f"top-{a.index_topk}")
+    if getattr(a, "indexer_compress_ratio", 0):  # QSA: blocks of tokens, the query's own block included
+        what = f"QSA block ({a.indexer_budget // a.indexer_compress_ratio} of {a.indexer_compress_ratio} tokens)"
     print(f"{what} overlap over {windows.shape[0]} x {windows.shape[1] - 1} tokens "
           f"(row i: share of layer i's selection that layer j also selects)")
     if len(model.indexed) != a.num_hidden_layers:

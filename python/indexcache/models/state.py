@@ -280,6 +280,7 @@ class ForwardContext:
     decode_reuse: bool = True            # False: every row computes, selections are still saved (prefill)
     reuse_min_recall: Optional[float] = None  # adaptive step reuse: the probe layer's recall bar (None: fixed)
     reuse_forced: set = field(default_factory=set)  # request ids the probe layer sent back to computing
+    input_ids: Optional[torch.Tensor] = None  # int64 [N] the rows' token ids, for layers that read them (PLE)
 
     def is_full(self, layer_id: int) -> bool:
         return bool(self.full[layer_id])

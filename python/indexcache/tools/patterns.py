@@ -136,6 +136,7 @@ class PatternRunner:
         ``state`` (a run whose pattern agrees with this one below ``start``) for the hidden input
         and the reused rows."""
         ctx = self.model.forward_context(self.meta, full=pattern_full(self.model, pattern))
+        ctx.input_ids = self.inputs  # layers that read token ids (Qwen3.8-Flash-Next's PLE)
         first = 0 if start == 0 else self.model.indexed[start]  # the layers below see the same pattern
         if first == 0:
             x = self.model.model.embed(self.inputs)
@@ -175,7 +176,11 @@ def _selections(model: DSAForCausalLM, rows: torch.Tensor, pos: torch.Tensor, t:
     whose window offers a real choice: tokens ``[R, t]`` (DSA), or with a block indexer
     (MiniMax-M3) key blocks per KV head ``[R * kv_heads, ceil(t / block)]``."""
     a = model.args
-    if a.index_block_size:
+    if getattr(a, "indexer_compress_ratio", 0):  # QSA (Qwen3.8-Flash-Next): block ids, the query's own block last
+        bs = a.indexer_compress_ratio
+        units, real = -(-t // bs), (pos + 1) // bs > a.indexer_budget // bs
+        r = rows[real].long()
+    elif a.index_block_size:
         h, kb, bs = a.num_kv_heads, a.index_topk_blocks, a.index_block_size
         units, real = -(-t // bs), (pos // bs + 1) > kb
         r = rows[real].long().view(-1, h, kb).reshape(-1, kb)
@@ -200,6 +205,8 @@ def overlap_matrix(model: DSAForCausalLM, windows: torch.Tensor) -> torch.Tensor
     pos = runner.meta.positions
     keeps = (f"index_topk_blocks {a.index_topk_blocks} blocks of {a.index_block_size}" if a.index_block_size
              else f"index_topk {a.index_topk}")
+    if getattr(a, "indexer_compress_ratio", 0):
+        keeps = f"indexer_budget {a.indexer_budget} tokens in blocks of {a.indexer_compress_ratio}"
     sel = [_selections(model, state.rows[p], pos, t) for p in range(runner.num_layers)]
     if not sel[0].shape[0]:
         raise ValueError(f"windows of {t} tokens never exceed {keeps}: no row makes a choice")

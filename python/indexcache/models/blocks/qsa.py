@@ -1,0 +1,173 @@
+"""Qwen3.8-Flash-Next's ``indexed_attention`` layers: gated GQA attention over the tokens a QSA
+indexer selects, as transformers' ``Qwen4ExpTextQSAIndexer`` / ``Qwen4ExpTextAttention`` compute them.
+
+QSA (one key head, keys averaged over blocks):
+
+- ``index_qk_proj`` gives ``indexer_n_heads`` query heads and one raw key per token, all of
+  ``indexer_head_dim``; queries are RMS-normed (``q_layernorm``, ``1 + w``) and rotated at their
+  own position (NeoX, the attention's rotated dims);
+- the keys of a request are cut into blocks of ``indexer_compress_ratio`` consecutive tokens
+  (block j = positions ``[j r, (j + 1) r)``); a block's key is the fp32 mean of its raw keys
+  (cast back), RMS-normed (``k_layernorm``) and rotated at the block's first position;
+- a query at position p scores only the blocks it sees **complete** (``(j + 1) r <= p + 1``):
+  ``score = Σ_h ReLU(q_h · k_block) / sqrt(indexer_head_dim)``; the top
+  ``indexer_budget / r`` blocks are kept (ties toward the lower block, ``ops.topk_indices``, the
+  DSA indexer's top-k), and the query's own incomplete block (the ``(p + 1) mod r`` newest
+  tokens, when not 0) is always read.
+
+The scores are per block (``[s_q, s_kv / r]`` per request, in row chunks), never per token. A
+selection row of the shared top-k buffer holds **block ids**: ``budget / r`` columns of selected
+complete blocks (ascending, then -1) and a last column with the query's incomplete block or -1.
+Attention (``ops.block_sparse_attention``, the MiniMax-M3 op, block size r, causal inside a
+block) reads exactly those tokens; every query head shares the one selection.
+
+IndexCache: an S indexed layer has ``indexer = None`` (no parameters, no index-K cache) and
+attends over the rows the nearest earlier F indexed layer wrote in this forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from indexcache import ops
+
+from ..state import ForwardContext
+from .gqa import OffsetRMSNorm, partial_rope
+
+# per-call working set of block scoring: rows x heads x blocks (fp32 elements)
+_SCORE_CHUNK_ELEMS = 1 << 24
+
+
+def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (cos, sin) ``[n, rope_dim / 2]`` at ``positions`` (transformers' default RoPE frequencies)."""
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim))
+    angles = positions.float().unsqueeze(1) * inv.unsqueeze(0)
+    return angles.cos(), angles.sin()
+
+
+class QSAIndexer(nn.Module):
+    """The QSA token indexer of one F indexed layer (module docstring)."""
+
+    def __init__(self, hidden: int, n_heads: int, head_dim: int, budget: int, ratio: int, eps: float,
+                 rope_dim: int, rope_theta: float, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim, self.ratio = n_heads, head_dim, ratio
+        self.topk_blocks = budget // ratio
+        self.rope_dim, self.rope_theta = rope_dim, rope_theta
+        self.index_qk_proj = nn.Linear(hidden, (n_heads + 1) * head_dim, bias=False)
+        self.q_layernorm = OffsetRMSNorm(head_dim, eps)
+        self.k_layernorm = OffsetRMSNorm(head_dim, eps)
+
+    def project(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[N, hidden]`` -> (queries ``[N, H, D]`` normed and rotated, raw keys ``[N, D]``)."""
+        n = x.shape[0]
+        q, k = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = partial_rope(self.q_layernorm(q.reshape(n, self.n_heads, self.head_dim)), ctx.cos, ctx.sin)
+        return q, k.contiguous()
+
+    def block_keys(self, raw: torch.Tensor) -> torch.Tensor:
+        """A request's raw keys ``[S, D]`` -> its complete blocks' keys ``[S // r, D]`` (mean, norm, RoPE)."""
+        nb = raw.shape[0] // self.ratio
+        pooled = raw[:nb * self.ratio].view(nb, self.ratio, self.head_dim).float().mean(dim=1).to(raw.dtype)
+        starts = torch.arange(nb, device=raw.device) * self.ratio
+        cos, sin = rope_angles(starts, self.rope_dim, self.rope_theta)
+        return partial_rope(self.k_layernorm(pooled), cos, sin)
+
+    def select(self, q: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
+        """One request's rows: queries ``q [n, H, D]`` at positions ``pos [n]`` against its raw keys
+        ``keys [S, D]``; writes the selection rows ``out [n, topk_blocks + 1]``."""
+        kb = self.block_keys(keys).float()
+        nb = kb.shape[0]
+        ke = ((pos + 1) // self.ratio).to(torch.int32)
+        ks = torch.zeros_like(ke)
+        step = max(1, _SCORE_CHUNK_ELEMS // max(1, self.n_heads * nb))
+        for r0 in range(0, q.shape[0], step):
+            r1 = min(q.shape[0], r0 + step)
+            if nb:
+                dots = torch.einsum("thd,sd->ths", q[r0:r1].float(), kb)
+                logits = dots.relu().sum(dim=1) / self.head_dim ** 0.5
+            else:
+                logits = torch.empty(r1 - r0, 0, device=q.device)
+            ops.topk_indices(logits.contiguous(), ks[r0:r1], ke[r0:r1], self.topk_blocks, out=out[r0:r1])
+        tail = (pos + 1) % self.ratio != 0
+        out[:, -1] = torch.where(tail, pos // self.ratio, -1).to(torch.int32)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, index_k: torch.Tensor | None) -> torch.Tensor:
+        """Write this forward's selections into the shared rows; returns them ``[N, topk_blocks + 1]``.
+        ``index_k``: the layer's paged raw-key cache ``[pages, page, D]`` (None: no cache)."""
+        meta = ctx.meta
+        with ctx.stage(self.layer_id, "indexer"):
+            q, k = self.project(x, ctx)
+            rows = ctx.topk_rows
+            if index_k is not None:
+                index_k.view(-1, self.head_dim)[meta.slot_mapping] = k.to(index_k.dtype)
+            page = meta.block_size if index_k is None else index_k.shape[1]
+            for b, off in enumerate(meta.row_offsets()):
+                qn, seq = meta.q_lens[b], meta.ctx_lens[b] + meta.q_lens[b]
+                if index_k is None:
+                    keys = k[off:off + qn]
+                else:
+                    p = torch.arange(seq, device=x.device)
+                    slots = meta.block_table[b, p // page].long() * page + p % page
+                    keys = index_k.view(-1, self.head_dim)[slots].to(k.dtype)
+                self.select(q[off:off + qn], keys, meta.positions[off:off + qn], rows[off:off + qn])
+        ctx.topk_valid = True
+        return rows
+
+
+class IndexedAttention(nn.Module):
+    """Qwen3.8-Flash-Next's attention of one indexed layer: q_proj gives per head the query and a
+    sigmoid output gate (``[q | gate]`` per head), per-head RMS QK-norm (``1 + w``), partial NeoX
+    RoPE, GQA over the QSA selection, ``out * sigmoid(gate)``, o_proj. ``indexer``: a
+    ``QSAIndexer`` when the layer is F in the plan, else None."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, indexer_cfg: dict,
+                 build_indexer: bool, layer_id: int):
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.ratio, self.topk_blocks = indexer_cfg["ratio"], indexer_cfg["budget"] // indexer_cfg["ratio"]
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.q_norm = OffsetRMSNorm(head_dim, eps)
+        self.k_norm = OffsetRMSNorm(head_dim, eps)
+        self.indexer = QSAIndexer(hidden, eps=eps, layer_id=layer_id, **indexer_cfg) if build_indexer else None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n, d, meta = x.shape[0], self.head_dim, ctx.meta
+        cache = ctx.cache
+        if ctx.is_full(self.layer_id):
+            if self.indexer is None:
+                raise ValueError(f"layer {self.layer_id} is F in this forward but holds no indexer "
+                                 "(the model was built with it as an S layer)")
+            rows = self.indexer(x, ctx, None if cache is None else cache.index_k[self.layer_id])
+        elif not ctx.topk_valid:
+            raise RuntimeError(f"layer {self.layer_id} reuses a QSA selection but no F layer wrote one in this forward")
+        else:
+            rows = ctx.topk_rows
+        with ctx.stage(self.layer_id, "attn_proj"):
+            qg = self.q_proj(x).view(n, self.n_heads, 2 * d)
+            q, gate = qg[..., :d], qg[..., d:].reshape(n, self.n_heads * d)
+            q = partial_rope(self.q_norm(q), ctx.cos, ctx.sin)
+            k = partial_rope(self.k_norm(self.k_proj(x).view(n, self.n_kv_heads, d)), ctx.cos, ctx.sin)
+            v = self.v_proj(x).view(n, self.n_kv_heads, d)
+            if cache is None:
+                shape = (-1, meta.block_size, self.n_kv_heads, d)
+                kc, vc = k.contiguous().view(shape), v.contiguous().view(shape)
+            else:
+                kc, vc = cache.k[self.layer_id], cache.v[self.layer_id]
+                kc.view(-1, self.n_kv_heads, d)[meta.slot_mapping] = k.to(kc.dtype)
+                vc.view(-1, self.n_kv_heads, d)[meta.slot_mapping] = v.to(vc.dtype)
+        with ctx.stage(self.layer_id, "attention"):
+            blocks = rows.view(n, 1, -1).expand(n, self.n_kv_heads, rows.shape[1]).contiguous()
+            out, _ = ops.block_sparse_attention(q.to(kc.dtype).contiguous(), kc, vc, meta.block_table, meta.req_of_row,
+                                                meta.positions.int(), blocks, self.ratio, self.scale)
+        out = out.to(x.dtype).reshape(n, -1) * torch.sigmoid(gate)
+        return self.o_proj(out)
