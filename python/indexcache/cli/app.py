@@ -31,11 +31,10 @@ def _family_reading(config: dict) -> tuple[Optional[list], dict]:
     through the family's own reading of its config.json."""
     if not config.get("model_type") and not config.get("architectures"):
         return None, config
-    from indexcache.models.args import ModelArgs
     from indexcache.models.registry import model_class
     try:
         cls = model_class(config)
-        args = ModelArgs.from_config(cls.family_config(config), cls.model_type, cls.config_defaults)
+        args = cls.args_class.from_config(cls.family_config(config), cls.model_type, cls.config_defaults)
     except (ValueError, KeyError, TypeError):
         return None, config  # not a config a family reads (e.g. a partial one for --layers): every layer
     indexed = cls.indexed_layers(args)
