@@ -292,6 +292,13 @@ def test_plan_command_reports_the_indexed_layers(ckpt, capsys):
                  '{"use_index_cache": true, "index_topk_pattern": "FSSFS"}']) == 0
     out = capsys.readouterr().out
     assert "2 F / 3 S over 5 layers" in out and "pattern: FSSFS" in out and "indexed layers 1, 2, 4, 5, 6" in out
+    assert "    5  F         itself" in out and "    6  S         layer 5" in out and "    4  S         layer 1" in out
+    assert "index caches per sequence (" in out and "(removes" in out  # pools scored, not keys
+    assert main(["plan", "--config", str(path), "--json", "--hf-overrides",
+                 '{"use_index_cache": true, "index_topk_freq": 2}']) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["indexed_layers"] == INDEXED and got["costs"]["index_kpool"] == 4
+    assert abs(got["costs"]["prefill_flops"]["removed_fraction"] - got["num_shared"] / 5) < 1e-12
 
 
 def test_bad_configs_name_the_field(ckpt):

@@ -67,7 +67,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     widths = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # a VL config's text tower
     dims = {k: widths[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in widths}
-    costs = _deepseek_v4_costs(config, plan, args.context) if v4 else indexer_costs(plan, args.context, dims)
+    if v4:
+        costs = _deepseek_v4_costs(config, plan, args.context)
+    elif config.get("model_type") in ("glm5_next", "glm5_next_text") and indexed is not None:
+        from indexcache.models.glm5_next import kpool_indexer_costs  # scores pools of keys, not keys
+        costs = kpool_indexer_costs(config, plan, args.context)
+    else:
+        costs = indexer_costs(plan, args.context, dims)
     main_id = (lambda i: i) if indexed is None else (lambda i: indexed[i])  # plan position -> main layer id
     layers = []
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
@@ -133,7 +139,7 @@ def _print_costs(costs: dict, context: int, csa: Optional[list]) -> None:
     what = f"{len(csa)} CSA layers, entries of {costs['csa_rate']} tokens" if csa is not None else "main layers"
     print(f"\nAgainst all-F at context {context} tokens ({what}; "
           f"{costs['dims']['index_n_heads']} heads x {costs['dims']['index_head_dim']} indexer):")
-    k_label = (f"index-K cache per sequence ({costs['dims']['index_head_dim'] + 4} B/entry/layer)" if csa is not None
+    k_label = costs.get("index_k_label") or (f"index-K cache per sequence ({costs['dims']['index_head_dim'] + 4} B/entry/layer)" if csa is not None
                else "index-K cache per sequence (132 B/token/layer)")
     rows = [("decode_flops_per_token", "indexer FLOPs per generated token", "FLOP"),
             ("prefill_flops", f"indexer FLOPs per prefill of {context} tokens", "FLOP"),

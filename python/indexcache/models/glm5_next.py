@@ -453,3 +453,35 @@ class Glm5NextTextForCausalLM(Glm5NextForCausalLM):
     """A text-only config (``model_type: glm5_next_text``, the fields flat), same layout."""
     model_type = "glm5_next_text"
     architecture = "Glm5NextTextModel"
+
+
+def kpool_indexer_costs(config: dict, plan, context: int) -> dict:
+    """What a plan over the indexed layers removes against all-F at ``context`` tokens, per sequence
+    (``indexcache plan``).
+
+    Per F indexed layer and token: the indexer's projections (``wq_b``, ``wk``, the pooling gate,
+    ``weights_proj``) and its share of the pooling (softmax weights and the weighted sum, ~4 d); per
+    query, the ReLU-weighted score of each complete pool it sees (``(t + 1) // P``), not of each key.
+    Bytes: the index caches this package holds (per token ``key | gate`` fp32, per pool its fp32
+    key). Top-k selection is not counted."""
+    if context < 1:
+        raise ValueError(f"context must be >= 1 token, got {context}")
+    c = glm5_next_args(config)
+    h, d, hidden, q_lora, P = (int(c[k]) for k in ("index_n_heads", "index_head_dim", "hidden_size", "q_lora_rank",
+                                                  "index_kpool"))
+    proj = 2 * q_lora * h * d + 2 * 2 * hidden * d + 2 * hidden * h + 4 * d
+    per_pool = 2 * h * d + 2 * h
+    seen = sum((t + 1) // P for t in range(context)) if context <= 1 << 20 else context * context // (2 * P)
+    layers = sum(1 for t in c["glm_layer_types"] if t == INDEXED)
+
+    def entry(per_layer):
+        full, kept = per_layer * layers, per_layer * plan.num_full
+        return {"all_f": full, "plan": kept, "removed": full - kept, "removed_fraction": (full - kept) / full if full else 0.0}
+
+    per_token = 2 * d * 4 + d * 4 / P
+    return {"context": context, "index_kpool": P,
+            "dims": {"hidden_size": hidden, "q_lora_rank": q_lora, "index_n_heads": h, "index_head_dim": d},
+            "index_k_label": f"index caches per sequence ({per_token:g} B/token/layer)",
+            "decode_flops_per_token": entry(proj + context // P * per_pool),
+            "prefill_flops": entry(context * proj + seen * per_pool),
+            "index_k_cache_bytes_per_sequence": entry(int(context * per_token))}
