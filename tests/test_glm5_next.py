@@ -199,11 +199,18 @@ def test_decode_and_chunked_prefill_equal_the_full_forward(ckpt):
     for got, want in zip(batched, full):
         assert rel(got, want) < 1e-5
     cache = model.allocate_cache(4)
+    for rid in range(3):
+        cache.manager.allocate(rid, 8)
+    cache.linear.slots([0, 1], [0, 0])
+    cache.manager.free(0)
+    assert cache.linear.slots([2], [0]) == [cache.linear._slot_of[2]] and cache.linear.num_slots == 2  # reused
+    with pytest.raises(ValueError, match="continues at position 5"):
+        cache.linear.slots([7], [5])
     assert [t is not None for t in cache.index_raw] == [i in (1, 5) for i in range(7)]  # F indexed layers only
     assert [t is not None for t in cache.kv] == [i in INDEXED for i in range(7)]
-    assert cache.linear.recurrent[0].shape == (4, 2, 8, 8) and cache.linear.conv[3].shape == (4, 48, 3)
-    # the linear state is per request: its bytes do not grow with the blocks a request holds
-    assert cache.linear.nbytes() == 2 * 4 * (2 * 8 * 8 + 48 * 3) * 4
+    assert cache.linear.recurrent[0].shape == (2, 2, 8, 8) and cache.linear.conv[3].shape == (2, 48, 3)
+    # the linear state is per live request: its bytes do not grow with the blocks a request holds
+    assert cache.linear.nbytes() == 2 * 2 * (2 * 8 * 8 + 48 * 3) * 4
     with pytest.raises(ValueError, match="index_kpool"):
         model.allocate_cache(4, block_size=6)
 

@@ -255,7 +255,8 @@ class Glm5NextPagedCache:
     RoPE part); per F indexed layer ``index_raw[i]`` fp32 ``[num_blocks, block, 2 index_head_dim]``
     (each token's key and pooling gate) and ``index_pool[i]`` fp32 ``[num_blocks, block / index_kpool,
     index_head_dim]`` (pooled keys). ``linear``: the KDA layers' conv and recurrent state, one slot
-    per live request (``max_num_seqs`` slots, default ``num_blocks``), freed with the request.
+    per live request (grown on demand to the most requests live at once, at most ``max_num_seqs``
+    when given), freed with the request.
     """
 
     def __init__(self, model, num_blocks: int, kv_cache_dtype: str = "auto", block_size: int = 64,
@@ -287,7 +288,7 @@ class Glm5NextPagedCache:
             self.index_pool.append(None if idx is None else
                                    torch.zeros(num_blocks, block_size // args.index_kpool, d, device=self.device))
             specs.append(attn.state_spec() if isinstance(attn, KimiDeltaAttention) else None)
-        self.linear = LinearStates(specs, max_num_seqs or num_blocks, self.device)
+        self.linear = LinearStates(specs, 0, self.device, max_num_seqs)
         self.manager.on_free.append(self.linear.free)
 
     def layer_bytes(self, layer_id: int) -> tuple[int, int]:

@@ -11,8 +11,8 @@ from the forget gate (``lower_bound · sigmoid(exp(A_log) · (f_b(f_a(x)) + dt_b
 
 State per request and layer, constant in the context length: the last ``kernel - 1`` conv inputs
 ``[conv_dim, kernel - 1]`` and the recurrent state ``[heads, d_k, d_v]`` (fp32). ``LinearStates``
-holds them in rows ("slots") handed out per request; a request whose forward starts at position 0
-starts from zeros.
+holds them in rows ("slots") handed out per request, grown to the most requests live at once; a
+request whose forward starts at position 0 starts from zeros.
 """
 
 from __future__ import annotations
@@ -81,25 +81,33 @@ class LinearStates:
     ``recurrent`` fp32 ``[slots, heads, d_k, d_v]``, one slot per live request.
 
     ``slots(rids, ctx_lens)`` gives the batch's requests their slots (a request new to the store takes
-    a free one) and zeroes those of requests starting at position 0; ``free(rid)`` returns it (the
+    a free one; the store grows, by doubling, to the most requests live at once, at most
+    ``max_slots``) and zeroes those of requests starting at position 0; ``free(rid)`` returns it (the
     paged cache's ``CacheManager.on_free`` hook)."""
 
-    def __init__(self, layers: Sequence[Optional[tuple]], num_slots: int, device):
+    def __init__(self, layers: Sequence[Optional[tuple]], num_slots: int, device, max_slots: Optional[int] = None):
         """``layers``: per main layer, (conv_dim, kernel, heads, d_k, d_v) for a KDA layer, else None."""
-        if num_slots < 1:
-            raise ValueError(f"the linear-attention state needs >= 1 slot, got {num_slots}")
-        self.num_slots = num_slots
-        self.conv, self.recurrent = [], []
-        for spec in layers:
-            if spec is None:
-                self.conv.append(None)
-                self.recurrent.append(None)
-                continue
-            conv_dim, kernel, heads, dk, dv = spec
-            self.conv.append(torch.zeros(num_slots, conv_dim, kernel - 1, device=device))
-            self.recurrent.append(torch.zeros(num_slots, heads, dk, dv, device=device))
+        if num_slots < 0 or (max_slots is not None and max_slots < max(num_slots, 1)):
+            raise ValueError(f"the linear-attention state needs 0 <= num_slots <= max_slots, got {num_slots}, {max_slots}")
+        self.specs, self.device, self.max_slots = list(layers), device, max_slots
+        self.num_slots = 0
+        self.conv = [None if spec is None else torch.zeros(0, spec[0], spec[1] - 1, device=device) for spec in self.specs]
+        self.recurrent = [None if spec is None else torch.zeros(0, *spec[2:], device=device) for spec in self.specs]
         self._slot_of: dict = {}
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free: list = []
+        self._grow(num_slots)
+
+    def _grow(self, to: int) -> None:
+        if to <= self.num_slots:
+            return
+        extra = to - self.num_slots
+        for i, spec in enumerate(self.specs):
+            if spec is not None:
+                self.conv[i] = torch.cat((self.conv[i], self.conv[i].new_zeros(extra, *self.conv[i].shape[1:])))
+                self.recurrent[i] = torch.cat((self.recurrent[i],
+                                               self.recurrent[i].new_zeros(extra, *self.recurrent[i].shape[1:])))
+        self._free = list(range(to - 1, self.num_slots - 1, -1)) + self._free
+        self.num_slots = to
 
     def slots(self, rids: Sequence, ctx_lens: Sequence[int]) -> list:
         out = []
@@ -110,7 +118,11 @@ class LinearStates:
                     raise ValueError(f"request {rid!r} continues at position {c} but holds no linear-attention state "
                                      "(its earlier tokens ran in no forward over this cache)")
                 if not self._free:
-                    raise RuntimeError(f"linear-attention state out of slots: {self.num_slots} requests live")
+                    if self.max_slots is not None and self.num_slots >= self.max_slots:
+                        raise RuntimeError(f"linear-attention state out of slots: {self.num_slots} requests live "
+                                           f"(max_num_seqs {self.max_slots})")
+                    want = max(1, 2 * self.num_slots)
+                    self._grow(want if self.max_slots is None else min(want, self.max_slots))
                 slot = self._slot_of[rid] = self._free.pop()
             if c == 0:
                 for t in self.conv + self.recurrent:
