@@ -17,6 +17,7 @@ import copy
 import json
 import math
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -121,8 +122,12 @@ def test_patterns_equal_transformers_indexer_types(ckpt, ids, pattern, tmp_path)
     want = hf_logits(shared, ids)
     assert rel(want, hf_logits(hf, ids)) > 1e-3  # the pattern changes what the S layers attend
     # the pattern as an override (one character per indexed layer) ...
-    model = from_pretrained(path, dtype=torch.float32,
-                            hf_overrides={"use_index_cache": True, "index_topk_pattern": pattern})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = from_pretrained(path, dtype=torch.float32,
+                                hf_overrides={"use_index_cache": True, "index_topk_pattern": pattern})
+    # the vision tower and the S layers' indexer tensors are passed over knowingly
+    assert not [w for w in caught if "not used" in str(w.message)], [str(w.message) for w in caught]
     assert model.plan.pattern == pattern
     assert [model.model.layers[i].self_attn.indexer is None for i in INDEXED] == [c == "S" for c in pattern]
     assert rel(model(ids), want) < 1e-4
@@ -146,6 +151,19 @@ def test_shared_layers_reuse_the_nearest_earlier_full_layer(ckpt, ids):
     want = full.compute_logits(full.hidden_states(ids.reshape(-1), ctx)).view(*ids.shape, -1)
     assert torch.equal(model(ids), want)
     assert rel(want, full(ids)) > 1e-3
+
+
+def test_native_width_indexer_equals_transformers(tmp_path, ids):
+    """index_head_dim 128: the pooled scores and top-k run through the fused ``ops.indexer_topk``."""
+    hf = hf_model(seed=int(torch.randint(0, 1 << 30, ())), index_head_dim=128)
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.model.layers[1].self_attn.indexer.head_dim == 128
+    assert rel(model(ids), hf_logits(hf, ids)) < 1e-4
+    shared = hf_model(0, pattern="FSFFS", state=hf.state_dict(), index_head_dim=128)
+    model = from_pretrained(tmp_path, dtype=torch.float32,
+                            hf_overrides={"use_index_cache": True, "index_topk_pattern": "FSFFS"})
+    assert rel(model(ids), hf_logits(shared, ids)) < 1e-4
 
 
 def test_ties_go_to_the_lower_pool(ckpt):
