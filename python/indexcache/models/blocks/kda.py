@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from indexcache import ops, reference
+from indexcache import reference
 
 from ..state import ForwardContext
 
