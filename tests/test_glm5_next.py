@@ -366,3 +366,19 @@ def test_bad_configs_name_the_field(ckpt):
     m = build(indexer_types=["shared"] + global_types("FSFFF")[1:])
     assert m.plan.pattern == "FSFFF"
     assert not math.isnan(float(m(torch.tensor([[1, 2, 3]])).sum()))
+
+
+def test_without_the_tail_paged_equals_dense(ckpt):
+    """``index_kpool_always_select_tail: false`` (not compared with transformers, whose rows with no
+    complete pool attend every key): the rows are the selected pools only, and the paged path agrees."""
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"] = {**cfg["text_config"], "index_kpool_always_select_tail": False}
+    model = Glm5NextForCausalLM.from_config(cfg, {"use_index_cache": True, "index_topk_pattern": "FSSFS"},
+                                            seed=int(torch.randint(0, 1 << 30, ())))
+    assert model.args.index_topk == 8 and model.model.layers[1].self_attn.indexer.row_width == 8
+    seq = torch.randint(0, TEXT["vocab_size"], (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    full = model(torch.tensor([seq]))[0]
+    assert torch.isfinite(full).all()
+    got = run_paged(model, [seq], [13], chunk=6)[0]
+    assert rel(got, full) < 1e-5
