@@ -31,11 +31,10 @@ def _family_reading(config: dict) -> tuple[Optional[list], dict]:
     through the family's own reading of its config.json."""
     if not config.get("model_type") and not config.get("architectures"):
         return None, config
-    from indexcache.models.args import ModelArgs
     from indexcache.models.registry import model_class
     try:
         cls = model_class(config)
-        args = ModelArgs.from_config(cls.family_config(config), cls.model_type, cls.config_defaults)
+        args = cls.args_class.from_config(cls.family_config(config), cls.model_type, cls.config_defaults)
     except (ValueError, KeyError, TypeError):
         return None, config  # not a config a family reads (e.g. a partial one for --layers): every layer
     indexed = cls.indexed_layers(args)
@@ -73,6 +72,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif config.get("model_type") in ("qwen4_exp", "qwen4_exp_text") and args.layers is None:
         from indexcache.models.qwen4_exp import qsa_indexer_costs  # QSA: one key per block of tokens
         costs = qsa_indexer_costs(config, plan, args.context)
+    elif config.get("model_type") in ("glm5_next", "glm5_next_text") and indexed is not None:
+        from indexcache.models.glm5_next import kpool_indexer_costs  # scores pools of keys, not keys
+        costs = kpool_indexer_costs(config, plan, args.context)
     else:
         costs = indexer_costs(plan, args.context, dims)
     main_id = (lambda i: i) if indexed is None else (lambda i: indexed[i])  # plan position -> main layer id
@@ -140,9 +142,8 @@ def _print_costs(costs: dict, context: int, csa: Optional[list]) -> None:
     what = f"{len(csa)} CSA layers, entries of {costs['csa_rate']} tokens" if csa is not None else "main layers"
     print(f"\nAgainst all-F at context {context} tokens ({what}; "
           f"{costs['dims']['index_n_heads']} heads x {costs['dims']['index_head_dim']} indexer):")
-    k_label = (f"index-K cache per sequence ({costs['dims']['index_head_dim'] + 4} B/entry/layer)" if csa is not None
+    k_label = costs.get("index_k_label") or (f"index-K cache per sequence ({costs['dims']['index_head_dim'] + 4} B/entry/layer)" if csa is not None
                else "index-K cache per sequence (132 B/token/layer)")
-    k_label = costs.get("index_k_label", k_label)
     rows = [("decode_flops_per_token", "indexer FLOPs per generated token", "FLOP"),
             ("prefill_flops", f"indexer FLOPs per prefill of {context} tokens", "FLOP"),
             ("index_k_cache_bytes_per_sequence", k_label, "B")]

@@ -35,7 +35,7 @@ def _setup(args, all_full: bool = True):
     path = Path(args.model) if args.model else embedded_model_path()
     config = load_config(path)
     family = model_class(config)
-    max_pos = ModelArgs.from_config(family.family_config(config), family.model_type,
+    max_pos = family.args_class.from_config(family.family_config(config), family.model_type,
                                     family.config_defaults).max_position_embeddings
     tokenizer = load_tokenizer(path, config)
     model = load_all_full(path, dtype=torch.float32) if all_full else None

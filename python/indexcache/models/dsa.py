@@ -91,6 +91,7 @@ class DSAForCausalLM(nn.Module):
     (``decoder_layer``, constructed as ``DecoderLayer`` is) and caches (``allocate_cache``)."""
     model_type = ""
     architecture = ""
+    args_class = ModelArgs  # a family with fields of its own subclasses ModelArgs
     config_defaults: dict = {}
     # parameter-name suffixes the family keeps in fp32 whatever the model dtype (beside FP32_PARAMS)
     fp32_params: tuple = ()
@@ -177,7 +178,7 @@ class DSAForCausalLM(nn.Module):
         if found != cls.model_type:
             raise ValueError(f"config.json's model_type is {found!r} but {cls.__name__} runs "
                              f"{cls.model_type!r}: load it with indexcache.models.from_pretrained")
-        args = ModelArgs.from_config(cls.family_config(merged), cls.model_type, cls.config_defaults)
+        args = cls.args_class.from_config(cls.family_config(merged), cls.model_type, cls.config_defaults)
         if cls.mla and torch.device(device).type == "cuda" and not (args.native_mla and args.native_indexer):
             raise ValueError(f"the CUDA kernels take the 512 + 64 latent and 128-wide indexer of every production "
                              f"DSA model; this checkpoint has kv_lora_rank {args.kv_lora_rank}, qk_rope_head_dim "

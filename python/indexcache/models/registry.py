@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from . import deepseek_v4, deepseek_v32, glm5, hy_v4, minimax_m3, qwen4_exp  # noqa: F401  (the families register themselves)
+from . import deepseek_v4, deepseek_v32, glm5, glm5_next, hy_v4, minimax_m3, qwen4_exp  # noqa: F401  (the families register themselves)
 from .dsa import FAMILIES, DSAForCausalLM, model_type_of
 
 

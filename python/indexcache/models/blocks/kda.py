@@ -1,0 +1,205 @@
+"""Kimi Delta Attention (KDA), GLM-5.3-Flash's linear-attention layer, and the per-request state it
+carries between forwards.
+
+Per token (transformers' ``Glm5NextTextLinearAttention``): ``q | k | v = conv(q_proj x | k_proj x |
+v_proj x)`` through one depthwise causal convolution of ``linear_conv_kernel_dim`` taps with SiLU,
+q and k l2-normalised per head (``x / sqrt(Σ x² + 1e-6)``, fp32), a per-channel log-decay ``g``
+from the forget gate (``lower_bound · sigmoid(exp(A_log) · (f_b(f_a(x)) + dt_bias))``, or
+``-exp(A_log) · softplus(..)`` without a bound), ``beta = sigmoid(b_proj x)``, the gated delta rule
+(``reference.delta_rule``'s recurrence, scale ``d_k^-½``), then a gated RMSNorm per head
+(``RMSNorm(o) · sigmoid(g_b(g_a(x)))``) and ``o_proj``.
+
+State per request and layer, constant in the context length: the last ``kernel - 1`` conv inputs
+``[conv_dim, kernel - 1]`` and the recurrent state ``[heads, d_k, d_v]`` (fp32). ``LinearStates``
+holds them in rows ("slots") handed out per request, grown to the most requests live at once; a
+request whose forward starts at position 0 starts from zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from indexcache import reference
+
+from ..state import ForwardContext
+
+# The delta-rule recurrence. reference.delta_rule is its formal definition (a loop over tokens);
+# the kernel is ops.delta_rule (branch linattn). MERGE: when ops.delta_rule exists, this line becomes
+#     _delta_rule = ops.delta_rule
+# and nothing else changes (same arguments, same result).
+_delta_rule = reference.delta_rule
+
+L2_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x / sqrt(Σ x² + 1e-6)`` over the last dim (FLA's, as transformers computes it)."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+class ForgetGate(nn.Module):
+    """Per-channel log-decay ``[N, heads, d_k]`` (fp32, <= 0)."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, lower_bound: Optional[float]):
+        super().__init__()
+        self.heads, self.head_dim, self.lower_bound = heads, head_dim, lower_bound
+        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, heads * head_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(heads * head_dim))  # fp32
+        self.A_log = nn.Parameter(torch.empty(heads))  # fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(n, self.heads, self.head_dim)
+        rate = self.A_log.float().exp().view(1, self.heads, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(o) · weight · sigmoid(gate)`` per head, fp32, returned in ``o``'s dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = o.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (h * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+class LinearStates:
+    """The KDA layers' per-request state: per layer ``conv`` fp32 ``[slots, conv_dim, kernel - 1]`` and
+    ``recurrent`` fp32 ``[slots, heads, d_k, d_v]``, one slot per live request.
+
+    ``slots(rids, ctx_lens)`` gives the batch's requests their slots (a request new to the store takes
+    a free one; the store grows, by doubling, to the most requests live at once, at most
+    ``max_slots``) and zeroes those of requests starting at position 0; ``free(rid)`` returns it (the
+    paged cache's ``CacheManager.on_free`` hook)."""
+
+    def __init__(self, layers: Sequence[Optional[tuple]], num_slots: int, device, max_slots: Optional[int] = None):
+        """``layers``: per main layer, (conv_dim, kernel, heads, d_k, d_v) for a KDA layer, else None."""
+        if num_slots < 0 or (max_slots is not None and max_slots < max(num_slots, 1)):
+            raise ValueError(f"the linear-attention state needs 0 <= num_slots <= max_slots, got {num_slots}, {max_slots}")
+        self.specs, self.device, self.max_slots = list(layers), device, max_slots
+        self.num_slots = 0
+        self.conv = [None if spec is None else torch.zeros(0, spec[0], spec[1] - 1, device=device) for spec in self.specs]
+        self.recurrent = [None if spec is None else torch.zeros(0, *spec[2:], device=device) for spec in self.specs]
+        self._slot_of: dict = {}
+        self._free: list = []
+        self._grow(num_slots)
+
+    def _grow(self, to: int) -> None:
+        if to <= self.num_slots:
+            return
+        extra = to - self.num_slots
+        for i, spec in enumerate(self.specs):
+            if spec is not None:
+                self.conv[i] = torch.cat((self.conv[i], self.conv[i].new_zeros(extra, *self.conv[i].shape[1:])))
+                self.recurrent[i] = torch.cat((self.recurrent[i],
+                                               self.recurrent[i].new_zeros(extra, *self.recurrent[i].shape[1:])))
+        self._free = list(range(to - 1, self.num_slots - 1, -1)) + self._free
+        self.num_slots = to
+
+    def slots(self, rids: Sequence, ctx_lens: Sequence[int]) -> list:
+        out = []
+        for rid, c in zip(rids, ctx_lens):
+            slot = self._slot_of.get(rid)
+            if slot is None:
+                if c != 0:
+                    raise ValueError(f"request {rid!r} continues at position {c} but holds no linear-attention state "
+                                     "(its earlier tokens ran in no forward over this cache)")
+                if not self._free:
+                    if self.max_slots is not None and self.num_slots >= self.max_slots:
+                        raise RuntimeError(f"linear-attention state out of slots: {self.num_slots} requests live "
+                                           f"(max_num_seqs {self.max_slots})")
+                    want = max(1, 2 * self.num_slots)
+                    self._grow(want if self.max_slots is None else min(want, self.max_slots))
+                slot = self._slot_of[rid] = self._free.pop()
+            if c == 0:
+                for t in self.conv + self.recurrent:
+                    if t is not None:
+                        t[slot].zero_()
+            out.append(slot)
+        return out
+
+    def free(self, rid) -> None:
+        slot = self._slot_of.pop(rid, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent if t is not None)
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer over a flattened batch (rows request-major, as ``BatchMeta`` lays them out)."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, kernel: int, lower_bound: Optional[float],
+                 norm_eps: float, layer_id: int):
+        super().__init__()
+        self.layer_id, self.heads, self.head_dim, self.kernel = layer_id, heads, head_dim, kernel
+        width = heads * head_dim
+        self.conv_dim = 3 * width
+        self.q_proj = nn.Linear(hidden, width, bias=False)
+        self.k_proj = nn.Linear(hidden, width, bias=False)
+        self.v_proj = nn.Linear(hidden, width, bias=False)
+        # depthwise filters, fp32 (transformers keeps them in fp32 and runs them as one over q | k | v)
+        self.q_conv1d = nn.Conv1d(width, width, kernel, groups=width, bias=False)
+        self.k_conv1d = nn.Conv1d(width, width, kernel, groups=width, bias=False)
+        self.v_conv1d = nn.Conv1d(width, width, kernel, groups=width, bias=False)
+        self.forget_gate = ForgetGate(hidden, heads, head_dim, lower_bound)
+        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, norm_eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+        self.indexer = None  # no lightning indexer: outside the IndexCache plan
+
+    def state_spec(self) -> tuple:
+        return self.conv_dim, self.kernel, self.heads, self.head_dim, self.head_dim
+
+    def _conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, slots: list, q_lens: list) -> torch.Tensor:
+        """Causal depthwise conv + SiLU of ``mixed [N, conv_dim]`` per request, continuing from and
+        updating ``conv_state[slot]`` (the last ``kernel - 1`` inputs)."""
+        w = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)).float()  # [C, 1, K]
+        out, r0 = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device), 0
+        for slot, n in zip(slots, q_lens):
+            seq = torch.cat((conv_state[slot], mixed[r0:r0 + n].float().t()), dim=-1)  # [C, K - 1 + n]
+            conv_state[slot] = seq[:, seq.shape[1] - (self.kernel - 1):]
+            out[r0:r0 + n] = F.conv1d(seq.unsqueeze(0), w, groups=self.conv_dim)[0].t()
+            r0 += n
+        return F.silu(out).to(mixed.dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta, n = ctx.meta, x.shape[0]
+        store = ctx.linear_states
+        slots = ctx.linear_slots
+        with ctx.stage(self.layer_id, "kda_proj"):
+            mixed = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+            mixed = self._conv(mixed, store.conv[self.layer_id], slots, meta.q_lens)
+            q, k, v = mixed.view(n, 3, self.heads, self.head_dim).unbind(1)
+            g = self.forget_gate(x)
+            beta = torch.sigmoid(self.b_proj(x).float())
+        with ctx.stage(self.layer_id, "delta_rule"):
+            cu = torch.tensor([0] + list(_cumsum(meta.q_lens)), dtype=torch.int32, device=x.device)
+            idx = torch.tensor(slots, dtype=torch.int32, device=x.device)
+            o = _delta_rule(l2norm(q), l2norm(k), v.contiguous(), g, beta, store.recurrent[self.layer_id], cu, idx,
+                            self.head_dim ** -0.5)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(n, self.heads, self.head_dim)
+        return self.o_proj(self.o_norm(o, gate).reshape(n, -1))
+
+
+def _cumsum(lens):
+    acc = 0
+    for n in lens:
+        acc += n
+        yield acc

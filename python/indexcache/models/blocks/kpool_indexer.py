@@ -1,0 +1,139 @@
+"""GLM-5.3-Flash's key-pooled DSA indexer (transformers' ``Glm5NextTextIndexer``), DESIGN.md §6.
+
+One key head ``k = LayerNorm(wk(x))`` (eps 1e-6, no RoPE). Request positions are cut into pools of
+``index_kpool`` tokens (pool ``j``: positions ``[j P, (j + 1) P)``); a complete pool's key is the
+softmax-weighted mean of its tokens' keys, the weights ``softmax_t(gate[t] + ape[t mod P])`` per
+channel, ``gate = index_kpool_compress_gate · x``. A query at position ``p`` scores each complete
+pool it sees (the ``(p + 1) // P`` pools ending at or before ``p``) by
+``Σ_h w_h · H^-½ · ReLU(q_h · k_pool · d^-½)`` (``w = weights_proj(x)``, ``q = wq_b(qr)``), keeps the
+``index_topk / P`` best (ties toward the lower pool), expands them to their ``P`` positions each and,
+with ``index_kpool_always_select_tail``, adds the positions of its own unfinished pool
+(``[(p + 1) - (p + 1) mod P, p]``). The row it writes into the shared top-k buffer holds
+``index_topk + P - 1`` request positions (-1 padded); scores are ``[s_q, s_kv / P]``, never
+``[s_q, s_kv]``, through the lightning indexer's own fused top-k op (``ops.indexer_topk``: the
+same ReLU-weighted sum over the pooled keys, the constants folded into the head weights since
+``ReLU(a x) = a ReLU(x)`` for ``a > 0``).
+
+Caches (``Glm5NextPagedCache``): per F layer each token's ``k | gate`` (``index_raw``, what a pool
+is built from once it completes) and the pooled keys (``index_pool``, one row per ``P`` slots of
+a block: pool ``j`` of a request lives in the block holding position ``j P``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from indexcache import ops, reference
+from indexcache.formats import INDEX_HEAD_DIM
+
+from ..state import ForwardContext
+from .norms import LayerNorm
+
+POOL_K_NORM_EPS = 1e-6  # transformers builds the indexer's key LayerNorm with eps 1e-6
+
+
+def pooled_keys(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """Complete pools' keys: k, gate ``[n_pools * P, d]`` (in position order), ape ``[P, d]`` ->
+    fp32 ``[n_pools, d]``, ``Σ_t softmax_t(gate + ape) · k`` per channel."""
+    p, d = ape.shape
+    logits = gate.float().view(-1, p, d) + ape.float()
+    return (logits.softmax(dim=1) * k.float().view(-1, p, d)).sum(dim=1)
+
+
+class PooledIndexer(nn.Module):
+    def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, kpool: int,
+                 always_select_tail: bool, layer_id: int):
+        super().__init__()
+        self.layer_id, self.n_heads, self.head_dim = layer_id, n_heads, head_dim
+        self.kpool, self.topk_pools, self.tail = kpool, topk // kpool, always_select_tail
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden, head_dim, bias=False)
+        self.k_norm = LayerNorm(head_dim, eps=POOL_K_NORM_EPS)
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)  # fp32
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kpool, head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(head_dim, hidden))
+
+    @property
+    def row_width(self) -> int:
+        """Columns of a selection row: the selected pools' positions, then the tail's."""
+        return self.topk_pools * self.kpool + (self.kpool - 1 if self.tail else 0)
+
+    def key_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Per row fp32 ``[N, 2 d]``: the key ``LayerNorm(wk x)`` then the pooling gate logits."""
+        k = self.k_norm(self.wk(x)).float()
+        return torch.cat((k, F.linear(x, self.index_kpool_compress_gate.to(x.dtype)).float()), dim=-1)
+
+    def _pools(self, raw: torch.Tensor) -> torch.Tensor:
+        d = self.head_dim
+        return pooled_keys(raw[:, :d], raw[:, d:], self.index_kpool_compress_ape)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> None:
+        """Select for every row of the batch and write ``ctx.topk_rows`` (request positions, -1 padded)."""
+        meta, n = ctx.meta, x.shape[0]
+        P = self.kpool
+        with ctx.stage(self.layer_id, "indexer"):
+            q = self.wq_b(qr).view(n, self.n_heads, self.head_dim).float()
+            w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads * self.head_dim) ** -0.5
+            raw = self.key_inputs(x)
+            pools_of = self._paged_pools(raw, ctx) if meta.paged else None
+        with ctx.stage(self.layer_id, "topk"):
+            rows = ctx.topk_rows
+            rows.fill_(-1)
+            r0 = 0
+            for b, (c, m) in enumerate(zip(meta.ctx_lens, meta.q_lens)):
+                if pools_of is not None:
+                    pk = pools_of[b]
+                else:  # no cache: the request is this forward's rows r0:r0 + m, from position 0
+                    if c:
+                        raise ValueError("a forward without a cache starts every request at position 0")
+                    complete = m // P * P
+                    pk = self._pools(raw[r0:r0 + complete])
+                pos = meta.positions[r0:r0 + m].long()
+                seen = ((pos + 1) // P).int()
+                zeros = torch.zeros(m, dtype=torch.int32, device=x.device)
+                if pk.shape[0]:
+                    picked = self._top_pools(q[r0:r0 + m].contiguous(), pk.contiguous(), w[r0:r0 + m].contiguous(),
+                                             zeros, seen)  # [m, topk_pools] pool ids, -1 padded
+                    tok = picked.long().unsqueeze(-1) * P + torch.arange(P, device=x.device)
+                    tok = torch.where(picked.unsqueeze(-1) >= 0, tok, torch.full_like(tok, -1)).flatten(1)
+                    rows[r0:r0 + m, :tok.shape[1]] = tok.int()
+                if self.tail and P > 1:
+                    start = (pos + 1) // P * P
+                    tail = start.unsqueeze(1) + torch.arange(P - 1, device=x.device)
+                    tail = torch.where(tail <= pos.unsqueeze(1), tail, torch.full_like(tail, -1))
+                    rows[r0:r0 + m, self.topk_pools * P:self.row_width] = tail.int()
+                r0 += m
+        ctx.topk_valid = True
+
+    def _top_pools(self, q, pk, w, ks, ke) -> torch.Tensor:
+        """The lightning indexer's scoring + top-k over the pooled keys: fused for the native 128-wide
+        keys; other widths score by the op's definition (``[rows, pools]``) then run the top-k op."""
+        if self.head_dim == INDEX_HEAD_DIM:
+            return ops.indexer_topk(q, pk, None, w, ks, ke, self.topk_pools)
+        return ops.topk_indices(reference.indexer_logits(q, pk, None, w, ks, ke), ks, ke, self.topk_pools)
+
+    def _paged_pools(self, raw: torch.Tensor, ctx: ForwardContext) -> list:
+        """Write this step's ``k | gate`` rows, pool the pools that completed in it, and return each
+        request's pooled keys ``[complete pools, d]`` read from the cache."""
+        meta, cache, P = ctx.meta, ctx.cache, self.kpool
+        raw_cache, pool_cache = cache.index_raw[self.layer_id], cache.index_pool[self.layer_id]
+        bs = meta.block_size
+        flat_raw = raw_cache.view(-1, raw_cache.shape[-1])
+        flat_raw[meta.slot_mapping] = raw.to(flat_raw.dtype)
+        per_block = bs // P
+        flat_pool = pool_cache.view(-1, pool_cache.shape[-1])
+        table = meta.block_table.long()
+        out = []
+        for b, (c, m) in enumerate(zip(meta.ctx_lens, meta.q_lens)):
+            done, total = c // P, (c + m) // P
+            if total > done:  # pools done..total-1 completed in this step
+                pos = torch.arange(done * P, total * P, device=raw.device)
+                slots = table[b, pos // bs] * bs + pos % bs
+                new = self._pools(flat_raw[slots])
+                first = torch.arange(done, total, device=raw.device) * P
+                flat_pool[table[b, first // bs] * per_block + (first % bs) // P] = new.to(flat_pool.dtype)
+            first = torch.arange(total, device=raw.device) * P
+            out.append(flat_pool[table[b, first // bs] * per_block + (first % bs) // P].float())
+        return out
