@@ -357,10 +357,10 @@ class DSAForCausalLM(nn.Module):
         h = self.forward_tokens(input_ids.reshape(-1).to(self.device), meta)
         return self.compute_logits(h).view(b, t, -1)
 
-    @property
-    def index_reuse_steps(self) -> int:
-        """Decode steps an F layer's selection serves a request (``index_reuse_steps``; 1: off)."""
-        return self.ic_config.index_reuse_steps if self.ic_config is not None else 1
+    index_reuse_steps = property(lambda self: getattr(self.ic_config, "index_reuse_steps", 1),
+                                 doc="Decode steps an F layer's selection serves a request (1: off).")
+    min_recall = property(lambda self: getattr(self.ic_config, "index_reuse_min_recall", None),
+                          doc="index_reuse_min_recall: the adaptive reuse's recall bar (None: fixed schedule).")
 
     @torch.no_grad()
     def forward_tokens(self, input_ids: torch.Tensor, meta: BatchMeta, cache: Optional[PagedKVCache] = None,
@@ -371,9 +371,8 @@ class DSAForCausalLM(nn.Module):
         ``reuse``: under ``index_reuse_steps`` > 1, a request's single row may reuse its F layers' last
         selections (models/step_reuse.py); False (prefill) computes every row."""
         ctx = self.forward_context(meta, cache, timer, sync_free=sync_free)
-        if meta.paged:
-            ctx.reuse_steps, ctx.decode_reuse = self.index_reuse_steps, reuse
-            ctx.reuse_min_recall = self.ic_config.index_reuse_min_recall if self.ic_config is not None else None
+        if meta.paged:  # step reuse (adaptive with a recall bar) in force for this forward
+            ctx.reuse_steps, ctx.decode_reuse, ctx.reuse_min_recall = self.index_reuse_steps, reuse, self.min_recall
         return self.hidden_states(input_ids, ctx)
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
