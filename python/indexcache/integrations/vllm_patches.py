@@ -15,7 +15,7 @@ from typing import Optional
 
 from . import vllm_models
 from .vllm_backend import BACKEND_NAME, BACKEND_PATH, IndexCacheIndexerBackend, indexer_forward
-from .vllm_models import SERVED, plugin_class_name
+from .vllm_models import NATIVE, SERVED
 
 logger = logging.getLogger("indexcache.vllm")
 
@@ -35,7 +35,8 @@ def _cpu_get_attn_backend_cls(original):
 def _served_dsa(vllm_config) -> bool:
     mc = vllm_config.model_config
     archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
-    return mc is not None and bool(getattr(mc, "use_mla", False)) and any(a in SERVED for a in archs)
+    return mc is not None and any(a in NATIVE or (a in SERVED and bool(getattr(mc, "use_mla", False)))
+                                  for a in archs)
 
 
 def _cpu_check_and_update_config(original):
@@ -189,9 +190,10 @@ def install() -> None:
         register_backend(BACKEND_NAME, BACKEND_PATH)
     for arch in vllm_models.registered_architectures():
         entry = getattr(ModelRegistry, "models", {}).get(arch)
+        path = vllm_models.plugin_class_path(arch)
         if (getattr(entry, "module_name", None), getattr(entry, "class_name", None)) != \
-                (vllm_models.__name__, plugin_class_name(arch)):  # vLLM warns on every re-registration
-            ModelRegistry.register_model(arch, f"{vllm_models.__name__}:{plugin_class_name(arch)}")
+                tuple(path.split(":")):  # vLLM warns on every re-registration
+            ModelRegistry.register_model(arch, path)
 
 
 def _restore(keys) -> None:
