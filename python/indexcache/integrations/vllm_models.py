@@ -140,6 +140,8 @@ NATIVE = {
                                "IndexCacheMiniMaxM3VLForCausalLM"),
     "MiniMaxM3SparseForConditionalGeneration": (("minimax_m3_vl",), "indexcache.integrations.vllm_minimax_m3",
                                                 "IndexCacheMiniMaxM3SparseForConditionalGeneration"),
+    "DeepseekV4ForCausalLM": (("deepseek_v4",), "indexcache.integrations.vllm_deepseek_v4",
+                              "IndexCacheDeepseekV4ForCausalLM"),
 }
 # architectures neither vLLM's CPU platform nor this package's models run: refused at model
 # construction, naming what is served
@@ -151,7 +153,8 @@ REFUSED = {
 # architectures vLLM serves on CPU itself, without IndexCache: left to vLLM's own model, except that
 # asking for IndexCache there is refused in one line instead of being silently ignored
 # architecture -> (model_type, module of vLLM's class)
-WITHOUT_INDEX_CACHE = {"DeepseekV4ForCausalLM": ("deepseek_v4", "vllm.models.deepseek_v4")}
+# (none in this release: DeepSeek-V4, which vLLM 0.32 runs on CPU without IndexCache, is served in NATIVE)
+WITHOUT_INDEX_CACHE: dict = {}
 _INDEX_CACHE_KEYS = ("index_topk_freq", "index_topk_pattern")
 
 

@@ -29,6 +29,7 @@ serves and, if its config needs it, what to read from vLLM's config (see ``vllm_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -88,30 +89,36 @@ class PagedCacheLayer(nn.Module, AttentionLayerBase):
     def get_attn_backend(self):
         return NativeCacheBackend
 
-    def as_package_tensor(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """vLLM's bound tensor viewed as the package's ``[num_blocks, *shape]`` of ``dtype``."""
+    def as_package_tensor(self, one_block: tuple, block_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """vLLM's bound tensor as the package's tensor of ``num_blocks`` blocks: ``one_block`` is its shape
+        for one block, and ``num_blocks`` of them are ``(num_blocks * one_block[0], *one_block[1:])``
+        (block-major in the first dimension, as every package cache lays its tensors out). The package
+        only needs the layer's bytes to be its own and contiguous: its slot arithmetic (block table ->
+        rows) decides where in them a block's rows lie."""
         raw = self.kv_cache
-        if raw.dim() == 4:  # [num_blocks, 1 head, block_size, bytes]
-            raw = raw.squeeze(1)
-        num_blocks = raw.shape[0]
         if not raw.is_contiguous():
-            raise RuntimeError(f"indexcache: vLLM laid out cache {self.prefix} with a block stride the package "
-                               f"kernels do not take (strides {tuple(raw.stride())}); use the default KV cache layout")
-        return raw.view(num_blocks, -1).view(dtype).view(num_blocks, *shape)
+            raise RuntimeError(f"indexcache: vLLM laid out cache {self.prefix} with strides {tuple(raw.stride())}; "
+                               "the package kernels take each layer's cache contiguous (the default KV cache layout)")
+        num_blocks = raw.shape[0]
+        flat = raw.reshape(-1)[: num_blocks * block_bytes]
+        return flat.view(dtype).view(num_blocks * one_block[0], *one_block[1:])
 
 
 def cache_tensors(template) -> list:
-    """(attribute, layer id, per-block shape, dtype) of every per-layer paged tensor of a package cache
-    (the lists of one tensor or None per layer: ``kv``, ``index_k``, ``k``, ``v``...)."""
+    """(path, shape for one block, dtype) of every paged tensor of a package cache allocated with one block.
+    ``path`` is (attribute, layer id) for the lists of one tensor or None per layer (``kv``, ``index_k``,
+    ``k``, ``v``...) and (attribute, layer id, field) for lists of per-layer stores (DeepSeek-V4's
+    ``LayerStore``: ``pool``, ``acc``, ``index_k``, ``index_acc``)."""
     out = []
     for attr, value in vars(template).items():
-        if not isinstance(value, list) or not any(isinstance(t, torch.Tensor) for t in value):
+        if not isinstance(value, list):
             continue
         for i, t in enumerate(value):
             if isinstance(t, torch.Tensor):
-                out.append((attr, i, tuple(t.shape[1:]), t.dtype))
-            elif t is not None:
-                raise TypeError(f"indexcache: cache attribute {attr}[{i}] is a {type(t).__name__}, not a paged tensor")
+                out.append(((attr, i), tuple(t.shape), t.dtype))
+            elif t is not None and dataclasses.is_dataclass(t):
+                out.extend(((attr, i, f.name), tuple(v.shape), v.dtype) for f in dataclasses.fields(t)
+                           for v in [getattr(t, f.name)] if isinstance(v, torch.Tensor))
     return out
 
 
@@ -155,17 +162,16 @@ class NativeForCausalLM(nn.Module):
         self.block_size = int(cc.block_size)
         kv_dtype = {"auto": "auto", "bfloat16": "bf16", "float32": "fp32"}.get(cc.cache_dtype, cc.cache_dtype)
         self.template = self.ic.allocate_cache(1, kv_dtype, self.block_size)  # the layout; 1 block each
-        self.slots = []  # (attribute, layer id, per-block shape, dtype, cache layer)
+        self.slots = []  # (path, shape for one block, bytes per block, dtype, cache layer)
         layers = nn.ModuleDict()
-        for attr, i, shape, dtype in cache_tensors(self.template):
+        for path, shape, dtype in cache_tensors(self.template):
             block_bytes = math.prod(shape) * dtype.itemsize
-            if block_bytes % self.block_size:
-                raise ValueError(f"indexcache: cache {attr}[{i}] holds {block_bytes} bytes per block, not a whole "
-                                 f"number per token of the block size {self.block_size}")
-            layer = PagedCacheLayer(f"{prefix}model.layers.{i}.self_attn.{attr}_cache", block_bytes // self.block_size,
-                                    self.block_size)
-            layers[f"{attr}_{i}"] = layer
-            self.slots.append((attr, i, shape, dtype, layer))
+            name = "_".join(str(x) for x in (path[0], *path[2:]))
+            # a page of whole tokens (vLLM's unit); the bytes past block_bytes per block are unused
+            layer = PagedCacheLayer(f"{prefix}model.layers.{path[1]}.self_attn.{name}_cache",
+                                    -(-block_bytes // self.block_size), self.block_size)
+            layers[f"{name}_{path[1]}"] = layer
+            self.slots.append((path, shape, block_bytes, dtype, layer))
         self.cache_layers = layers
         self._first = self.slots[0][4].prefix if self.slots else None
 
@@ -177,14 +183,20 @@ class NativeForCausalLM(nn.Module):
     def _cache(self):
         """The package cache object over vLLM's bound tensors."""
         cache = self.template
-        lists = {}
-        for attr, i, shape, dtype, layer in self.slots:
-            lists.setdefault(attr, list(getattr(cache, attr)))[i] = layer.as_package_tensor(shape, dtype)
-        for attr, value in lists.items():
-            setattr(cache, attr, value)
-        first = self.slots[0]
-        cache.num_blocks = getattr(cache, first[0])[first[1]].shape[0]
+        num_blocks = self.slots[0][4].kv_cache.shape[0]
+        for path, shape, block_bytes, dtype, layer in self.slots:
+            t = layer.as_package_tensor(shape, block_bytes, dtype)
+            entry = getattr(cache, path[0])
+            if len(path) == 2:
+                entry[path[1]] = t
+            else:
+                setattr(entry[path[1]], path[2], t)
+        cache.num_blocks = num_blocks
+        self.resize_cache(cache, num_blocks)
         return cache
+
+    def resize_cache(self, cache, num_blocks: int) -> None:
+        """A family's sizes other than the tensors that follow the number of blocks (default: none)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
