@@ -69,7 +69,7 @@ def prompts(vocab, n_list, seed=3):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in n_list]
 
 
-def check(path, token_prompts, results, overrides, dense_prefix, hf=True):
+def check(path, token_prompts, results, overrides, dense_prefix, hf=True, hf_cls=None):
     """Every prompt and generated log-prob within LOGPROB_TOL of this package's model, greedy tokens
     equal; the first ``dense_prefix`` prompt log-probs also against transformers' class."""
     worst = worst_hf = 0.0
@@ -81,7 +81,7 @@ def check(path, token_prompts, results, overrides, dense_prefix, hf=True):
         worst = max(worst, float((got - ref).abs().max()))
         assert greedy_gap(p, gen, greedy) is None, greedy_gap(p, gen, greedy)
         if hf:
-            theirs = transformers_logprobs(path, p[:dense_prefix + 1])
+            theirs = transformers_logprobs(path, p[:dense_prefix + 1], hf_cls)
             worst_hf = max(worst_hf, float((got[:dense_prefix] - theirs).abs().max()))
     assert worst < LOGPROB_TOL, f"max |log-prob difference| {worst:.3g}"
     assert worst_hf < LOGPROB_TOL, f"max |log-prob difference| against transformers {worst_hf:.3g}"
@@ -230,3 +230,70 @@ def test_tensor_parallel_refused_in_one_line():
         IndexCacheHYV4ForCausalLM(vllm_config=cfg)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("indexcache: HYV4ForCausalLM serves on vLLM's CPU platform in one process")
+
+
+# ------------------------------------------------------------------------------------ DeepSeek-V4
+
+V4_SLIDING, V4_CSA, V4_HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+DEEPSEEK_V4 = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=5, num_attention_heads=4,
+                   head_dim=64, q_lora_rank=16, partial_rotary_factor=16 / 64, num_experts_per_tok=2,
+                   n_routed_experts=4, layer_types=[V4_SLIDING, V4_CSA, V4_HCA, V4_CSA, V4_CSA],
+                   compress_rates={V4_CSA: 4, V4_HCA: 8}, hc_mult=2, sliding_window=8, o_groups=2, o_lora_rank=8,
+                   index_n_heads=16, index_head_dim=32, index_topk=3,
+                   mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], max_position_embeddings=256)
+V4_DENSE_PREFIX = 8  # inside the sliding window, with fewer CSA entries than index_topk
+
+
+def write_deepseek_v4(path, seed=0):
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV4ForCausalLM")
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**DEEPSEEK_V4))
+    randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            if name.endswith("tid2eid"):  # token -> experts: distinct experts per token
+                t.copy_(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t.shape[0])]))
+    model.float().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
+    path = write_deepseek_v4(tmp_path_factory.mktemp("deepseek_v4"))
+    # as transformers writes it: the kinds the pinned transformers' generic check refuses
+    assert json.loads((path / "config.json").read_text())["mlp_layer_types"][0] == "hash_moe"
+    return path
+
+
+@pytest.fixture(scope="module")
+def v4_prompts():
+    return prompts(DEEPSEEK_V4["vocab_size"], [43, 27])
+
+
+@pytest.mark.parametrize("overrides,engine", [
+    (None, {}),
+    ({"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1}, {}),
+    ({"use_index_cache": True, "index_topk_pattern": "FSS"},
+     {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_num_seqs": 2}),
+], ids=["all-F", "freq2", "pattern-chunked"])
+def test_deepseek_v4_matches_our_model(v4_path, v4_prompts, overrides, engine):
+    results = run_vllm(v4_path, v4_prompts, overrides, **engine)
+    check(v4_path, v4_prompts, results, overrides, V4_DENSE_PREFIX, hf=not engine,
+          hf_cls=transformers.DeepseekV4ForCausalLM)
+    seq, got = v4_prompts[0] + results[0][1], results[0][0][1:] + results[0][2]
+    if overrides is None:  # dense control: every compressed entry selected
+        assert far_from(v4_path, seq, got, {"index_topk": 64})
+    else:  # not the all-F answer: the S CSA layers reused the F layer's entries
+        assert far_from(v4_path, seq, got, None)
+
+
+def test_deepseek_v4_shipped_indexer_types(tmp_path, v4_prompts):
+    path = write_deepseek_v4(tmp_path, seed=1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["indexer_types"] = ["full", "shared", "full"]  # one entry per CSA layer
+    (path / "config.json").write_text(json.dumps(cfg))
+    results = run_vllm(path, v4_prompts)
+    check(path, v4_prompts, results, None, V4_DENSE_PREFIX, hf=False)
+    seq, got = v4_prompts[0] + results[0][1], results[0][0][1:] + results[0][2]
+    assert far_from(path, seq, got, {"use_index_cache": True, "index_topk_pattern": "FFF"})

@@ -144,22 +144,36 @@ def test_deepseek_v4_index_cache_request(tmp_path, overrides, shipped, asked):
     assert vm.index_cache_requested(model_config(tmp_path, overrides, **shipped)) is asked
 
 
-def test_deepseek_v4_stays_vllms_own_model_but_refuses_index_cache(tmp_path):
+@pytest.mark.parametrize("arch", sorted(vm.NATIVE))
+def test_native_families_registered_on_the_package_model(arch):
+    """HY-V4, MiniMax-M3 (text and VL) and DeepSeek-V4 map to the plugin's classes on this package's model
+    (vllm_native.py), DeepSeek-V4 included: vLLM's own CPU V4 model has no IndexCache."""
+    import importlib
+
     from vllm import ModelRegistry
-    from vllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    from indexcache.integrations.vllm_native import NativeForCausalLM
 
     plugin.register()
-    arch = "DeepseekV4ForCausalLM"
-    cls = getattr(vm, vm.plugin_class_name(arch))
-    assert issubclass(cls, DeepseekV4ForCausalLM) and cls.__init__ is not DeepseekV4ForCausalLM.__init__
+    module, name = vm.plugin_class_path(arch).split(":")
+    assert issubclass(getattr(importlib.import_module(module), name), NativeForCausalLM)
     entry = ModelRegistry.models[arch]
-    assert (entry.module_name, entry.class_name) == (vm.__name__, vm.plugin_class_name(arch))
-    cfg = SimpleNamespace(model_config=model_config(tmp_path, {"use_index_cache": True, "index_topk_freq": 4}))
-    with pytest.raises(ValueError) as err:
-        cls(vllm_config=cfg)
-    msg = str(err.value)
-    assert "\n" not in msg and msg.startswith("indexcache: IndexCache on DeepseekV4ForCausalLM (deepseek_v4) is not served")
-    assert "DeepseekV32ForCausalLM (deepseek_v32), GlmMoeDsaForCausalLM (glm_moe_dsa)" in msg
+    assert (entry.module_name, entry.class_name) == (module, name)
+
+
+def test_deepseek_v4_config_with_transformers_layer_kinds(tmp_path):
+    """vLLM's deepseek_v4 config class, as the plugin registers it, takes the hash_moe / moe kinds
+    transformers writes (the pinned transformers' generic check refuses them) and still refuses others."""
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    plugin.register()
+    cls = _CONFIG_REGISTRY["deepseek_v4"]
+    layers = ["sliding_attention", "compressed_sparse_attention"]
+    cfg = cls(num_hidden_layers=2, layer_types=layers, mlp_layer_types=["hash_moe", "moe"])
+    cfg.validate()  # what loading a config.json runs
+    assert cfg.mlp_layer_types == ["hash_moe", "moe"]
+    with pytest.raises(Exception, match="mlp_layer_types"):
+        cls(num_hidden_layers=2, layer_types=layers, mlp_layer_types=["hash_moe", "mixture"]).validate()
 
 
 @pytest.mark.parametrize("field,value", [("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("index_head_dim", 64)])
