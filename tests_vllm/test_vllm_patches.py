@@ -162,18 +162,17 @@ def test_native_families_registered_on_the_package_model(arch):
 
 
 def test_deepseek_v4_config_with_transformers_layer_kinds(tmp_path):
-    """vLLM's deepseek_v4 config class, as the plugin registers it, takes the hash_moe / moe kinds
-    transformers writes (the pinned transformers' generic check refuses them) and still refuses others."""
-    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+    """vLLM's config reading of a deepseek_v4 config.json, with the class the plugin registers, takes the
+    hash_moe / moe kinds transformers writes (the pinned transformers' generic check refuses them)."""
+    from vllm.transformers_utils.config import get_config
 
     plugin.register()
-    cls = _CONFIG_REGISTRY["deepseek_v4"]
     layers = ["sliding_attention", "compressed_sparse_attention"]
-    cfg = cls(num_hidden_layers=2, layer_types=layers, mlp_layer_types=["hash_moe", "moe"])
-    cfg.validate()  # what loading a config.json runs
-    assert cfg.mlp_layer_types == ["hash_moe", "moe"]
-    with pytest.raises(Exception, match="mlp_layer_types"):
-        cls(num_hidden_layers=2, layer_types=layers, mlp_layer_types=["hash_moe", "mixture"]).validate()
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], num_hidden_layers=2,
+        layer_types=layers, mlp_layer_types=["hash_moe", "moe"])))
+    cfg = get_config(str(tmp_path), trust_remote_code=False)
+    assert cfg.mlp_layer_types == ["hash_moe", "moe"] and type(cfg).__name__ == "IndexCacheDeepseekV4Config"
 
 
 @pytest.mark.parametrize("field,value", [("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("index_head_dim", 64)])
