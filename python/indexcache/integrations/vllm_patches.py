@@ -129,8 +129,8 @@ PATCHES = (
           "the IndexCache plan, the families' config defaults and the width check need the config before "
           "vLLM builds the model",
           how="SERVED architectures registered to subclasses whose constructor edits hf_text_config "
-              "(index_topk_pattern, FAMILY_DEFAULTS) first; REFUSED architectures to classes that raise; "
-              "WITHOUT_INDEX_CACHE ones (DeepSeek-V4) to vLLM's own class, refusing only a request for IndexCache"),
+              "(index_topk_pattern, FAMILY_DEFAULTS) first; NATIVE ones (HY-V4, MiniMax-M3, DeepSeek-V4) to "
+              "classes on this package's model (vllm_native.py); REFUSED architectures to classes that raise"),
 )
 
 
