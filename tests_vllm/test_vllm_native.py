@@ -297,3 +297,47 @@ def test_deepseek_v4_shipped_indexer_types(tmp_path, v4_prompts):
     check(path, v4_prompts, results, None, V4_DENSE_PREFIX, hf=False)
     seq, got = v4_prompts[0] + results[0][1], results[0][0][1:] + results[0][2]
     assert far_from(path, seq, got, {"use_index_cache": True, "index_topk_pattern": "FFF"})
+
+
+# ------------------------------------------------------------------------- behind `vllm serve`
+
+
+def test_deepseek_v4_behind_vllm_serve(v4_path, v4_prompts, tmp_path):
+    """`vllm serve` as users start it (API server + spawned engine core, the plugin and its V4 config class
+    in both), IndexCache on, 16-token prefill chunks, two concurrent token-id completions: greedy tokens
+    and their log-probs as this package's model's."""
+    import concurrent.futures
+    import os
+    import subprocess
+
+    from test_vllm_serve import VLLM_BIN, free_port, http, stop, wait_ready
+
+    overrides = {"use_index_cache": True, "index_topk_pattern": "FSS"}
+    port, log = free_port(), tmp_path / "serve.log"
+    cmd = [str(VLLM_BIN), "serve", str(v4_path), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "v4", "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "256",
+           "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--enable-chunked-prefill",
+           "--kv-cache-memory-bytes", str(32 << 20), "--enforce-eager", "--seed", "0",
+           "--hf-overrides", json.dumps(overrides)]
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(proc, base, log)
+        body = lambda p: {"model": "v4", "prompt": p, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,  # noqa: E731
+                          "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            resps = list(pool.map(lambda p: http(base + "/v1/completions", body(p)), v4_prompts))
+    finally:
+        stop(proc)
+    assert "IndexCache plan: 1 F / 2 S over 3 layers" in log.read_text()
+    model = load_ours(v4_path, overrides)
+    for p, resp in zip(v4_prompts, resps):
+        choice = resp["choices"][0]
+        gen = list(choice["token_ids"])
+        ref, greedy = ours_logprobs(v4_path, p + gen, model=model)
+        assert greedy_gap(p, gen, greedy) is None, greedy_gap(p, gen, greedy)
+        got = torch.tensor(choice["logprobs"]["token_logprobs"])
+        assert float((got - ref[len(p) - 1:]).abs().max()) < LOGPROB_TOL
