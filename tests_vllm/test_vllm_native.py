@@ -21,7 +21,7 @@ from references import greedy_gap, load_ours, ours_logprobs, transformers_logpro
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from test_vllm_plugin import LOGPROB_TOL, run_vllm  # noqa: E402
+from test_vllm_plugin import LOGPROB_TOL, NEW_TOKENS, run_vllm  # noqa: E402
 
 HY_V4 = dict(vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=5,
              num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -165,6 +165,21 @@ def test_hy_v4_chunked_prefill_and_prefix_cache(hy_full, hy_prompts):
         got = torch.tensor([out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(gen)])
         worst = max(worst, float((got - ref[len(p) - 1:]).abs().max()))
     assert worst < LOGPROB_TOL, worst
+
+
+def test_hy_v4_fp8_kv_cache(hy_shipped, hy_prompts):
+    """The 656-byte fp8_ds_mla latent cache through vLLM: greedy tokens equal this package's generation
+    over the same cache format; prompt log-probs within the fp8 bars of the fp32 cache's (as GLM-5's)."""
+    from indexcache.runtime import generate
+
+    ref = run_vllm(hy_shipped, hy_prompts)
+    fp8 = run_vllm(hy_shipped, hy_prompts, kv_cache_dtype="fp8_ds_mla")
+    ours = generate(load_ours(hy_shipped), hy_prompts, NEW_TOKENS, kv_cache_dtype="fp8_ds_mla", stop_tokens=[]).tokens
+    for (a, _, _), (b, gb, lb), og in zip(ref, fp8, ours):
+        assert gb == og
+        d = (torch.tensor(a[1:]) - torch.tensor(b[1:])).abs()
+        assert torch.isfinite(torch.tensor(lb)).all()
+        assert float(d.mean()) < 0.2 and float(d.max()) < 3.0 and float(d.max()) > 0
 
 
 # ------------------------------------------------------------------------------------- MiniMax-M3
