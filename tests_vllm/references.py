@@ -29,14 +29,18 @@ def greedy_gap(prompt, generated, ref_greedy):
     return None if list(generated) == want else (list(generated), want)
 
 
-def transformers_logprobs(path, seq):
+def transformers_logprobs(path, seq, model_cls=None):
     """log-probs of every token of ``seq`` (after the first) under transformers' own class of the
-    checkpoint (``GlmMoeDsaForCausalLM`` / ``DeepseekV32ForCausalLM``), fp32, eager attention."""
+    checkpoint (``GlmMoeDsaForCausalLM`` / ``DeepseekV32ForCausalLM``; ``model_cls`` when the process's
+    AutoConfig maps the model_type elsewhere, as vLLM's config registry does for deepseek_v4), fp32,
+    eager attention."""
     import transformers
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        cls = model_cls or transformers.AutoModelForCausalLM
+        kw = {} if model_cls is None else {"config": model_cls.config_class.from_pretrained(path)}
+        model = cls.from_pretrained(path, dtype=torch.float32, **kw).eval()
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits.float()[0], dim=-1)

@@ -121,6 +121,7 @@ def test_refused_family_is_one_line_naming_the_served():
         msg = str(err.value)
         assert "\n" not in msg and msg.startswith(f"indexcache: {arch} ({model_type}) does not serve")
         assert "DeepseekV32ForCausalLM (deepseek_v32), GlmMoeDsaForCausalLM (glm_moe_dsa)" in msg
+        assert "HYV4ForCausalLM (hy_v4)" in msg and "MiniMaxM3VLForCausalLM (minimax_m3_vl_text)" in msg
         entry = ModelRegistry.models[arch]
         assert (entry.module_name, entry.class_name) == (vm.__name__, vm.plugin_class_name(arch))
 
@@ -143,22 +144,35 @@ def test_deepseek_v4_index_cache_request(tmp_path, overrides, shipped, asked):
     assert vm.index_cache_requested(model_config(tmp_path, overrides, **shipped)) is asked
 
 
-def test_deepseek_v4_stays_vllms_own_model_but_refuses_index_cache(tmp_path):
+@pytest.mark.parametrize("arch", sorted(vm.NATIVE))
+def test_native_families_registered_on_the_package_model(arch):
+    """HY-V4, MiniMax-M3 (text and VL) and DeepSeek-V4 map to the plugin's classes on this package's model
+    (vllm_native.py), DeepSeek-V4 included: vLLM's own CPU V4 model has no IndexCache."""
+    import importlib
+
     from vllm import ModelRegistry
-    from vllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    from indexcache.integrations.vllm_native import NativeForCausalLM
 
     plugin.register()
-    arch = "DeepseekV4ForCausalLM"
-    cls = getattr(vm, vm.plugin_class_name(arch))
-    assert issubclass(cls, DeepseekV4ForCausalLM) and cls.__init__ is not DeepseekV4ForCausalLM.__init__
+    module, name = vm.plugin_class_path(arch).split(":")
+    assert issubclass(getattr(importlib.import_module(module), name), NativeForCausalLM)
     entry = ModelRegistry.models[arch]
-    assert (entry.module_name, entry.class_name) == (vm.__name__, vm.plugin_class_name(arch))
-    cfg = SimpleNamespace(model_config=model_config(tmp_path, {"use_index_cache": True, "index_topk_freq": 4}))
-    with pytest.raises(ValueError) as err:
-        cls(vllm_config=cfg)
-    msg = str(err.value)
-    assert "\n" not in msg and msg.startswith("indexcache: IndexCache on DeepseekV4ForCausalLM (deepseek_v4) is not served")
-    assert "DeepseekV32ForCausalLM (deepseek_v32), GlmMoeDsaForCausalLM (glm_moe_dsa)" in msg
+    assert (entry.module_name, entry.class_name) == (module, name)
+
+
+def test_deepseek_v4_config_with_transformers_layer_kinds(tmp_path):
+    """vLLM's config reading of a deepseek_v4 config.json, with the class the plugin registers, takes the
+    hash_moe / moe kinds transformers writes (the pinned transformers' generic check refuses them)."""
+    from vllm.transformers_utils.config import get_config
+
+    plugin.register()
+    layers = ["sliding_attention", "compressed_sparse_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], num_hidden_layers=2,
+        layer_types=layers, mlp_layer_types=["hash_moe", "moe"])))
+    cfg = get_config(str(tmp_path), trust_remote_code=False)
+    assert cfg.mlp_layer_types == ["hash_moe", "moe"] and type(cfg).__name__ == "IndexCacheDeepseekV4Config"
 
 
 @pytest.mark.parametrize("field,value", [("kv_lora_rank", 256), ("qk_rope_head_dim", 32), ("index_head_dim", 64)])
@@ -212,11 +226,6 @@ def test_missing_vllm_fails_under_ci(tmp_path):
     assert local.returncode == 5, local.stdout + local.stderr  # nothing collected, said as such
 
 
-HY_V4 = dict(vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-             num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-             kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, q_lora_rank=24,
-             index_topk=8, index_head_dim=128, index_n_heads=4, max_position_embeddings=256,
-             pad_token_id=None, bos_token_id=1, eos_token_id=2)
 MINIMAX_M3 = dict(vocab_size=96, hidden_size=48, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, rotary_dim=8,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
@@ -227,24 +236,20 @@ MINIMAX_M3 = dict(vocab_size=96, hidden_size=48, intermediate_size=16, num_hidde
 
 
 def write_refused(path, architecture):
+    """A tiny transformers-written MiniMax-M3 text checkpoint whose config names ``architecture``."""
     transformers = pytest.importorskip("transformers")
-    if architecture == "HYV4ForCausalLM":
-        model = transformers.HYV4ForCausalLM(transformers.HYV4Config(**HY_V4))
-    elif architecture == "MiniMaxM3VLForCausalLM":
-        model = transformers.MiniMaxM3VLForCausalLM(transformers.MiniMaxM3VLTextConfig(**MINIMAX_M3))
-    else:
-        model = transformers.MiniMaxM3SparseForConditionalGeneration(transformers.MiniMaxM3VLConfig(
-            text_config=MINIMAX_M3, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                       num_attention_heads=2)))
+    model = transformers.MiniMaxM3VLForCausalLM(transformers.MiniMaxM3VLTextConfig(**MINIMAX_M3))
     model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = [architecture]
+    (path / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("architecture", ["HYV4ForCausalLM", "MiniMaxM3VLForCausalLM",
-                                          "MiniMaxM3SparseForConditionalGeneration"])
+@pytest.mark.parametrize("architecture", sorted(vm.REFUSED))
 def test_refused_family_at_engine_start(tmp_path, architecture):
-    """Tiny checkpoints written by transformers: vLLM's engine start ends in the plugin's one line
-    (before, vLLM 0.32 on CPU failed in weight loading for HY-V4, "Following weights were not
-    initialized ...", and with an AssertionError in the worker for MiniMax-M3)."""
+    """An architecture neither vLLM's CPU platform nor this package runs: vLLM's engine start ends in the
+    plugin's one line naming what is served (HY-V4 and MiniMax-M3's text and VL classes serve now:
+    test_vllm_native.py)."""
     from vllm import LLM
 
     write_refused(tmp_path, architecture)

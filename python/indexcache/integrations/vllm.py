@@ -1,4 +1,5 @@
-"""vLLM plugin: DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5.x) on vLLM's CPU engine.
+"""vLLM plugin: DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5.x; and HY-V4, MiniMax-M3 and
+DeepSeek-V4 on this package's own model, ``vllm_native.py``) on vLLM's CPU engine.
 
 vLLM's CPU platform refuses every DSA model ("Sparse Attention is not supported on CPU"). This
 plugin, registered through the ``vllm.general_plugins`` entry point (vLLM loads it in every process

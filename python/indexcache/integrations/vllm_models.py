@@ -1,7 +1,9 @@
 """The model side of the indexcache vLLM plugin: the DSA architectures it serves and those it refuses.
 
 ``ModelRegistry.register_model`` (done by :func:`indexcache.integrations.vllm_patches.install`) maps
-each :data:`SERVED` architecture to a subclass of vLLM's own model whose constructor first checks the
+each :data:`NATIVE` architecture (a family vLLM's CPU platform has no model for) to a class in its own
+small module running this package's model over vLLM's caches (:mod:`.vllm_native`); each :data:`SERVED`
+architecture to a subclass of vLLM's own model whose constructor first checks the
 widths the kernels take, fills the family's config defaults a checkpoint may leave out
 (:data:`FAMILY_DEFAULTS`), writes the IndexCache plan into the config as the ``index_topk_pattern``
 vLLM applies, and after vLLM's constructor corrects the RoPE kernel and the latent norms' epsilon;
@@ -129,20 +131,30 @@ SERVED = {
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV3ForCausalLM", "IndexCacheDeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "GlmMoeDsaForCausalLM", "IndexCacheGlmMoeDsaForCausalLM"),
 }
-# this package's families that vLLM 0.32's CPU platform has no model for (their vLLM classes are
-# under nvidia/ and amd/ only): refused at model construction, naming what is served
+# this package's families that vLLM 0.32's CPU platform has no model for (their vLLM classes are under
+# nvidia/ and amd/ only): served on this package's own model over vLLM's paged caches (vllm_native.py)
+# architecture -> (model_types, module, plugin class)
+NATIVE = {
+    "HYV4ForCausalLM": (("hy_v4",), "indexcache.integrations.vllm_hy_v4", "IndexCacheHYV4ForCausalLM"),
+    "MiniMaxM3VLForCausalLM": (("minimax_m3_vl_text",), "indexcache.integrations.vllm_minimax_m3",
+                               "IndexCacheMiniMaxM3VLForCausalLM"),
+    "MiniMaxM3SparseForConditionalGeneration": (("minimax_m3_vl",), "indexcache.integrations.vllm_minimax_m3",
+                                                "IndexCacheMiniMaxM3SparseForConditionalGeneration"),
+    "DeepseekV4ForCausalLM": (("deepseek_v4",), "indexcache.integrations.vllm_deepseek_v4",
+                              "IndexCacheDeepseekV4ForCausalLM"),
+}
+# architectures neither vLLM's CPU platform nor this package's models run: refused at model
+# construction, naming what is served
 REFUSED = {
-    "HYV4ForCausalLM": "hy_v4",
     "MiniMaxM3SparseForCausalLM": "minimax_m3",
-    "MiniMaxM3SparseForConditionalGeneration": "minimax_m3",
-    "MiniMaxM3VLForCausalLM": "minimax_m3_vl_text",
 }
 
 
 # architectures vLLM serves on CPU itself, without IndexCache: left to vLLM's own model, except that
 # asking for IndexCache there is refused in one line instead of being silently ignored
 # architecture -> (model_type, module of vLLM's class)
-WITHOUT_INDEX_CACHE = {"DeepseekV4ForCausalLM": ("deepseek_v4", "vllm.models.deepseek_v4")}
+# (none in this release: DeepSeek-V4, which vLLM 0.32 runs on CPU without IndexCache, is served in NATIVE)
+WITHOUT_INDEX_CACHE: dict = {}
 _INDEX_CACHE_KEYS = ("index_topk_freq", "index_topk_pattern")
 
 
@@ -159,7 +171,8 @@ def index_cache_requested(model_config) -> bool:
 
 
 def served_line() -> str:
-    return ", ".join(f"{arch} ({mt})" for arch, (mt, _, _) in SERVED.items())
+    return ", ".join([f"{arch} ({mt})" for arch, (mt, _, _) in SERVED.items()] +
+                     [f"{arch} ({'/'.join(mts)})" for arch, (mts, _, _) in NATIVE.items()])
 
 
 def refusal(architecture: str) -> str:
@@ -206,11 +219,19 @@ def _refused_class(base, architecture: str):
 def plugin_class_name(architecture: str) -> str:
     if architecture in SERVED:
         return SERVED[architecture][2]
+    if architecture in NATIVE:
+        return NATIVE[architecture][2]
     return f"IndexCache{'Guarded' if architecture in WITHOUT_INDEX_CACHE else 'Refused'}{architecture}"
 
 
 def registered_architectures() -> tuple:
-    return (*SERVED, *REFUSED, *WITHOUT_INDEX_CACHE)
+    return (*SERVED, *NATIVE, *REFUSED, *WITHOUT_INDEX_CACHE)
+
+
+def plugin_class_path(architecture: str) -> str:
+    """``module:Class`` of the plugin's class for ``architecture`` (what ModelRegistry imports)."""
+    module = NATIVE[architecture][1] if architecture in NATIVE else __name__
+    return f"{module}:{plugin_class_name(architecture)}"
 
 
 def __getattr__(name):  # the registry imports the model classes by name, lazily

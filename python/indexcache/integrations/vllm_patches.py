@@ -15,7 +15,7 @@ from typing import Optional
 
 from . import vllm_models
 from .vllm_backend import BACKEND_NAME, BACKEND_PATH, IndexCacheIndexerBackend, indexer_forward
-from .vllm_models import SERVED, plugin_class_name
+from .vllm_models import NATIVE, SERVED
 
 logger = logging.getLogger("indexcache.vllm")
 
@@ -35,7 +35,15 @@ def _cpu_get_attn_backend_cls(original):
 def _served_dsa(vllm_config) -> bool:
     mc = vllm_config.model_config
     archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
-    return mc is not None and bool(getattr(mc, "use_mla", False)) and any(a in SERVED for a in archs)
+    return mc is not None and any(a in NATIVE or (a in SERVED and bool(getattr(mc, "use_mla", False)))
+                                  for a in archs)
+
+
+def _stateful(vllm_config) -> bool:
+    """A NATIVE architecture whose caches carry per-request state (DeepSeek-V4's compressors)."""
+    mc = vllm_config.model_config
+    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or [] if mc is not None else []
+    return any(a in NATIVE and "deepseek_v4" in NATIVE[a][0] for a in archs)
 
 
 def _cpu_check_and_update_config(original):
@@ -43,9 +51,15 @@ def _cpu_check_and_update_config(original):
         # vLLM turns chunked prefill and prefix caching off for MLA on CPUs without AMX because its
         # own CPU MLA backend cannot read earlier context; the plugin's backend and indexer do.
         sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
-        kept = (sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching)
+        kept = [sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching]
         original(vllm_config)
-        if _served_dsa(vllm_config) and kept != (sc.enable_chunked_prefill, sc.max_num_batched_tokens,
+        if _stateful(vllm_config):
+            kept[2] = False
+        if _stateful(vllm_config) and cc.enable_prefix_caching:
+            cc.enable_prefix_caching = False
+            logger.warning("indexcache: prefix caching turned off: this model keeps per-request compressor state "
+                           "in its caches")
+        if _served_dsa(vllm_config) and tuple(kept) != (sc.enable_chunked_prefill, sc.max_num_batched_tokens,
                                                  cc.enable_prefix_caching):
             sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching = kept
             logger.info("indexcache: chunked prefill %s (max_num_batched_tokens %d) and prefix caching %s "
@@ -115,8 +129,8 @@ PATCHES = (
           "the IndexCache plan, the families' config defaults and the width check need the config before "
           "vLLM builds the model",
           how="SERVED architectures registered to subclasses whose constructor edits hf_text_config "
-              "(index_topk_pattern, FAMILY_DEFAULTS) first; REFUSED architectures to classes that raise; "
-              "WITHOUT_INDEX_CACHE ones (DeepSeek-V4) to vLLM's own class, refusing only a request for IndexCache"),
+              "(index_topk_pattern, FAMILY_DEFAULTS) first; NATIVE ones (HY-V4, MiniMax-M3, DeepSeek-V4) to "
+              "classes on this package's model (vllm_native.py); REFUSED architectures to classes that raise"),
 )
 
 
@@ -185,13 +199,28 @@ def install() -> None:
     except Exception:
         _restore(applied)
         raise
+    _register_configs()
     if BACKEND_NAME not in AttentionBackendEnum.__members__:  # a second registration raises
         register_backend(BACKEND_NAME, BACKEND_PATH)
     for arch in vllm_models.registered_architectures():
         entry = getattr(ModelRegistry, "models", {}).get(arch)
+        path = vllm_models.plugin_class_path(arch)
         if (getattr(entry, "module_name", None), getattr(entry, "class_name", None)) != \
-                (vllm_models.__name__, plugin_class_name(arch)):  # vLLM warns on every re-registration
-            ModelRegistry.register_model(arch, f"{vllm_models.__name__}:{plugin_class_name(arch)}")
+                tuple(path.split(":")):  # vLLM warns on every re-registration
+            ModelRegistry.register_model(arch, path)
+
+
+def _register_configs() -> None:
+    """vLLM's config class for ``deepseek_v4`` with the family's own layer kinds (vllm_deepseek_v4.py:
+    a config.json written by transformers >= 5.20 is refused by the pinned transformers otherwise)."""
+    from vllm.transformers_utils import config as vllm_config_module
+
+    from .vllm_deepseek_v4 import IndexCacheDeepseekV4Config
+
+    registry = vllm_config_module._CONFIG_REGISTRY
+    if "deepseek_v4" not in registry:
+        raise UnsupportedVLLM("vllm.transformers_utils.config._CONFIG_REGISTRY has no deepseek_v4 entry")
+    dict.__setitem__(registry, "deepseek_v4", IndexCacheDeepseekV4Config)
 
 
 def _restore(keys) -> None:
