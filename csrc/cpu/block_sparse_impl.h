@@ -43,6 +43,18 @@ constexpr int64_t kChunkVecs = kChunk / kVecLanes;
 // stack would cost store-forwarding stalls).
 typedef float vnf_u __attribute__((vector_size(IC_VEC_BYTES), aligned(4), may_alias));
 
+// a * b + c, fused where the ISA has FMA (-std=c++20 turns GCC's contraction off, so a plain
+// a * b + c would cost a multiply and an add).
+inline vnf fma_v(vnf a, vnf b, vnf c) {
+#if IC_VEC_BYTES == 64
+  return _mm512_fmadd_ps(a, b, c);
+#elif IC_VEC_BYTES == 32
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // Σ a[i] * b[i] for i < n (n a multiple of kChunk, the callers pad): kChunkVecs vector partial
 // sums, then the kChunk lanes reduced pairwise, in a fixed order.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -223,18 +235,6 @@ constexpr int kMR = IC_VEC_BYTES == 64 ? 12 : 6;
 
 inline vnf load_v(const float* x) { return *reinterpret_cast<const vnf_u*>(x); }
 inline void store_v(float* x, vnf v) { *reinterpret_cast<vnf_u*>(x) = v; }
-
-// a * b + c, fused where the ISA has FMA (-std=c++20 turns GCC's contraction off, so a plain
-// a * b + c would cost a multiply and an add).
-inline vnf fma_v(vnf a, vnf b, vnf c) {
-#if IC_VEC_BYTES == 64
-  return _mm512_fmadd_ps(a, b, c);
-#elif IC_VEC_BYTES == 32
-  return _mm256_fmadd_ps(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
 
 // s[r][j] = Σ_c qp[c][r] · kt[c][j] for r < MR, j < ncols (a multiple of kNW). qp is one packed
 // panel [d][kMR] of query vectors; kt the transposed key tile [d][ldk]; s rows of stride lds.
