@@ -161,9 +161,11 @@ IC_BLOCK_SPARSE_DRIVERS
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
+// The avx512bf16 path only runs on CPUs with AVX-512 BF16 (isa.cpp), so its build may use vdpbf16ps.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")
 #undef IC_VEC_BYTES
 #define IC_VEC_BYTES 64
+#define IC_BF16_DOT 1
 namespace avx512 {
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS

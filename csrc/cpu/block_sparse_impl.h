@@ -304,6 +304,43 @@ inline void panel_pv_n(int mr, const float* pr, int64_t lds, const float* const*
   panel_pv<MR>(pr, lds, vt, dp, nk, ob);
 }
 
+#if defined(IC_BF16_DOT)
+// bf16 scores by vdpbf16ps (AVX-512 BF16): the same panel as panel_scores, on bf16 pairs. qp2 is
+// a panel [d/2][kMR] of q pairs (q[2c], q[2c+1]) as 32-bit words, kt2 the key tile [d/2][ldk] of
+// key pairs; each instruction adds two products per lane to the fp32 accumulator, in a fixed order.
+template <int MR>
+inline void panel_scores_bf16(const uint32_t* __restrict qp2, int64_t d2, const uint32_t* __restrict kt2, int64_t ldk,
+                              int64_t ncols, float* __restrict s, int64_t lds) {
+  for (int64_t j = 0; j < ncols; j += kNW) {
+    __m512 a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    const uint32_t* k = kt2 + j;
+    for (int64_t c = 0; c < d2; ++c, k += ldk) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + kVecLanes);
+      const uint32_t* q = qp2 + c * kMR;
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r]));
+        a0[r] = _mm512_dpbf16_ps(a0[r], k0, qv);
+        a1[r] = _mm512_dpbf16_ps(a1[r], k1, qv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      _mm512_storeu_ps(s + r * lds + j, a0[r]);
+      _mm512_storeu_ps(s + r * lds + j + kVecLanes, a1[r]);
+    }
+  }
+}
+
+template <int MR = kMR>
+inline void panel_scores_bf16_n(int mr, const uint32_t* qp2, int64_t d2, const uint32_t* kt2, int64_t ldk,
+                                int64_t ncols, float* s, int64_t lds) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return panel_scores_bf16_n<MR - 1>(mr, qp2, d2, kt2, ldk, ncols, s, lds);
+  }
+  panel_scores_bf16<MR>(qp2, d2, kt2, ldk, ncols, s, lds);
+}
+#endif
+
 // One query vector's scores of one block, in place: s[j] *= scale, then p[j] = exp(s[j] - m) for
 // the nk visible keys (0 for the rest up to ncols, a multiple of kVecLanes), m the running max
 // max(*run_max, max_j s[j]). Returns Σ p (fixed order) and sets *run_max = m, *alpha =
@@ -377,11 +414,17 @@ inline void attention(const BlockSparseAttnParams& p) {
   int64_t max_rows = 1;
   for (int64_t gi = 0; gi < ngroups; ++gi) max_rows = std::max(max_rows, starts[gi + 1] - starts[gi]);
   const int64_t mv = max_rows * g, panels = (mv + kMR - 1) / kMR;
+#if defined(IC_BF16_DOT)
+  const bool dot_bf16 = p.dtype == DType::kBFloat16 && d % 2 == 0;  // bf16 q·k by vdpbf16ps
+#else
+  const bool dot_bf16 = false;
+#endif
   at::parallel_for(0, ngroups * p.h_kv, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> qg(mv * d), o(mv * dp), run_max(mv), run_sum(mv), alpha(mv);
     std::vector<float> kt(d * ss, 0.0f), vt(ss * dp, 0.0f), qp(panels * d * kMR), s(mv * ss), ob(mv * dp);
     std::vector<float> kstage(kNW * d);
     std::vector<const float*> krow(kNW), vrow(ss);
+    std::vector<uint32_t> kt2(dot_bf16 ? d / 2 * ss : 0), qp2(dot_bf16 ? panels * d / 2 * kMR : 0);
     std::vector<char> bad(mv);
     std::vector<std::pair<int32_t, int32_t>> sel(max_rows * p.topk);  // (block, row in group)
     std::vector<int64_t> nk(mv);
@@ -432,13 +475,19 @@ inline void attention(const BlockSparseAttnParams& p) {
                 vrow[i + k] = &vt[(i + k) * dp];
               }
             } else {
-              to_float(kc + off, p.dtype, d, &kstage[k * d]);
+              if (dot_bf16) {  // key pairs as 32-bit words, straight from the cache row
+                const uint32_t* kw = reinterpret_cast<const uint32_t*>(kc + off);
+                for (int64_t c = 0; c < d / 2; ++c) kt2[c * ss + i + k] = kw[c];
+              } else {
+                to_float(kc + off, p.dtype, d, &kstage[k * d]);
+              }
               krow[k] = &kstage[k * d];
               to_float(vc + off, p.dtype, d, &vt[(i + k) * dp]);
               vrow[i + k] = &vt[(i + k) * dp];
             }
           }
           for (int64_t k = nc; k < kNW; ++k) krow[k] = krow[0];  // lanes masked later
+          if (dot_bf16) continue;
           for (int64_t c = 0; c < d; ++c) {
             float* dst = &kt[c * ss + i];
             for (int64_t k = 0; k < kNW; ++k) dst[k] = krow[k][c];
@@ -449,9 +498,23 @@ inline void attention(const BlockSparseAttnParams& p) {
           const int64_t r = sel[a + m / g].second, gm = r * g + m % g;
           const float* src = &qg[gm * d];
           float* dst = &qp[(m / kMR) * d * kMR + m % kMR];
-          for (int64_t c = 0; c < d; ++c) dst[c * kMR] = src[c];
+          if (!dot_bf16)
+            for (int64_t c = 0; c < d; ++c) dst[c * kMR] = src[c];
+          if (dot_bf16) {
+            const uint32_t* qw = reinterpret_cast<const uint32_t*>(static_cast<const char*>(p.q) +
+                                                                   (((t0 + r) * p.h_q) + kh * g + m % g) * d * es);
+            uint32_t* dw = &qp2[(m / kMR) * (d / 2) * kMR + m % kMR];
+            for (int64_t c = 0; c < d / 2; ++c) dw[c * kMR] = qw[c];
+          }
           nk[m] = std::min<int64_t>(p.pos[t0 + r] + 1, i0 + bsz) - i0;
         }
+#if defined(IC_BF16_DOT)
+        if (dot_bf16) {
+          for (int64_t m0 = 0; m0 < m_n; m0 += kMR)
+            panel_scores_bf16_n(static_cast<int>(std::min<int64_t>(kMR, m_n - m0)), &qp2[(m0 / kMR) * (d / 2) * kMR],
+                                d / 2, kt2.data(), ss, ncols, &s[m0 * ss], ss);
+        } else
+#endif
         for (int64_t m0 = 0; m0 < m_n; m0 += kMR)
           panel_scores_n(static_cast<int>(std::min<int64_t>(kMR, m_n - m0)), &qp[(m0 / kMR) * d * kMR], d, kt.data(), ss,
                          ncols, &s[m0 * ss], ss);
