@@ -169,6 +169,10 @@ inline void tile_pv(float* acc, const float* pr, int64_t ps, int64_t h, int64_t 
     }
 }
 
+// Query vectors scored together where every row of a group sees a whole block: 8 accumulator
+// chains on AVX-512 (one vector per 16-key chunk); AVX2 / SSE already have 8 with 4 heads.
+constexpr int64_t kPoolVecs = kChunkVecs == 1 ? 8 : 4;
+
 // Block scores of a group of rows of one request: bs[r][h][b] = max over block b's keys i < n[r]
 // of q[r][h] · key(i) (-inf where the block has none). key_row(i) gives key i's row; qf [rows][h][d]
 // fp32; tile scratch of (block_size + kChunk) x d floats; row scratch of d; nb blocks per bs row.
@@ -178,7 +182,7 @@ void score_blocks(const float* qf, const int64_t* n, int64_t rows, int64_t h, in
                   int64_t block_size, DType dt, KeyRow key_row, float* tile, float* row, float* bs) {
   int64_t n_max = 0;
   for (int64_t r = 0; r < rows; ++r) n_max = std::max(n_max, n[r]);
-  float s[4 * kChunk];
+  float s[4 * kChunk], sp[kPoolVecs * kChunk];
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t i0 = b * block_size, nk = std::max<int64_t>(0, std::min(n_max, i0 + block_size) - i0);
@@ -186,6 +190,36 @@ void score_blocks(const float* qf, const int64_t* n, int64_t rows, int64_t h, in
       to_float(key_row(i0 + i), dt, d, row);
       float* t = tile + (i / kChunk) * d * kChunk + i % kChunk;
       for (int64_t c = 0; c < d; ++c) t[c * kChunk] = row[c];
+    }
+    bool full = nk == block_size;
+    for (int64_t r = 0; r < rows; ++r) full = full && n[r] >= i0 + block_size;
+    if (full && rows * h >= kPoolVecs) {
+      // Every row sees the whole block: the rows' query vectors are contiguous ([rows][h][d]), so
+      // kPoolVecs of them share each key-vector load (more independent FMA chains than 4 heads).
+      for (int64_t m0 = 0; m0 < rows * h; m0 += kPoolVecs) {
+        const int64_t nm = std::min<int64_t>(kPoolVecs, rows * h - m0);
+        float mp[kPoolVecs];
+        bool nanp[kPoolVecs];
+        for (int64_t mm = 0; mm < nm; ++mm) mp[mm] = ninf, nanp[mm] = false;
+        for (int64_t ch = 0; ch * kChunk < nk; ++ch) {
+          const float* tt = tile + ch * d * kChunk;
+          if (nm == kPoolVecs) {
+            chunk_scores<kPoolVecs>(qf + m0 * d, d, tt, sp);
+          } else {
+            for (int64_t mm = 0; mm < nm; ++mm) chunk_scores<1>(qf + (m0 + mm) * d, d, tt, sp + mm * kChunk);
+          }
+          const int64_t valid = std::min(kChunk, nk - ch * kChunk);
+          for (int64_t mm = 0; mm < nm; ++mm)
+            for (int64_t j = 0; j < valid; ++j) {
+              const float v = sp[mm * kChunk + j];
+              nanp[mm] = nanp[mm] || std::isnan(v);
+              mp[mm] = v > mp[mm] ? v : mp[mm];
+            }
+        }
+        for (int64_t mm = 0; mm < nm; ++mm)
+          bs[(m0 + mm) * nb + b] = nanp[mm] ? std::numeric_limits<float>::quiet_NaN() : mp[mm];
+      }
+      continue;
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t nr = std::max<int64_t>(0, std::min(n[r], i0 + block_size) - i0);  // this row's keys here
