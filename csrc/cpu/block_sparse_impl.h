@@ -528,30 +528,38 @@ inline void attention(const BlockSparseAttnParams& p) {
           }
         }
         const int64_t m_n = (b - a) * g, ncols = (nk_max + kNW - 1) / kNW * kNW;
+        // Panels of near-equal size (16 vectors: 8 + 8, not 12 + 4): a short last panel would
+        // run with few FMA chains per load.
+        const int64_t n_pan = (m_n + kMR - 1) / kMR, pan_base = m_n / n_pan, pan_extra = m_n % n_pan;
+        auto pan_start = [&](int64_t pn) { return pn * pan_base + std::min(pn, pan_extra); };
+        auto pan_of = [&](int64_t m) {
+          return m < pan_extra * (pan_base + 1) ? m / (pan_base + 1) : pan_extra + (m - pan_extra * (pan_base + 1)) / pan_base;
+        };
         for (int64_t m = 0; m < m_n; ++m) {
+          const int64_t pn = pan_of(m), lane_m = m - pan_start(pn);
           const int64_t r = sel[a + m / g].second, gm = r * g + m % g;
           const float* src = &qg[gm * d];
-          float* dst = &qp[(m / kMR) * d * kMR + m % kMR];
+          float* dst = &qp[pn * d * kMR + lane_m];
           if (!dot_bf16)
             for (int64_t c = 0; c < d; ++c) dst[c * kMR] = src[c];
           if (dot_bf16) {
             const uint32_t* qw = reinterpret_cast<const uint32_t*>(static_cast<const char*>(p.q) +
                                                                    (((t0 + r) * p.h_q) + kh * g + m % g) * d * es);
-            uint32_t* dw = &qp2[(m / kMR) * (d / 2) * kMR + m % kMR];
+            uint32_t* dw = &qp2[pn * (d / 2) * kMR + lane_m];
             for (int64_t c = 0; c < d / 2; ++c) dw[c * kMR] = qw[c];
           }
           nk[m] = std::min<int64_t>(p.pos[t0 + r] + 1, i0 + bsz) - i0;
         }
 #if defined(IC_BF16_DOT)
         if (dot_bf16) {
-          for (int64_t m0 = 0; m0 < m_n; m0 += kMR)
-            panel_scores_bf16_n(static_cast<int>(std::min<int64_t>(kMR, m_n - m0)), &qp2[(m0 / kMR) * (d / 2) * kMR],
-                                d / 2, kt2.data(), ss, ncols, &s[m0 * ss], ss);
+          for (int64_t pn = 0; pn < n_pan; ++pn)
+            panel_scores_bf16_n(static_cast<int>(pan_start(pn + 1) - pan_start(pn)), &qp2[pn * (d / 2) * kMR], d / 2,
+                                kt2.data(), ss, ncols, &s[pan_start(pn) * ss], ss);
         } else
 #endif
-        for (int64_t m0 = 0; m0 < m_n; m0 += kMR)
-          panel_scores_n(static_cast<int>(std::min<int64_t>(kMR, m_n - m0)), &qp[(m0 / kMR) * d * kMR], d, kt.data(), ss,
-                         ncols, &s[m0 * ss], ss);
+        for (int64_t pn = 0; pn < n_pan; ++pn)
+          panel_scores_n(static_cast<int>(pan_start(pn + 1) - pan_start(pn)), &qp[pn * d * kMR], d, kt.data(), ss, ncols,
+                         &s[pan_start(pn) * ss], ss);
         for (int64_t m = 0; m < m_n; ++m) {
           const int64_t gm = sel[a + m / g].second * g + m % g;
           bool bm = bad[gm];
@@ -559,8 +567,8 @@ inline void attention(const BlockSparseAttnParams& p) {
           bad[gm] = bm;
           run_sum[gm] = run_sum[gm] * alpha[m] + sum;
         }
-        for (int64_t m0 = 0; m0 < m_n; m0 += kMR) {
-          const int64_t mr = std::min<int64_t>(kMR, m_n - m0);
+        for (int64_t pn = 0; pn < n_pan; ++pn) {
+          const int64_t m0 = pan_start(pn), mr = pan_start(pn + 1) - m0;
           bool same = true;
           for (int64_t m = m0 + 1; m < m0 + mr; ++m) same = same && nk[m] == nk[m0];
           if (same) {
