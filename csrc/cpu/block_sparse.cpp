@@ -7,15 +7,18 @@
 // [s_q, s_kv]). The local blocks are then forced in and the top blocks kept under the order
 // (score desc, block id asc; NaN above +inf), written ascending, then -1.
 //
-// block_sparse_attention: one task per (query row, KV head). Its selected blocks are sorted and
-// deduplicated; each block's keys (<= the row's position) are scored for the KV head's group of
-// query heads at once, then an online softmax (running max, sum, fp32 accumulator per head)
-// folds in the block's P·V. Blocks go in ascending order, so results are bit-identical run to run.
+// block_sparse_attention: one task per (row group, KV head), a group being consecutive rows of one
+// request. The group's selected blocks are visited once each in ascending order: the block's
+// visible keys and values are loaded once for every row that selects it and every query head of
+// the KV group, scored by a register-blocked micro-kernel (query vectors x key lanes), softmaxed
+// online per (row, head), and P·V added by the same shape of micro-kernel (block_sparse_impl.h).
+// Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
+// whatever the grouping or thread count.
 //
 // ISA paths: the kernel bodies (block_sparse_impl.h) are compiled three times: portable
 // (baseline x86-64 / any CPU), AVX2+FMA (the avx2 path) and AVX-512 (the avx512bf16 path; blas has
-// none of its own and goes on to it), auto-vectorised by the compiler from lane loops; isa.h's
-// cpu_op_path() picks one at run time.
+// none of its own and goes on to it), from generic-vector lane loops plus FMA / vdpbf16ps
+// intrinsics in the micro-kernels; isa.h's cpu_op_path() picks one at run time.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
