@@ -249,6 +249,8 @@ def make_attention(dtype, lens, h_q, h_kv, d, page_size, block_size, topk, rows_
     (4, 4, 64, 8, 32, 3, 1),         # decode: one row per request
     (6, 1, 48, 32, 8, 16, 5),
     (16, 4, 128, 64, 128, 16, 2),    # MiniMax-M3's shapes (block 128, 16 blocks)
+    (26, 2, 37, 8, 24, 5, 9),        # odd d, block and group not multiples of any vector width
+    (2, 1, 128, 16, 64, 6, 40),      # 2 heads per KV group, many rows sharing blocks
 ])
 def test_block_sparse_attention(cpu_isa, dtype, bar, h_q, h_kv, d, page_size, block_size, topk, rows_per):
     lens = [300, 17, 129] if block_size < 128 else [2100, 260]
@@ -266,6 +268,25 @@ def test_block_sparse_attention(cpu_isa, dtype, bar, h_q, h_kv, d, page_size, bl
     torch.testing.assert_close(lse[finite], e_lse[finite], rtol=1e-5, atol=1e-5)
     out2, lse2 = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5)
     assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_alone_equal_rows_grouped(cpu_isa, dtype):
+    # Rows of one request share block tiles in the kernel; a row's result must not depend on which
+    # other rows (or how many threads) share them: each row alone, bit for bit, as in the batch.
+    q, kc, vc, table, req, pos, blocks = make_attention(dtype, [700, 90], 16, 2, 64, 16, 32, 8, 30, seed=11)
+    out, lse = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, 32, 0.125)
+    for t in (0, 7, 29, 31, q.shape[0] - 1):
+        o1, l1 = ops.block_sparse_attention(q[t:t + 1], kc, vc, table, req[t:t + 1], pos[t:t + 1], blocks[t:t + 1],
+                                            32, 0.125)
+        assert torch.equal(o1[0], out[t]) and torch.equal(l1[0], lse[t])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        o2, l2 = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, 32, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(o2, out) and torch.equal(l2, lse)
 
 
 def test_attention_blocks_beyond_position_read_nothing(cpu_isa):

@@ -693,7 +693,7 @@ def test_cpu_path_errors():
 _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/fp32", "sparse_mla/bf16",
         "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16"}
 KERNELS = {"portable": _ALL, "avx2": _ALL - {"quantize/fp32", "quantize/bf16"},
-           "avx512bf16": _ALL - {"sparse_mla/fp32", "block_sparse/fp32"},
+           "avx512bf16": _ALL - {"sparse_mla/fp32"},
            "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}}
 FALLBACK = ["blas", "avx512bf16", "avx2", "portable"]
 

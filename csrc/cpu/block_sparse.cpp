@@ -7,15 +7,18 @@
 // [s_q, s_kv]). The local blocks are then forced in and the top blocks kept under the order
 // (score desc, block id asc; NaN above +inf), written ascending, then -1.
 //
-// block_sparse_attention: one task per (query row, KV head). Its selected blocks are sorted and
-// deduplicated; each block's keys (<= the row's position) are scored for the KV head's group of
-// query heads at once, then an online softmax (running max, sum, fp32 accumulator per head)
-// folds in the block's P·V. Blocks go in ascending order, so results are bit-identical run to run.
+// block_sparse_attention: one task per (row group, KV head), a group being consecutive rows of one
+// request. The group's selected blocks are visited once each in ascending order: the block's
+// visible keys and values are loaded once for every row that selects it and every query head of
+// the KV group, scored by a register-blocked micro-kernel (query vectors x key lanes), softmaxed
+// online per (row, head), and P·V added by the same shape of micro-kernel (block_sparse_impl.h).
+// Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
+// whatever the grouping or thread count.
 //
 // ISA paths: the kernel bodies (block_sparse_impl.h) are compiled three times: portable
 // (baseline x86-64 / any CPU), AVX2+FMA (the avx2 path) and AVX-512 (the avx512bf16 path; blas has
-// none of its own and goes on to it), auto-vectorised by the compiler from lane loops; isa.h's
-// cpu_op_path() picks one at run time.
+// none of its own and goes on to it), from generic-vector lane loops plus FMA / vdpbf16ps
+// intrinsics in the micro-kernels; isa.h's cpu_op_path() picks one at run time.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -29,6 +32,10 @@
 #include <initializer_list>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "../block_sparse_checks.h"
 #include "../checks.h"
@@ -138,80 +145,6 @@ inline int64_t elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
       }                                                                                                       \
     });                                                                                                       \
   }                                                                                                           \
-                                                                                                              \
-  void attention(const BlockSparseAttnParams& p) {                                                            \
-    const int64_t es = elem_size(p.dtype), dp = pad16(p.d), g = p.h_q / p.h_kv, bsz = p.block_size;           \
-    const int64_t ss = pad16(bsz);                                                                            \
-    const char* kc = static_cast<const char*>(p.k_cache);                                                     \
-    const char* vc = static_cast<const char*>(p.v_cache);                                                     \
-    const float ninf = -std::numeric_limits<float>::infinity();                                               \
-    at::parallel_for(0, p.s_q * p.h_kv, 1, [&](int64_t w0, int64_t w1) {                                      \
-      std::vector<float> qf(g * dp, 0.0f), ktile((ss + kChunk) * dp, 0.0f), vt(ss * dp, 0.0f), krow(p.d);     \
-      std::vector<float> acc(g * dp), s(g * ss), m(g), l(g);                                                  \
-      std::vector<char> bad(g);  /* a selected key's score was NaN or +-inf (docs/ops.md) */                  \
-      std::vector<int32_t> sel(p.topk);                                                                       \
-      for (int64_t w = w0; w < w1; ++w) {                                                                     \
-        const int64_t t = w / p.h_kv, kh = w % p.h_kv, pos = p.pos[t];                                        \
-        const int32_t* bt = p.block_table + static_cast<int64_t>(p.req[t]) * p.max_pages;                     \
-        int64_t ns = 0;                                                                                       \
-        for (int64_t j = 0; j < p.topk; ++j) {                                                                \
-          const int32_t blk = p.blocks[(t * p.h_kv + kh) * p.topk + j];                                       \
-          if (blk >= 0 && static_cast<int64_t>(blk) * bsz <= pos) sel[ns++] = blk;                            \
-        }                                                                                                     \
-        std::sort(sel.begin(), sel.begin() + ns);                                                             \
-        ns = std::unique(sel.begin(), sel.begin() + ns) - sel.begin();                                        \
-        const char* qrow = static_cast<const char*>(p.q) + ((t * p.h_q) + kh * g) * p.d * es;                 \
-        for (int64_t hh = 0; hh < g; ++hh) to_float(qrow + hh * p.d * es, p.dtype, p.d, &qf[hh * dp]);        \
-        std::fill(acc.begin(), acc.end(), 0.0f);                                                              \
-        std::fill(m.begin(), m.end(), ninf);                                                                  \
-        std::fill(l.begin(), l.end(), 0.0f);                                                                  \
-        std::fill(bad.begin(), bad.end(), 0);                                                                 \
-        auto krow_at = [&](int64_t i) {                                                                       \
-          const int64_t slot = static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;     \
-          return kc + ((slot * p.h_kv) + kh) * p.d * es;                                                      \
-        };                                                                                                    \
-        for (int64_t bi = 0; bi < ns; ++bi) {                                                                 \
-          const int64_t i0 = static_cast<int64_t>(sel[bi]) * bsz, nk = std::min(pos + 1, i0 + bsz) - i0;      \
-          load_tile_t(krow_at, i0, nk, p.d, dp, p.dtype, ktile.data(), krow.data());              \
-          for (int64_t i = 0; i < nk; ++i) {                                                                  \
-            const int64_t slot = static_cast<int64_t>(bt[(i0 + i) / p.page_size]) * p.page_size + (i0 + i) % p.page_size; \
-            to_float(vc + ((slot * p.h_kv) + kh) * p.d * es, p.dtype, p.d, &vt[i * dp]);                      \
-          }                                                                                                   \
-          tile_scores(qf.data(), g, dp, nk, ktile.data(), s.data(), ss);                                      \
-          for (int64_t hh = 0; hh < g; ++hh) {                                                                \
-            float* sh = &s[hh * ss];                                                                          \
-            float mx = m[hh];                                                                                 \
-            for (int64_t i = 0; i < nk; ++i) {                                                                \
-              sh[i] *= p.scale;                                                                               \
-              bad[hh] |= !std::isfinite(sh[i]);                                                               \
-              mx = std::fmax(mx, sh[i]);                                                                      \
-            }                                                                                                 \
-            const float alpha = std::exp(m[hh] - mx);                                                     \
-            const float sum = exp_sum(sh, nk, mx);                                                        \
-            l[hh] = l[hh] * alpha + sum;                                                                      \
-            m[hh] = mx;                                                                                       \
-            float* a = &acc[hh * dp];                                                                         \
-            for (int64_t i = 0; i < p.d; ++i) a[i] *= alpha;                                                  \
-          }                                                                                                   \
-          tile_pv(acc.data(), s.data(), ss, g, nk, vt.data(), dp);                                            \
-        }                                                                                                     \
-        for (int64_t hh = 0; hh < g; ++hh) {                                                                  \
-          const int64_t hq = t * p.h_q + kh * g + hh;                                                         \
-          const bool none = ns == 0;                                                                          \
-          const float nan = std::numeric_limits<float>::quiet_NaN();                                          \
-          p.lse[hq] = bad[hh] ? nan : (none ? ninf : m[hh] + std::log(l[hh]));                                \
-          const float inv = bad[hh] ? nan : (none ? 0.0f : 1.0f / l[hh]);                                     \
-          if (p.dtype == DType::kFloat32) {                                                                   \
-            float* o = static_cast<float*>(p.out) + hq * p.d;                                                 \
-            for (int64_t i = 0; i < p.d; ++i) o[i] = acc[hh * dp + i] * inv;                                  \
-          } else {                                                                                            \
-            at::BFloat16* o = static_cast<at::BFloat16*>(p.out) + hq * p.d;                                   \
-            for (int64_t i = 0; i < p.d; ++i) o[i] = at::BFloat16(acc[hh * dp + i] * inv);                    \
-          }                                                                                                   \
-        }                                                                                                     \
-      }                                                                                                       \
-    });                                                                                                       \
-  }
 
 #define IC_VEC_BYTES 16
 namespace portable {
@@ -231,9 +164,11 @@ IC_BLOCK_SPARSE_DRIVERS
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
+// The avx512bf16 path only runs on CPUs with AVX-512 BF16 (isa.cpp), so its build may use vdpbf16ps.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")
 #undef IC_VEC_BYTES
 #define IC_VEC_BYTES 64
+#define IC_BF16_DOT 1
 namespace avx512 {
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS

@@ -162,12 +162,11 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // block_sparse_impl.h compiled for AVX2 + FMA. No AVX2 quantizer: quantize goes on to portable.
     case CpuPath::kAvx2: return op != CpuOp::kQuantize;
     // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
-    // AVX-512 top-k filter, block_sparse_impl.h (bf16) and the e4m3 quantizer compiled for
-    // AVX-512. fp32 goes on to avx2 for sparse MLA (no fp32 kernel here) and for block-sparse
-    // attention, whose AVX-512 build of the fp32 loops ran 1.3-1.9x slower than the AVX2 one on
-    // Zen 4 (docs/performance.md, issue 31 matrix).
+    // AVX-512 top-k filter, block_sparse_impl.h (fp32 and bf16: 16-lane FMA micro-kernels, 1.1-1.5x
+    // its AVX2 build on Zen 4) and the e4m3 quantizer compiled for AVX-512. fp32 sparse MLA goes on
+    // to avx2 (no fp32 kernel here).
     case CpuPath::kAvx512Bf16:
-      return dt != DType::kFloat32 || (op != CpuOp::kSparseMla && op != CpuOp::kBlockSparse);
+      return dt != DType::kFloat32 || op != CpuOp::kSparseMla;
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h).
     case CpuPath::kBlas:
       return (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && dt != DType::kFloat32;
