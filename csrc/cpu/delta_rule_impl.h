@@ -200,21 +200,30 @@ inline void chunk_p_per_channel(Work& w, int64_t L) {
   for (int64_t s0 = 0; s0 < L; s0 += kSub) {
     const int64_t s1 = std::min(L, s0 + kSub), nt = s1 - s0, nc = (s1 + kPad - 1) / kPad * kPad;
     const float* gr = s0 > 0 ? &w.G[(s0 - 1) * dkp] : nullptr;  // nullptr: G_r = 0
-    auto g_at = [&](int64_t c) { return gr ? gr[c] : 0.0f; };
     // The block's exponents: a = G_t - G_r (rows), b = G_r - G_i (keys i < s1).
-    float amax = -INFINITY, amin = INFINITY, bmax = -INFINITY, bmin = INFINITY;
-    for (int64_t t = s0; t < s1; ++t)
-      for (int64_t c = 0; c < dkp; ++c) {
-        const float x = w.G[t * dkp + c] - g_at(c);
-        amax = std::fmax(amax, x);
-        amin = std::fmin(amin, x);
-      }
+    // Lane-wise extremes (a NaN anywhere leaves a comparison false: the block goes term by term).
+    vnf vamax = splat(-INFINITY), vamin = splat(INFINITY), vbmax = vamax, vbmin = vamin;
+    vnf probe{};  // stays 0 unless some x is NaN or infinite
     for (int64_t i = 0; i < s1; ++i)
-      for (int64_t c = 0; c < dkp; ++c) {
-        const float x = g_at(c) - w.G[i * dkp + c];
-        bmax = std::fmax(bmax, x);
-        bmin = std::fmin(bmin, x);
+      for (int64_t c = 0; c < dkp; c += kLanes) {
+        const vnf x = (gr ? ld(gr + c) : vnf{}) - ld(&w.G[i * dkp + c]);  // b = G_r - G_i
+        vbmax = x > vbmax ? x : vbmax;
+        vbmin = x < vbmin ? x : vbmin;
+        if (i >= s0) {
+          const vnf a = vnf{} - x;  // a = G_t - G_r
+          vamax = a > vamax ? a : vamax;
+          vamin = a < vamin ? a : vamin;
+        }
+        probe += x * 0.0f;
       }
+    float amax = -INFINITY, amin = INFINITY, bmax = -INFINITY, bmin = INFINITY;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      amax = std::fmax(amax, vamax[l]);
+      amin = std::fmin(amin, vamin[l]);
+      bmax = std::fmax(bmax, vbmax[l]);
+      bmin = std::fmin(bmin, vbmin[l]);
+    }
+    if (hsum(probe) != 0.0f) amax = INFINITY;
     const bool safe = amax <= kSafeExp && bmax <= kSafeExp && (bmax <= 0.0f || amin >= -kSafeExp) &&
                       (amax <= 0.0f || bmin >= -kSafeExp);
     if (safe) {
