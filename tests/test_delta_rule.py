@@ -32,6 +32,7 @@ def poisoned(shape, dtype):
 
 
 def assert_written(o):
+    o = o.cpu()
     bits = o.view(torch.int32) if o.dtype == torch.float32 else o.view(torch.int16)
     assert not (bits == (POISON_F32_BITS if o.dtype == torch.float32 else POISON_BF16_BITS)).any(), \
         "an output element was not written"
@@ -77,7 +78,7 @@ def out_bar(dtype):
 
 def run_op(q, k, v, g, beta, state, cu, si, scale):
     """The raw op with a poisoned out; checks every element was written."""
-    out = poisoned(v.shape, v.dtype)
+    out = poisoned(v.shape, v.dtype).to(v.device)
     torch.ops.indexcache.delta_rule(q, k, v, g, beta, state, cu, si, scale, out)
     assert_written(out)
     return out
