@@ -54,8 +54,15 @@ __global__ void __launch_bounds__(kCols) delta_rule_kernel(DeltaRuleParams p, in
     return;
   }
   const int32_t slot = p.state_indices[b];
-  bool ok = slot >= 0 && slot < p.n_slots;
-  for (int64_t e = 0; ok && e < b; ++e) ok = p.state_indices[e] != slot;
+  // Taken by an earlier sequence? The CTA's threads split the scan (decode calls have many
+  // sequences); any finder sets the flag (the same value from every writer).
+  __shared__ int taken;
+  if (tid == 0) taken = 0;
+  __syncthreads();
+  for (int64_t e = tid; e < b; e += kCols)
+    if (p.state_indices[e] == slot) taken = 1;
+  __syncthreads();
+  const bool ok = slot >= 0 && slot < p.n_slots && taken == 0;
   const bool f32 = p.dtype == DType::kFloat32;
   if (!ok) {
     if (counter) count_error(err);
