@@ -17,7 +17,9 @@ With several --isa values each op runs on every CPU path in turn, interleaved an
 repeats, "ms_min"/"ms_max" their spread.
 Shapes are DeepSeek-V3.2's (64 indexer heads x 128, k 2048; 128 MLA heads, 576/512),
 with the number of query rows scaled to fit; the block_sparse group is MiniMax-M3's (4 indexer
-heads x 128, blocks of 128, top 16; attention 64 query / 4 KV heads x 128).
+heads x 128, blocks of 128, top 16; attention 64 query / 4 KV heads x 128); the delta_rule group is
+the hybrids' linear attention (KDA 32 heads, Gated DeltaNet 16/32 heads, 128 x 128 state; prefill
+4K tokens vs transformers' chunk form, decode 64 sequences vs its recurrent form).
 --sinks adds sparse MLA with attention sinks (fp32 [h_q], HY-V4) as impl "indexcache+sinks",
 timed interleaved with the sink-free call on each path (same inputs, same repeats); its
 "baseline" is the sink-free median, so "speedup" near 1.0 means the sinks cost nothing.
@@ -393,6 +395,75 @@ def bench_block_sparse(records, device, quick):
                    base, gflop_per_s=flops / (t[0] * 1e-3) / 1e9)
 
 
+def delta_rule_inputs(T, h_k, h_v, d, per_channel, batch, device, dtype=torch.bfloat16):
+    """Normalised q, k as the models feed them, log-decays in [-0.1, 0), one sequence per slot."""
+    q = torch.nn.functional.normalize(torch.randn(T, h_k, d, device=device), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(T, h_k, d, device=device), dim=-1).to(dtype)
+    v = torch.randn(T, h_v, d, device=device).to(dtype)
+    g = -torch.rand((T, h_v, d) if per_channel else (T, h_v), device=device) * 0.1
+    beta = torch.rand(T, h_v, device=device)
+    state = torch.randn(batch, h_v, d, d, device=device) * 0.1
+    cu = torch.linspace(0, T, batch + 1, device=device).round().to(torch.int32)
+    si = torch.arange(batch, dtype=torch.int32, device=device)
+    return q, k, v, g, beta, state, cu, si
+
+
+def bench_delta_rule(records, device, quick):
+    """The hybrids' linear attention (issue 34), bf16 q/k/v, d_k = d_v = 128: KDA (GLM-5.3-Flash,
+    per-channel gate, 32 heads) and Gated DeltaNet (Qwen3.8-Flash-Next, per-head gate, 16 query/key
+    and 32 value heads). Prefill: one sequence of 4K tokens (2K with --quick) against transformers'
+    chunk form (chunk_kimi_delta_attention / torch_chunk_gated_delta_rule, fp32 torch ops: its
+    reference path without flash-linear-attention), GFLOP/s counted as the chunk form's work,
+    T h_v (6 d_k d_v + 2 C (d_k + d_v)) with C = 64. Decode: 64 sequences x 1 token against
+    transformers' recurrent form, rated by the state bytes read and written (2 x 4 d_k d_v per
+    sequence and head)."""
+    try:
+        from transformers.models.glm5_next import modeling_glm5_next as kda_mod
+        from transformers.models.qwen4_exp import modeling_qwen4_exp as gdn_mod
+    except ImportError:  # pragma: no cover - transformers is in the dev requirements
+        kda_mod = gdn_mod = None
+    d, C = 128, 64
+    T = 2048 if quick else 4096
+    for name, per_channel, h_k, h_v in (("kda", True, 32, 32), ("gdn", False, 16, 32)):
+        q, k, v, g, beta, state, cu, si = delta_rule_inputs(T, h_k, h_v, d, per_channel, 1, device)
+        ours = time_ours(lambda: ops.delta_rule(q, k, v, g, beta, state, cu, si, d ** -0.5), device, "delta_rule",
+                         "bf16", min_time=0.3, max_iters=5)
+        base, base_name = float("nan"), "transformers_chunk"
+        if kda_mod is not None:
+            fn = kda_mod.chunk_kimi_delta_attention if per_channel else gdn_mod.torch_chunk_gated_delta_rule
+            init = state.clone()
+            # One timed call, no warm-up: the KDA form builds a [chunks, 64, 64, d_k] decay tensor
+            # (2 GB at 4K tokens x 32 heads) and takes a minute or more on 2 cores.
+            t0 = time.perf_counter()
+            fn(q[None], k[None], v[None], g[None], beta[None], initial_state=init, output_final_state=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            base = 1e3 * (time.perf_counter() - t0)
+        flops = T * h_v * (6 * d * d + 2 * C * 2 * d)
+        for t in ours.values():
+            record(records, f"delta_rule_prefill_{name}", f"{T}t x {h_k}/{h_v}h x {d} bf16", T, "indexcache", t,
+                   base_name, base, gflop_per_s=flops / (t[0] * 1e-3) / 1e9)
+        B = 64
+        q, k, v, g, beta, state, cu, si = delta_rule_inputs(B, h_k, h_v, d, per_channel, B, device)
+        ours = time_ours(lambda: ops.delta_rule(q, k, v, g, beta, state, cu, si, d ** -0.5), device, "delta_rule",
+                         "bf16", min_time=0.3, max_iters=20)
+        base, base_name = float("nan"), "transformers_recurrent"
+        if kda_mod is not None:
+            init = state.clone()
+            if per_channel:
+                fn = lambda: kda_mod.recurrent_kimi_delta_attention(q[:, None], k[:, None], v[:, None], g[:, None],
+                                                                    beta[:, None], init, True)
+            else:
+                fn = lambda: gdn_mod.torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
+                                                                      beta[:, None], initial_state=init,
+                                                                      output_final_state=True)
+            base = timeit(fn, device, min_time=0.2, max_iters=10)
+        state_bytes = 2 * B * h_v * d * d * 4
+        for t in ours.values():
+            record(records, f"delta_rule_decode_{name}", f"{B} seqs x 1t x {h_k}/{h_v}h x {d} bf16", 1, "indexcache",
+                   t, base_name, base, gb_per_s=state_bytes / (t[0] * 1e-3) / 1e9)
+
+
 # --ops matrix: op x dtype x heads x path (issue 31), one thread's share of the machine.
 MATRIX_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -456,7 +527,7 @@ def main():
     ap.add_argument("--isa", default="auto",
                     help="CPU path(s) for our ops, comma-separated: auto, portable, avx2, avx512bf16, blas")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats per path (median, min, max)")
-    ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse,mla_v4",
+    ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse,mla_v4,delta_rule",
                     help="which groups to run; 'matrix' (CPU only, not in the default): op x dtype x heads "
                          "{8, 16, 64/128} on every --isa path, with the path each took and auto's")
     ap.add_argument("--sinks", action="store_true",
@@ -496,6 +567,8 @@ def main():
         bench_block_sparse(records, args.device, args.quick)
     if "mla_v4" in groups:
         bench_mla_v4(records, args.device, args.quick)
+    if "delta_rule" in groups:
+        bench_delta_rule(records, args.device, args.quick)
     if "matrix" in groups and args.device == "cpu":
         bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"])
     if any("gflop_per_s" in r for r in records):

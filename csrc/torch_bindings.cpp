@@ -57,4 +57,10 @@ TORCH_LIBRARY(indexcache, m) {
   m.def(
       "block_sparse_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor req, "
       "Tensor pos, Tensor blocks, int block_size, float scale, Tensor(a!) out, Tensor(a!) lse) -> ()");
+  // Gated delta rule of the hybrids' linear-attention layers (DESIGN.md §6: KDA's per-channel
+  // gate g [T, h_v, d_k], Gated DeltaNet's per-head g [T, h_v]) over a varlen batch, continuing
+  // and updating state [n_slots, h_v, d_k, d_v] in place -> out [T, h_v, d_v].
+  m.def(
+      "delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor cu_seqlens, "
+      "Tensor state_indices, float scale, Tensor(b!) out) -> ()");
 }

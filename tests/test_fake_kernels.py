@@ -98,7 +98,22 @@ def _mla_cases():
     ]
 
 
-CASES = [*_indexer_cases(), *_mla_cases()]
+def _delta_rule_cases():
+    T, h_k, h_v, d_k, d_v = 7, 2, 4, 8, 4
+    q, k, v = torch.randn(T, h_k, d_k), torch.randn(T, h_k, d_k), torch.randn(T, h_v, d_v)
+    g, beta, state = -torch.rand(T, h_v, d_k), torch.rand(T, h_v), torch.zeros(3, h_v, d_k, d_v)
+    cu, si = _i32(0, 3, 7), _i32(2, 0)
+    return [
+        (o.delta_rule, (q, k, v, g, beta, state, cu, si, 0.5, torch.empty(T, h_v, d_v)),
+         [(1, k.bfloat16(), "k must be torch.float32"), (2, torch.randn(T, 3, d_v), r"multiple of q and k's"),
+          (3, torch.randn(T, h_v, 5), r"g must be \[T, h_v\] = \[7, 4\] or"), (4, torch.rand(T, 1), "beta must be"),
+          (5, torch.zeros(3, h_v, d_k, 5), r"state must be \[n_slots, h_v, d_k, d_v\]"),
+          (7, _i32(0), "state_indices must be a contiguous 1-d tensor of batch = 2"),
+          (9, torch.empty(T, h_v, 5), "out must have v's shape")]),
+    ]
+
+
+CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases()]
 
 
 def _fake_call(op, args):

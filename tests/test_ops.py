@@ -691,7 +691,8 @@ def test_cpu_path_errors():
 # The (op, dtype) pairs each path has a vectorised kernel of its own for (docs/ops.md, "CPU paths"),
 # written out here as the spec that isa.cpp's table must match.
 _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/fp32", "sparse_mla/bf16",
-        "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16"}
+        "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16",
+        "delta_rule/fp32", "delta_rule/bf16"}
 KERNELS = {"portable": _ALL, "avx2": _ALL - {"quantize/fp32", "quantize/bf16"},
            "avx512bf16": _ALL - {"sparse_mla/fp32"},
            "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}}
@@ -765,6 +766,7 @@ def test_every_op_has_a_kernel_per_backend():
                     if str(op).startswith("indexcache::")})
     assert {"sparse_mla", "indexer_topk", "topk_indices", "quantize_fp8", "fill_topk_buffer_"} <= set(names)
     assert {"block_topk", "block_topk_paged", "block_sparse_attention"} <= set(names)  # MiniMax-M3 (issue 20)
+    assert "delta_rule" in names  # GLM-5.3-Flash / Qwen3.8-Flash-Next linear attention (issue 34)
     cuda = indexcache.build_info()["cuda_kernels"]
     for name in names:
         dump = torch._C._dispatch_dump(f"indexcache::{name}")

@@ -40,13 +40,14 @@ void request_cpu_path(CpuPath p);
 CpuPath cpu_path();
 
 // The op families as dispatch sees them; each takes one path per input dtype.
-enum class CpuOp : int { kIndexer = 0, kTopk, kSparseMla, kBlockSparse, kQuantize };
+enum class CpuOp : int { kIndexer = 0, kTopk, kSparseMla, kBlockSparse, kQuantize, kDeltaRule };
 inline constexpr CpuOp kCpuOps[] = {CpuOp::kIndexer, CpuOp::kTopk, CpuOp::kSparseMla, CpuOp::kBlockSparse,
-                                    CpuOp::kQuantize};
-const char* cpu_op_name(CpuOp op);  // "indexer", "topk", "sparse_mla", "block_sparse", "quantize"
+                                    CpuOp::kQuantize, CpuOp::kDeltaRule};
+const char* cpu_op_name(CpuOp op);  // "indexer", "topk", "sparse_mla", "block_sparse", "quantize",
+                                   // "delta_rule"
 // The input dtypes an op takes (the key of its dispatch): indexer fp32 / bf16 / fp8 (q and k);
 // topk fp32 (logits); sparse_mla fp32 (q or cache fp32), bf16 (bf16 q and cache), fp8 (bf16 q,
-// fp8_ds_mla cache); block_sparse fp32 / bf16; quantize fp32 / bf16 (its input).
+// fp8_ds_mla cache); block_sparse fp32 / bf16; quantize fp32 / bf16 (its input); delta_rule fp32 / bf16 (q, k, v).
 bool cpu_op_takes(CpuOp op, DType dt);
 // Whether path p has its own vectorised kernel for (op, dt); portable has every one (the scalar
 // reference loops, which no other path falls back to unless it is the only path the CPU runs).

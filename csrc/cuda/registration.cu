@@ -13,6 +13,7 @@ TORCH_LIBRARY_IMPL(indexcache, CUDA, m) {
   register_topk_cuda(m);
   register_sparse_mla_cuda(m);
   register_block_sparse_cuda(m);
+  register_delta_rule_cuda(m);
 }
 
 }  // namespace indexcache

@@ -12,5 +12,6 @@ void register_indexer_cuda(torch::Library& m);
 void register_topk_cuda(torch::Library& m);
 void register_sparse_mla_cuda(torch::Library& m);
 void register_block_sparse_cuda(torch::Library& m);
+void register_delta_rule_cuda(torch::Library& m);
 
 }  // namespace indexcache

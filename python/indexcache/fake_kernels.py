@@ -302,6 +302,40 @@ def _block_sparse_attention(q, k_cache, v_cache, block_table, req, pos, blocks, 
     torch._check(block_size >= 1, lambda: f"block_size must be >= 1, got {block_size}")
 
 
+@torch.library.register_fake("indexcache::delta_rule")
+def _delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale, out):
+    _dtype(q, FLOATS, "q")
+    _dtype(k, q.dtype, "k")
+    _dtype(v, q.dtype, "v")
+    _dtype(out, q.dtype, "out")
+    for t, name in ((g, "g"), (beta, "beta"), (state, "state")):
+        _dtype(t, torch.float32, name)
+    _dtype(cu_seqlens, torch.int32, "cu_seqlens")
+    _dtype(state_indices, torch.int32, "state_indices")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _dim(t, 3, name)
+    T, h_k, d_k = q.shape
+    h_v, d_v = v.shape[1], v.shape[2]
+    torch._check(k.shape == q.shape,
+                 lambda: f"k must have q's shape [T, h_k, d_k] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    torch._check(v.shape[0] == T, lambda: f"v must have q's {T} tokens, got shape {tuple(v.shape)}")
+    torch._check(h_k >= 1 and h_v >= 1 and d_k >= 1 and d_v >= 1,
+                 lambda: f"q, k and v need at least one head and one channel, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    torch._check(h_v % h_k == 0, lambda: f"v's {h_v} heads (h_v) must be a multiple of q and k's {h_k} (h_k)")
+    torch._check(tuple(g.shape) in ((T, h_v), (T, h_v, d_k)),
+                 lambda: f"g must be [T, h_v] = [{T}, {h_v}] or [T, h_v, d_k] = [{T}, {h_v}, {d_k}], got {tuple(g.shape)}")
+    torch._check(tuple(beta.shape) == (T, h_v), lambda: f"beta must be [T, h_v] = [{T}, {h_v}], got {tuple(beta.shape)}")
+    torch._check(state.dim() == 4 and tuple(state.shape[1:]) == (h_v, d_k, d_v),
+                 lambda: f"state must be [n_slots, h_v, d_k, d_v] = [n_slots, {h_v}, {d_k}, {d_v}], got {tuple(state.shape)}")
+    torch._check(out.shape == v.shape,
+                 lambda: f"out must have v's shape [T, h_v, d_v] = {tuple(v.shape)}, got {tuple(out.shape)}")
+    torch._check(cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 1,
+                 lambda: f"cu_seqlens must be a contiguous 1-d tensor of batch + 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    torch._check(state_indices.dim() == 1 and state_indices.shape[0] == cu_seqlens.shape[0] - 1,
+                 lambda: f"state_indices must be a contiguous 1-d tensor of batch = {cu_seqlens.shape[0] - 1} entries "
+                         f"(cu_seqlens has batch + 1), got shape {tuple(state_indices.shape)}")
+
+
 @torch.library.register_fake("indexcache::cuda_error_word")
 def _cuda_error_word(like):
     return like.new_empty((1,), dtype=torch.int32)

@@ -10,6 +10,8 @@ treated as invalid and counted, with no host sync (``cuda_error_count``), unless
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _C  # noqa: F401  (registers the ops)
@@ -225,6 +227,108 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, req, pos, blocks, b
     out, lse = out
     _ops.block_sparse_attention(q, k_cache, v_cache, block_table, req, pos, blocks, block_size, scale, out, lse)
     return out, lse
+
+
+def _delta_rule_args(q, k, v, g, beta, state, cu_seqlens, state_indices) -> None:
+    """The delta-rule contract, checked before the op with ValueErrors naming the field."""
+    names = ("q", "k", "v", "g", "beta", "state", "cu_seqlens", "state_indices")
+    tensors = (q, k, v, g, beta, state, cu_seqlens, state_indices)
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in zip(names[1:], tensors[1:]):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: every argument must be on one device")
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    for name, t in (("g", g), ("beta", beta), ("state", state)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    for name, t in (("cu_seqlens", cu_seqlens), ("state_indices", state_indices)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [T, heads, dim], got shape {tuple(t.shape)}")
+        if (t.shape[2] > 1 and t.stride(2) != 1) or (t.shape[1] > 1 and t.stride(1) != t.shape[2]):
+            raise ValueError(f"{name}'s [heads, dim] rows must be contiguous (any token stride), "
+                             f"got strides {t.stride()}")
+    T, h_k, d_k = q.shape
+    h_v, d_v = v.shape[1], v.shape[2]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [T, h_k, d_k] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[0] != T:
+        raise ValueError(f"v must have q's {T} tokens, got shape {tuple(v.shape)}")
+    if min(h_k, h_v, d_k, d_v) < 1:
+        raise ValueError(f"q, k and v need at least one head and one channel, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+    if h_v % h_k:
+        raise ValueError(f"v's {h_v} heads (h_v) must be a multiple of q and k's {h_k} (h_k)")
+    if tuple(g.shape) not in ((T, h_v), (T, h_v, d_k)):
+        raise ValueError(f"g must be [T, h_v] = [{T}, {h_v}] or [T, h_v, d_k] = [{T}, {h_v}, {d_k}], "
+                         f"got {tuple(g.shape)}")
+    if tuple(beta.shape) != (T, h_v):
+        raise ValueError(f"beta must be [T, h_v] = [{T}, {h_v}], got {tuple(beta.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (h_v, d_k, d_v):
+        raise ValueError(f"state must be [n_slots, h_v, d_k, d_v] = [n_slots, {h_v}, {d_k}, {d_v}], "
+                         f"got {tuple(state.shape)}")
+    for name, t in (("g", g), ("beta", beta), ("state", state), ("cu_seqlens", cu_seqlens),
+                    ("state_indices", state_indices)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be 1-d with batch + 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    batch = cu_seqlens.shape[0] - 1
+    if tuple(state_indices.shape) != (batch,):
+        raise ValueError(f"state_indices must have batch = {batch} entries (cu_seqlens has batch + 1), "
+                         f"got shape {tuple(state_indices.shape)}")
+    # Values: always on CPU; on CUDA only with INDEXCACHE_CHECK=1 (a host copy and a sync), else
+    # the kernel skips and counts an invalid sequence (cuda_error_count), as the other ops do.
+    if q.device.type == "cuda" and os.environ.get("INDEXCACHE_CHECK", "") in ("", "0"):
+        return
+    cu, si = cu_seqlens.cpu(), state_indices.cpu()
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
+    if batch and bool((cu[1:] < cu[:-1]).any()):
+        b = int(torch.nonzero(cu[1:] < cu[:-1])[0])
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{b}] = {int(cu[b])} > "
+                         f"cu_seqlens[{b + 1}] = {int(cu[b + 1])}")
+    if int(cu[-1]) != T:
+        raise ValueError(f"cu_seqlens[-1] must be T = {T} (every token in a sequence), got {int(cu[-1])}")
+    n_slots = state.shape[0]
+    bad = (si < 0) | (si >= n_slots)
+    if bool(bad.any()):
+        b = int(torch.nonzero(bad)[0])
+        raise ValueError(f"state_indices[{b}] = {int(si[b])} is outside the state's {n_slots} slots")
+    if si.unique().numel() != batch:
+        raise ValueError("state_indices must be distinct (two sequences cannot continue one state row), "
+                         f"got {si.tolist()}")
+
+
+def delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale: float) -> torch.Tensor:
+    """Gated delta-rule linear attention over a varlen batch (GLM-5.3-Flash's KDA, Qwen3.8-Flash-Next's
+    Gated DeltaNet; :func:`indexcache.reference.delta_rule` is the definition), updating ``state``.
+
+    q, k ``[T, h_k, d_k]`` and v ``[T, h_v, d_v]`` in one dtype (bf16 or fp32; q and k already
+    normalised as the model does; each token's ``[heads, dim]`` block contiguous, any stride
+    between tokens), h_v a multiple of h_k (value head h reads query/key head ``h // (h_v //
+    h_k)``). g fp32 log-decay ``[T, h_v]`` (one per head: Gated DeltaNet) or ``[T, h_v, d_k]``
+    (one per key channel: KDA); beta fp32 ``[T, h_v]``. state fp32 ``[n_slots, h_v, d_k, d_v]``
+    (contiguous), updated in place: sequence b (tokens ``cu_seqlens[b]:cu_seqlens[b+1]``,
+    cu_seqlens int32 ``[B + 1]`` from 0 to T) continues row ``state_indices[b]`` (int32 ``[B]``,
+    distinct; a new sequence's row must hold zeros). Per token::
+
+        S = diag(exp(g_t)) S;  S += beta_t k_t (v_t - S^T k_t)^T;  o_t = scale * S^T q_t
+
+    Returns o ``[T, h_v, d_v]`` in v's dtype, computed in fp32. Decode is the same call with one
+    token per sequence. Raises ValueError naming the field for a bad argument.
+    """
+    _delta_rule_args(q, k, v, g, beta, state, cu_seqlens, state_indices)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    _ops.delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, float(scale), out)
+    return out
 
 
 def _error_word(device) -> torch.Tensor | None:
