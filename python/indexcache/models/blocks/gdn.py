@@ -22,16 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from indexcache import ops, reference
+from indexcache import ops
 
 
 def delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale: float) -> torch.Tensor:
-    """The gated delta-rule recurrence (definition: ``indexcache.reference.delta_rule``): the
-    fused op ``indexcache.ops.delta_rule`` where this build has it, else the reference loop."""
-    op = getattr(ops, "delta_rule", None)
-    if op is not None:
-        return op(q, k, v, g, beta, state, cu_seqlens, state_indices, scale)
-    return reference.delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale)
+    """The gated delta-rule recurrence: the kernel ``indexcache.ops.delta_rule`` (its formal
+    definition is ``indexcache.reference.delta_rule``)."""
+    return ops.delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

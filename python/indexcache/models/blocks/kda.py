@@ -23,15 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from indexcache import reference
+from indexcache import ops
 
 from ..state import ForwardContext
 
-# The delta-rule recurrence. reference.delta_rule is its formal definition (a loop over tokens);
-# the kernel is ops.delta_rule (branch linattn). MERGE: when ops.delta_rule exists, this line becomes
-#     _delta_rule = ops.delta_rule
-# and nothing else changes (same arguments, same result).
-_delta_rule = reference.delta_rule
+# The delta-rule recurrence: the kernel (its formal definition is reference.delta_rule).
+_delta_rule = ops.delta_rule
 
 L2_EPS = 1e-6  # FLA's l2norm: x / sqrt(sum(x^2) + eps)
 
