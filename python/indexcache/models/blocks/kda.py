@@ -189,8 +189,9 @@ class KimiDeltaAttention(nn.Module):
         with ctx.stage(self.layer_id, "delta_rule"):
             cu = torch.tensor([0] + list(_cumsum(meta.q_lens)), dtype=torch.int32, device=x.device)
             idx = torch.tensor(slots, dtype=torch.int32, device=x.device)
-            o = _delta_rule(l2norm(q), l2norm(k), v.contiguous(), g, beta, store.recurrent[self.layer_id], cu, idx,
-                            self.head_dim ** -0.5)
+            # all fp32 into the op (q, k come out of the fp32 l2norm), the output back in v's dtype
+            o = _delta_rule(l2norm(q), l2norm(k), v.float(), g, beta, store.recurrent[self.layer_id], cu, idx,
+                            self.head_dim ** -0.5).to(v.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(n, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(n, -1))
 
