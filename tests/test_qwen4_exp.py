@@ -339,6 +339,10 @@ def test_config_errors_name_the_field(text):
             Qwen4ExpForCausalLM.from_config({**cfg, **change})
     with pytest.raises(ValueError, match="pattern"):  # one character per indexed layer (4), not per layer (7)
         Qwen4ExpForCausalLM.from_config(cfg, {"use_index_cache": True, "index_topk_pattern": "FSSFFSS"})
+    with pytest.raises(ValueError, match="index_topk_pattern has 3 entries but the model has 4"):  # too short
+        Qwen4ExpForCausalLM.from_config(cfg, {"use_index_cache": True, "index_topk_pattern": "FSS"})
+    with pytest.raises(ValueError, match="indexer_types has 2 entries"):
+        Qwen4ExpForCausalLM.from_config(cfg, {"use_index_cache": True, "indexer_types": ["full", "shared"]})
     with pytest.raises(ValueError, match="index_reuse_steps"):
         Qwen4ExpForCausalLM.from_config(cfg, {"use_index_cache": True, "index_reuse_steps": 2})
 

@@ -298,6 +298,19 @@ class Qwen4ExpForCausalLM(DSAForCausalLM):
     def indexed_layers(cls, args: ModelArgs) -> list:
         return [i for i, t in enumerate(args.attn_layer_types) if t == INDEXED]
 
+    @classmethod
+    def from_config(cls, config, hf_overrides=None, **kwargs):
+        """As every family, and a pattern or ``indexer_types`` in force must have exactly one entry per
+        indexed layer (DESIGN §2 lets a short pattern run F past its end; for a hybrid model whose
+        list is easily written per layer instead, a wrong length is refused)."""
+        model = super().from_config(config, hf_overrides, **kwargs)
+        ic, n = model.ic_config, len(model.indexed)
+        for key, value in (("index_topk_pattern", ic.index_topk_pattern), ("indexer_types", ic.indexer_types)):
+            if ic.use_index_cache and value is not None and len(value) != n:
+                raise ValueError(f"{key} has {len(value)} entries but the model has {n} indexed_attention layers "
+                                 f"({', '.join(map(str, model.indexed))}): give one per indexed layer")
+        return model
+
     def plan_summary(self) -> str:
         layers = ", ".join(str(i) for i in self.indexed)
         return super().plan_summary() + (f"\nover the indexed_attention layers {layers} "
