@@ -166,6 +166,27 @@ def test_native_width_indexer_equals_transformers(tmp_path, ids):
     assert rel(model(ids), hf_logits(shared, ids)) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_production_latent_attends_through_the_kernel(tmp_path, dtype, monkeypatch):
+    """kv_lora_rank 512 without RoPE: the selected-position attention runs ``ops.sparse_mla`` (its
+    512-wide K = V form), not the reference, and paged decode still equals the full forward (fp32:
+    transformers too)."""
+    from indexcache import reference
+    hf = hf_model(seed=int(torch.randint(0, 1 << 30, ())), kv_lora_rank=512)
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, dtype=dtype)
+    calls = []
+    monkeypatch.setattr(reference, "sparse_mla", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(
+        AssertionError("reference.sparse_mla called")))
+    ids = torch.randint(0, TEXT["vocab_size"], (1, 29), generator=torch.Generator().manual_seed(7))
+    got = model(ids)
+    if dtype == torch.float32:
+        assert rel(got, hf_logits(hf, ids)) < 1e-4
+    paged = run_paged(model, [ids[0].tolist()], [12], chunk=10_000)[0]
+    assert rel(paged, got[0]) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert not calls
+
+
 def test_ties_go_to_the_lower_pool(ckpt):
     """Among pools of equal score the lower one is kept (the unfinished tail always is). Inputs
     ``x > 0`` under negative head weights make every ``w_h(x)`` negative, so a pool scores 0 exactly

@@ -38,8 +38,13 @@ class SparseAttention(nn.Module):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         slots = ops.positions_to_slots(topk_positions, req_of_row, block_table, block_size)
         n, h = q.shape[0], q.shape[1]
-        # widths other than 512 + 64: the op's definition (gather, softmax, weighted sum in fp32)
-        attend = ops.sparse_mla if q.shape[-1] == MLA_LATENT + MLA_ROPE else reference.sparse_mla
+        # the kernel's widths: 512 + 64 (DSA), or a 512-wide K = V latent without RoPE (GLM-5.3-Flash's
+        # NoPE MLA, V4's head form: rows of its latent cache [blocks, block, 512] as slots); others:
+        # the op's definition (gather, softmax, weighted sum in fp32)
+        nope_512 = q.shape[-1] == kv_cache.shape[-1] == self.kv_lora_rank == MLA_LATENT and kv_cache.dim() == 3
+        attend = ops.sparse_mla if q.shape[-1] == MLA_LATENT + MLA_ROPE or nope_512 else reference.sparse_mla
+        if nope_512:
+            q, kv_cache = q.contiguous(), kv_cache.view(-1, 1, 1, MLA_LATENT)
         out = q.new_empty(n, h, self.kv_lora_rank)
         for r0, r1 in row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS):
             out[r0:r1] = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank, sinks=sinks)[0]
