@@ -4,6 +4,7 @@ fresh selection, bits per byte of the decoded bytes, and generate's decode token
 
     PYTHONPATH=python python scripts/bench_step_reuse.py [--prompt 1024] [--steps 256] [--reuse 1 2 4 8]
         [--min-recall 0.5 0.8] [--pattern FSSSFSSS] [--no-rate] [--json OUT]
+    PYTHONPATH=python python scripts/bench_step_reuse.py --rate-only --rate-prompt 8192 --rate-new 32 --reuse 1 4 8 --repeat 3
 
 ``--min-recall``: each R > 1 also runs adaptively (``index_reuse_min_recall``) at each bar, with
 the share of checked steps that recomputed early. ``--pattern``: the F/S plan under the reuse
@@ -87,7 +88,12 @@ def main() -> None:
     ap.add_argument("--pattern", default=None)
     ap.add_argument("--no-rate", action="store_true", help="skip the decode tokens/s runs")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rate-only", action="store_true",
+                    help="only decode tokens/s at --rate-prompt (the reuse values interleaved, --repeat rounds)")
+    ap.add_argument("--repeat", type=int, default=1)
     a = ap.parse_args()
+    if a.rate_only:
+        return rate_table(a)
     torch.set_num_threads(2)
     text = list(load_text("heldout", a.prompt + a.steps + a.rate_prompt + 16))
     path = embedded_model_path()
@@ -115,6 +121,30 @@ def main() -> None:
             rec["rate_seconds"] = round(time.perf_counter() - t0, 1)
         report[name] = rec
         print(json.dumps({name: rec}), flush=True)
+    print(json.dumps(report, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def rate_table(a) -> None:
+    """Decode tokens/s per R at one context, R values interleaved round by round; median, min, max.
+    max_position_embeddings is raised to fit the context (a speed figure: past the embedded model's
+    4096 positions its outputs mean nothing)."""
+    torch.set_num_threads(2)
+    text = list(load_text("heldout", a.rate_prompt + 16))
+    over = {"use_index_cache": True, **({"index_topk_pattern": a.pattern} if a.pattern else {"index_topk_freq": 2}),
+            "max_position_embeddings": max(4096, a.rate_prompt + a.rate_new + 8)}
+    models = {r: from_pretrained(embedded_model_path(), hf_overrides={**over, "index_reuse_steps": r},
+                                 dtype=torch.bfloat16) for r in a.reuse}
+    rates: dict = {r: [] for r in a.reuse}
+    for _ in range(a.repeat):
+        for r in a.reuse:
+            rates[r].append(decode_rate(models[r], text, a.rate_prompt, a.rate_new))
+    report = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(), "threads": 2,
+              "context": a.rate_prompt, "new_tokens": a.rate_new, "dtype": "bf16", "plan": a.pattern or "freq 2",
+              "decode_tok_s": {f"reuse_{r}": {"median": round(sorted(v)[len(v) // 2], 1), "min": round(min(v), 1),
+                                              "max": round(max(v), 1)} for r, v in rates.items()}}
     print(json.dumps(report, indent=1))
     if a.json:
         with open(a.json, "w") as f:
