@@ -176,6 +176,17 @@ class IndexCacheConfig:
             indexer_types=self.indexer_types,
         )
 
+    def require_one_entry_per_layer(self, indexed: list) -> None:
+        """For the hybrid families (GLM-5.3-Flash, Qwen3.8-Flash-Next): a pattern or ``indexer_types``
+        in force must have exactly one entry per indexed layer (``indexed``: their layer ids), shorter
+        too (DESIGN §2 runs a short pattern F past its end; in a hybrid model a per-layer-length list
+        is the likely mistake)."""
+        n = len(indexed)
+        for key, value in (("index_topk_pattern", self.index_topk_pattern), ("indexer_types", self.indexer_types)):
+            if self.use_index_cache and value is not None and len(value) != n:
+                raise ValueError(f"{key} has {len(value)} entries but the model has {n} indexed layers "
+                                 f"({', '.join(map(str, indexed))}): give one per indexed layer")
+
     def describe(self, plan: LayerPlan) -> str:
         """One line: the plan's F/S counts, the rule that made it, and where its settings came from."""
         s = f"IndexCache plan: {plan.num_full} F / {plan.num_shared} S over {plan.num_hidden_layers} layers"

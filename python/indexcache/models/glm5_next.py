@@ -388,11 +388,7 @@ class Glm5NextForCausalLM(DSAForCausalLM):
     @classmethod
     def from_config(cls, config, hf_overrides=None, **kwargs):
         model = super().from_config(config, hf_overrides, **kwargs)
-        ic, n = model.ic_config, len(model.indexed)
-        for key, value in (("index_topk_pattern", ic.index_topk_pattern), ("indexer_types", ic.indexer_types)):
-            if ic.use_index_cache and value is not None and len(value) != n:
-                raise ValueError(f"{key} has {len(value)} entries but the model has {n} indexed layers "
-                                 f"({', '.join(map(str, model.indexed))}): give one per indexed layer")
+        model.ic_config.require_one_entry_per_layer(model.indexed)
         if model.index_reuse_steps > 1:
             raise ValueError("index_reuse_steps > 1 is not supported by GLM-5.3-Flash's pooled indexer yet (use 1)")
         return model

@@ -304,11 +304,7 @@ class Qwen4ExpForCausalLM(DSAForCausalLM):
         indexed layer (DESIGN §2 lets a short pattern run F past its end; for a hybrid model whose
         list is easily written per layer instead, a wrong length is refused)."""
         model = super().from_config(config, hf_overrides, **kwargs)
-        ic, n = model.ic_config, len(model.indexed)
-        for key, value in (("index_topk_pattern", ic.index_topk_pattern), ("indexer_types", ic.indexer_types)):
-            if ic.use_index_cache and value is not None and len(value) != n:
-                raise ValueError(f"{key} has {len(value)} entries but the model has {n} indexed_attention layers "
-                                 f"({', '.join(map(str, model.indexed))}): give one per indexed layer")
+        model.ic_config.require_one_entry_per_layer(model.indexed)
         return model
 
     def plan_summary(self) -> str:
