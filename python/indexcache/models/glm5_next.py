@@ -48,7 +48,7 @@ from .blocks.mla import SparseAttention
 from .blocks.moe import ClampedMLP, MoE
 from .blocks.norms import RMSNorm
 from .dsa import DSAForCausalLM
-from .state import BatchMeta, CacheManager, ForwardContext, SelectionStore, _kv_dtype
+from .state import BatchMeta, CacheBytes, CacheManager, ForwardContext, SelectionStore, _kv_dtype, tensor_bytes
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 # the keys of a glm5_next config.json that describe the whole (VL) model, not its text tower
@@ -248,7 +248,7 @@ class StreamMean(nn.Module):
         return streams.mean(dim=1)
 
 
-class Glm5NextPagedCache:
+class Glm5NextPagedCache(CacheBytes):
     """Paged caches sharing one block table per request, plus the linear layers' per-request state.
 
     Per indexed layer ``kv[i]``: the normed latent ``[num_blocks, block, kv_lora_rank]`` (NoPE: no
@@ -291,15 +291,15 @@ class Glm5NextPagedCache:
         self.linear = LinearStates(specs, 0, self.device, max_num_seqs)
         self.manager.on_free.append(self.linear.free)
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv)
+
     def layer_bytes(self, layer_id: int) -> tuple[int, int]:
         """(latent KV + linear state bytes, index key bytes) of one layer."""
-        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        state = size(self.linear.conv[layer_id]) + size(self.linear.recurrent[layer_id])
-        return size(self.kv[layer_id]) + state, size(self.index_raw[layer_id]) + size(self.index_pool[layer_id])
-
-    def nbytes(self) -> dict:
-        per = [self.layer_bytes(i) for i in range(len(self.kv))]
-        return {"kv": sum(p[0] for p in per), "index_k": sum(p[1] for p in per)}
+        state = tensor_bytes(self.linear.conv[layer_id]) + tensor_bytes(self.linear.recurrent[layer_id])
+        return (tensor_bytes(self.kv[layer_id]) + state,
+                tensor_bytes(self.index_raw[layer_id]) + tensor_bytes(self.index_pool[layer_id]))
 
 
 class Glm5NextForCausalLM(DSAForCausalLM):

@@ -44,7 +44,7 @@ from .blocks.decoder import DecoderLayer
 from .blocks.gqa import FULL, SPARSE, GQAAttention, OffsetRMSNorm
 from .blocks.moe_oai import OAIMLP, OAIMoE
 from .dsa import DSAForCausalLM
-from .state import CacheManager, _kv_dtype
+from .state import CacheManager, GQAPages, _kv_dtype
 
 # the config keys of a VL config.json that describe the whole model, not its text tower
 _VL_KEYS = ("text_config", "vision_config", "model_type", "architectures", "image_token_index", "video_token_index",
@@ -71,11 +71,10 @@ class MiniMaxM3DecoderLayer(DecoderLayer):
                    par, shard=True)
 
 
-class MiniMaxM3PagedCache:
-    """Paged caches sharing one block table per request: ``k[i]``, ``v[i]`` ``[num_blocks, block,
-    kv_heads, head_dim]`` per layer, ``index_k[i]`` ``[num_blocks, block, index_head_dim]`` for
-    layers with an indexer (F sparse layers; None otherwise), all in the cache dtype ("auto": the
-    model's; "bf16" or "fp32"). Layers of other pipeline stages hold None."""
+class MiniMaxM3PagedCache(GQAPages):
+    """Paged caches sharing one block table per request (``GQAPages``: K, V per layer, index keys per
+    F sparse layer), all in the cache dtype ("auto": the model's; "bf16" or "fp32"). Layers of other
+    pipeline stages hold None."""
 
     def __init__(self, model, num_blocks: int, kv_cache_dtype: str = "auto", block_size: int = BLOCK_SIZE):
         if num_blocks < 1:
@@ -83,34 +82,10 @@ class MiniMaxM3PagedCache:
         dtype = _kv_dtype(kv_cache_dtype, model.dtype)
         if dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: MiniMax-M3 caches K/V as 'auto', 'bf16' or 'fp32'")
-        args = model.args
         self.device = model.topk_buffer.device
         self.block_size, self.num_blocks, self.kv_cache_dtype = block_size, num_blocks, kv_cache_dtype
         self.manager = CacheManager(num_blocks, block_size)
-        self.k, self.v, self.index_k = [], [], []
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            shape = (num_blocks, block_size, 0 if attn is None else attn.n_kv_heads, args.gqa_head_dim)
-            self.k.append(None if attn is None else torch.zeros(shape, dtype=dtype, device=self.device))
-            self.v.append(None if attn is None else torch.zeros(shape, dtype=dtype, device=self.device))
-            has_index = attn is not None and attn.indexer is not None
-            self.index_k.append(torch.zeros(num_blocks, block_size, args.index_head_dim, dtype=dtype, device=self.device)
-                                if has_index else None)
-
-    @property
-    def kv(self) -> list:
-        """Per layer: (K, V) pages, or None (another pipeline stage's layer)."""
-        return [None if k is None else (k, v) for k, v in zip(self.k, self.v)]
-
-    def layer_bytes(self, layer_id: int) -> tuple[int, int]:
-        """(K + V bytes, index-K bytes) held for one layer."""
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-        return size(self.k[layer_id]) + size(self.v[layer_id]), size(self.index_k[layer_id])
-
-    def nbytes(self) -> dict:
-        per = [self.layer_bytes(i) for i in range(len(self.k))]
-        return {"kv": sum(p[0] for p in per), "index_k": sum(p[1] for p in per)}
+        self._allocate_pages(model, num_blocks, block_size, dtype)
 
 
 class MiniMaxM3ForCausalLM(DSAForCausalLM):

@@ -49,7 +49,7 @@ from .blocks.ple import PLELayer
 from .blocks.softmax_moe import SoftmaxMoE
 from .blocks.qsa import IndexedAttention
 from .dsa import DSAForCausalLM
-from .state import CacheManager, ForwardContext, _kv_dtype
+from .state import CacheManager, ForwardContext, GQAPages, _kv_dtype, tensor_bytes
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 _QSA = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
@@ -169,7 +169,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
         return streams + out.unsqueeze(-2) * inject.unsqueeze(-1)
 
 
-class Qwen4ExpPagedCache:
+class Qwen4ExpPagedCache(GQAPages):
     """Paged caches sharing one block table per request, plus per-request state slots.
 
     ``k[i]``, ``v[i]`` ``[num_blocks, block, kv_heads, head_dim]`` per indexed layer;
@@ -198,15 +198,11 @@ class Qwen4ExpPagedCache:
         self._slot: dict = {}
         self._free = list(range(self.max_num_seqs - 1, -1, -1))
         self.eos = args.eos if args.ple_layer_ids else 0
-        self.k, self.v, self.index_k, self.states = [], [], [], []
+        self._allocate_pages(model, num_blocks, block_size, dtype)
+        self.states = []
         S = self.max_num_seqs
         for layer in model.model.layers:
-            attn, st = layer.self_attn, {}
-            shape = (num_blocks, block_size, args.num_kv_heads, args.gqa_head_dim)
-            self.k.append(None if attn is None else torch.zeros(shape, dtype=dtype, device=self.device))
-            self.v.append(None if attn is None else torch.zeros(shape, dtype=dtype, device=self.device))
-            self.index_k.append(torch.zeros(num_blocks, block_size, args.index_head_dim, dtype=dtype, device=self.device)
-                                if attn is not None and attn.indexer is not None else None)
+            st = {}
             if layer.linear_attn is not None:
                 conv, rec = layer.linear_attn.state_shapes()
                 st["gdn"] = (torch.zeros((S,) + conv, dtype=model.dtype, device=self.device),
@@ -238,20 +234,8 @@ class Qwen4ExpPagedCache:
         if s is not None:
             self._free.append(s)
 
-    @property
-    def kv(self) -> list:
-        return [None if k is None else (k, v) for k, v in zip(self.k, self.v)]
-
-    def layer_bytes(self, layer_id: int) -> tuple[int, int]:
-        """(K + V + per-request state bytes, index-K bytes) held for one layer."""
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-        states = sum(size(t) for ts in self.states[layer_id].values() for t in ts)
-        return size(self.k[layer_id]) + size(self.v[layer_id]) + states, size(self.index_k[layer_id])
-
-    def nbytes(self) -> dict:
-        per = [self.layer_bytes(i) for i in range(len(self.k))]
-        return {"kv": sum(p[0] for p in per), "index_k": sum(p[1] for p in per)}
+    def state_bytes(self, layer_id: int) -> int:
+        return sum(tensor_bytes(t) for ts in self.states[layer_id].values() for t in ts)
 
 
 class Qwen4ExpForCausalLM(DSAForCausalLM):

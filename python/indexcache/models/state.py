@@ -150,7 +150,64 @@ class CacheManager:
         return out.to(device)
 
 
-class PagedKVCache:
+def tensor_bytes(t: Optional[torch.Tensor]) -> int:
+    """Bytes one cache tensor holds (0 where a layer has none)."""
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class CacheBytes:
+    """``nbytes()`` of a paged cache: its ``layer_bytes(i)`` (KV-side bytes, index-side bytes)
+    summed over ``num_layers``."""
+
+    num_layers: int
+
+    def layer_bytes(self, layer_id: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def nbytes(self) -> dict:
+        per = [self.layer_bytes(i) for i in range(self.num_layers)]
+        return {"kv": sum(p[0] for p in per), "index_k": sum(p[1] for p in per)}
+
+
+class GQAPages(CacheBytes):
+    """The pages of the GQA families' indexed attention: ``k[i]``, ``v[i]`` ``[num_blocks, block,
+    kv_heads, head_dim]`` per layer with attention, ``index_k[i]`` ``[num_blocks, block,
+    index_head_dim]`` per layer whose attention has an indexer (F layers), None elsewhere (layers
+    without attention, and those of another pipeline stage). ``state_bytes`` adds a family's
+    per-request state to a layer's KV-side bytes."""
+
+    def _allocate_pages(self, model, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        args = model.args
+        self.k, self.v, self.index_k = [], [], []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if attn is None:
+                self.k.append(None)
+                self.v.append(None)
+                self.index_k.append(None)
+                continue
+            shape = (num_blocks, block_size, attn.n_kv_heads, args.gqa_head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.index_k.append(None if attn.indexer is None else
+                                torch.zeros(num_blocks, block_size, args.index_head_dim, dtype=dtype, device=self.device))
+        self.num_layers = len(self.k)
+
+    @property
+    def kv(self) -> list:
+        """Per layer: (K, V) pages, or None."""
+        return [None if k is None else (k, v) for k, v in zip(self.k, self.v)]
+
+    def state_bytes(self, layer_id: int) -> int:
+        return 0
+
+    def layer_bytes(self, layer_id: int) -> tuple[int, int]:
+        """(K + V + per-request state bytes, index-K bytes) held for one layer."""
+        kv = tensor_bytes(self.k[layer_id]) + tensor_bytes(self.v[layer_id])
+        return kv + self.state_bytes(layer_id), tensor_bytes(self.index_k[layer_id])
+
+
+class PagedKVCache(CacheBytes):
     """Per-layer paged caches sharing one block table per request.
 
     ``kv[i]``: MLA latent cache, ``[num_blocks, block, kv_lora_rank + qk_rope_head_dim]`` (576 in
@@ -196,15 +253,13 @@ class PagedKVCache:
             else:
                 self.index_k.append(torch.zeros(num_blocks, block_size, indexer.head_dim, dtype=torch.float32, device=self.device))
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv)
+
     def layer_bytes(self, layer_id: int) -> tuple[int, int]:
         """(MLA KV bytes, index-K bytes) held for one layer."""
-        ik = self.index_k[layer_id]
-        kv = self.kv[layer_id]
-        return 0 if kv is None else kv.numel() * kv.element_size(), 0 if ik is None else ik.numel() * ik.element_size()
-
-    def nbytes(self) -> dict:
-        per = [self.layer_bytes(i) for i in range(len(self.kv))]
-        return {"kv": sum(p[0] for p in per), "index_k": sum(p[1] for p in per)}
+        return tensor_bytes(self.kv[layer_id]), tensor_bytes(self.index_k[layer_id])
 
 
 def _kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -32,7 +32,7 @@ import torch
 from indexcache import ops
 
 from ..args import ModelArgs
-from ..state import BatchMeta, CacheManager
+from ..state import BatchMeta, CacheBytes, CacheManager, tensor_bytes
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -88,7 +88,7 @@ class V4DenseStore:
                          self.meta.block_size, self.model.args.head_dim, self.model.dtype, self.model.device)
 
 
-class V4PagedCache:
+class V4PagedCache(CacheBytes):
     """Paged caches of a DeepSeek-V4 model: one ``CacheManager`` (the raw blocks every request holds)
     and per main layer a ``LayerStore`` (module docstring). ``kv_cache_dtype``: "auto" (the model's
     dtype), "bf16" or "fp32" for the pools; the indexer's keys are fp32 (its scores are fp32)."""
@@ -112,17 +112,16 @@ class V4PagedCache:
     def layer(self, layer_id: int) -> LayerStore:
         return self.layers[layer_id]
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
     def layer_bytes(self, layer_id: int) -> tuple[int, int]:
         """(attention pool + compressor accumulator bytes, indexer key + accumulator bytes) of one layer."""
         s = self.layers[layer_id]
         if s is None:
             return 0, 0
-        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        return size(s.pool) + size(s.acc), size(s.index_k) + size(s.index_acc)
-
-    def nbytes(self) -> dict:
-        per = [self.layer_bytes(i) for i in range(len(self.layers))]
-        return {"kv": sum(p[0] for p in per), "index_k": sum(p[1] for p in per)}
+        return tensor_bytes(s.pool) + tensor_bytes(s.acc), tensor_bytes(s.index_k) + tensor_bytes(s.index_acc)
 
 
 @dataclass
