@@ -410,3 +410,9 @@ def test_tensor_and_pipeline_parallel(ckpt, tmp_path):
     assert tp[0]["model.layers.1.self_attn.kv_proj.weight"] == (64, 32) and tp[0]["model.layers.0.attn_hc.fn"] == (8, 64)
     pp = [set(o["pp2"]["params"]) for o in outs]
     assert "model.hc_head.hc_fn" in pp[1] and "model.hc_head.hc_fn" not in pp[0]
+
+
+def test_step_reuse_is_refused_not_ignored(ckpt):
+    # its CSA indexer has no reuse across decode steps: the key is an error, not a printed plan it ignores
+    with pytest.raises(ValueError, match=r"index_reuse_steps 3: DeepseekV4ForCausalLM .*across layers only"):
+        ours(ckpt[0], {"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 3})

@@ -283,3 +283,9 @@ def test_bf16_runs_close_to_fp32(text, ids):
     # rows whose window fits in 2 blocks of 4 read all of it whatever the rounding of the scores
     assert torch.isfinite(out).all() and rel(out[:, :8], ours(text[0])(ids)[:, :8]) < 0.05
 
+
+
+def test_step_reuse_is_refused_not_ignored(text):
+    # its block selector has no reuse across decode steps: the key is an error, not a printed plan it ignores
+    with pytest.raises(ValueError, match=r"index_reuse_steps 4: MiniMaxM3ForCausalLM .*across layers only"):
+        ours(text[0], {"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 4})

@@ -115,6 +115,9 @@ class DSAForCausalLM(nn.Module):
 
     decoder_layer = None  # a family's decoder-layer class (None: the DSA DecoderLayer)
     mla = True  # the layers are MLA + the lightning indexer (CUDA needs their native widths); False: the family's own
+    # whether the family's indexer reuses selections across decode steps (index_reuse_steps > 1,
+    # models/step_reuse.py); False: from_config refuses the key rather than print a plan it ignores
+    step_reuse = True
 
     def drops_checkpoint_tensor(self, name: str) -> bool:
         """Whether the loader passes over checkpoint tensor ``name`` (beyond the S layers' indexers)."""
@@ -187,6 +190,10 @@ class DSAForCausalLM(nn.Module):
         indexed = cls.indexed_layers(args)
         plan = ic.plan(len(indexed), args.num_nextn_predict_layers)
         par = parallel or ParallelContext()
+        if ic.index_reuse_steps > 1 and not cls.step_reuse:
+            raise ValueError(f"index_reuse_steps {ic.index_reuse_steps}: {cls.__name__} ({cls.model_type}) reuses "
+                             "selections across layers only; across decode steps only the lightning-indexer "
+                             "families do (deepseek_v32, glm_moe_dsa, hy_v4): use 1")
         if ic.index_reuse_steps > 1 and par.world_size > 1:
             raise ValueError(f"index_reuse_steps {ic.index_reuse_steps} runs in one process for now (this run has "
                              f"tp_size {par.tp_size} x pp_size {par.pp_size}); use 1 under tensor/pipeline parallelism")

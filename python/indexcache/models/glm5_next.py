@@ -324,6 +324,7 @@ class Glm5NextForCausalLM(DSAForCausalLM):
                    "indexer.k_norm.bias", "index_kpool_compress_ape")
     decoder_layer = Glm5NextDecoderLayer
     mla = False
+    step_reuse = False
     # parameter name (transformers' in-memory names) -> the checkpoint's (what save_pretrained writes:
     # the released layout, transformers' conversion mapping run backwards)
     checkpoint_renames = (
@@ -389,8 +390,6 @@ class Glm5NextForCausalLM(DSAForCausalLM):
     def from_config(cls, config, hf_overrides=None, **kwargs):
         model = super().from_config(config, hf_overrides, **kwargs)
         model.ic_config.require_one_entry_per_layer(model.indexed)
-        if model.index_reuse_steps > 1:
-            raise ValueError("index_reuse_steps > 1 is not supported by GLM-5.3-Flash's pooled indexer yet (use 1)")
         return model
 
     def plan_summary(self) -> str:

@@ -247,6 +247,7 @@ class Qwen4ExpForCausalLM(DSAForCausalLM):
     }
     decoder_layer = Qwen4ExpDecoderLayer
     mla = False
+    step_reuse = False
     checkpoint_renames = ((r"^model\.hc_head\.", "model.hyper_connection_mixer."),)
     _text_defaults = {
         "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
@@ -262,10 +263,6 @@ class Qwen4ExpForCausalLM(DSAForCausalLM):
         par = kwargs.get("parallel")
         if par is not None and par.world_size > 1:
             raise ValueError("Qwen3.8-Flash-Next runs in one process for now (no tensor or pipeline parallelism)")
-        ic = kwargs.get("ic_config")
-        if ic is not None and ic.index_reuse_steps > 1:
-            raise ValueError(f"index_reuse_steps {ic.index_reuse_steps}: Qwen3.8-Flash-Next reuses selections "
-                             "across layers only (use 1)")
         if not isinstance(args, Qwen4ExpArgs):  # DSAForCausalLM.from_config builds plain ModelArgs
             args = Qwen4ExpArgs.from_config(self.family_config(kwargs.get("config") or {}), self.model_type,
                                             self.config_defaults)
