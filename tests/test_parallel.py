@@ -18,6 +18,7 @@ import indexcache
 
 from indexcache.runtime import generate
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
+from indexcache.models.state import BatchMeta
 from indexcache.models.tiny import tiny_config
 from indexcache.parallel import ParallelContext, ShardedLinear, stage_bounds, stage_start_full_pattern
 
@@ -32,6 +33,10 @@ CFG = tiny_config(
 )
 FREQ2 = {"use_index_cache": True, "index_topk_freq": 2}   # 6 layers -> FFSFSF
 FREQ4 = {"use_index_cache": True, "index_topk_freq": 4}   # 6 layers -> FFSSSF: stage 1 of PP 2 starts on S (layer 3)
+# step reuse (docs/model.md): fixed under TP; adaptive under PP, where the probe (layer 0, stage 0)
+# must tell stage 1's F layer 5 which requests it sent back to computing (a bar of 0.99 sends most)
+REUSE_TP = {**FREQ2, "index_reuse_steps": 3, "index_reuse_min_recall": 0.5}
+REUSE_PP = {**FREQ4, "index_reuse_steps": 3, "index_reuse_min_recall": 0.99}
 PROMPTS = [[(7 * i + 3) % 97 for i in range(30)], [(5 * i + 11) % 97 for i in range(21)]]  # > index_topk 16
 IDS = torch.tensor([[(3 * i + 1) % 97 for i in range(40)]])
 LOAD = dict(dtype=torch.float32, indexer_fp8=False)
@@ -43,6 +48,8 @@ LAYOUTS_2 = [
     ("pp2_s_start", FREQ4, 1, 2, {}),
     ("pp2_stage_full", FREQ4, 1, 2, {"pp_stage_starts_full": True}),
     ("tp2_fp8", FREQ2, 2, 1, {"weights": "fp8"}),
+    ("tp2_step_reuse", REUSE_TP, 2, 1, {}),
+    ("pp2_step_reuse", REUSE_PP, 1, 2, {}),
 ]
 LAYOUTS_4 = [("tp2pp2", FREQ4, 2, 2, {})]
 
@@ -51,12 +58,31 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _paged_decode(model, steps=8):
+    """PROMPTS[0] prefilled, then ``steps`` fixed tokens decoded one forward each over a paged cache
+    (step reuse in force where the overrides ask): every step's logits and last top-k row."""
+    cache = model.allocate_cache(8, "auto", 16)
+    cache.manager.allocate(0, 128)
+    prompt = PROMPTS[0]
+    model.forward_tokens(torch.tensor(prompt), BatchMeta.paged_batch(cache, [0], [0], [len(prompt)]), cache,
+                         reuse=False)
+    logits, rows = [], []
+    for i in range(steps):
+        meta = BatchMeta.paged_batch(cache, [0], [len(prompt) + i], [1])
+        h = model.forward_tokens(torch.tensor([(11 * i + 5) % 97]), meta, cache)
+        logits.append(model.compute_logits(h))
+        rows.append(model.topk_buffer[:1].clone())
+    return torch.cat(logits), torch.cat(rows)
+
+
 def _outputs(model):
     logits = model(IDS)
     rows = model.topk_buffer[:IDS.numel()].clone()
     plain = generate(model, PROMPTS, 5).tokens
     mtp = generate(model, PROMPTS, 5, num_speculative_tokens=2).tokens
-    return {"logits": logits, "rows": rows, "plain": plain, "mtp": mtp}
+    paged_logits, paged_rows = _paged_decode(model)
+    return {"logits": logits, "rows": rows, "plain": plain, "mtp": mtp, "paged_logits": paged_logits,
+            "paged_rows": paged_rows}
 
 
 def _worker(rank, world, tmp, layouts, errors_too):
@@ -155,6 +181,8 @@ def _check_layout(name, outs, ref, tp, pp):
         assert torch.equal(o["rows"], ref["rows"]), (name, r)
         assert o["plain"] == ref["plain"], (name, r)
         assert o["mtp"] == ref["mtp"], (name, r)
+        assert rel(o["paged_logits"], ref["paged_logits"]) < 1e-5, (name, r)
+        assert torch.equal(o["paged_rows"], ref["paged_rows"]), (name, r)
         # its share of the parameters
         assert o["bytes"] < ref["bytes"] * (0.8 if tp * pp == 2 else 0.5), (name, r, o["bytes"], ref["bytes"])
     return res

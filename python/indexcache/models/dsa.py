@@ -194,9 +194,6 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"index_reuse_steps {ic.index_reuse_steps}: {cls.__name__} ({cls.model_type}) reuses "
                              "selections across layers only; across decode steps only the lightning-indexer "
                              "families do (deepseek_v32, glm_moe_dsa, hy_v4): use 1")
-        if ic.index_reuse_steps > 1 and par.world_size > 1:
-            raise ValueError(f"index_reuse_steps {ic.index_reuse_steps} runs in one process for now (this run has "
-                             f"tp_size {par.tp_size} x pp_size {par.pp_size}); use 1 under tensor/pipeline parallelism")
         if pp_stage_starts_full and par.pp_size > 1:
             plan = stage_full_plan(plan, par.pp_size, indexed, args.num_hidden_layers)
         validate_parallel(args, par)
@@ -388,16 +385,22 @@ class DSAForCausalLM(nn.Module):
         par, n, L = self.par, ctx.meta.num_tokens, self.args.num_hidden_layers
         hc = self.args.hc_mult
         stream = (n, hc, self.args.hidden_size) if hc else (n, self.args.hidden_size)
+        # adaptive step reuse: the probe layer's verdicts (requests sent back to computing) travel
+        # with the residual stream, so the F layers of later stages follow them as in one process
+        rids = ctx.meta.rids if ctx.reuse_steps > 1 and ctx.reuse_min_recall is not None else None
         if par.first_stage:
             x = self.model.embed(input_ids)
         else:  # the previous stage's residual stream and, if this stage begins on an S layer, its top-k rows
             x = torch.empty(stream, dtype=self.compute_dtype, device=self.device)
-            ctx.topk_valid = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank, ctx) else None)
+            ctx.topk_valid, forced = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank, ctx) else None,
+                                                   0 if rids is None else len(rids))
+            ctx.reuse_forced |= {rid for rid, f in zip(rids or (), forced) if f}
         for layer in self.model.layers[:L]:
             if not isinstance(layer, AbsentLayer):
                 x = layer(x, ctx)
         if not par.last_stage:
-            par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1, ctx) else None, ctx.topk_valid)
+            par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1, ctx) else None, ctx.topk_valid,
+                          [int(rid in ctx.reuse_forced) for rid in rids or ()])
             h = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
         else:
             h = self.model.final_norm(x)

@@ -5,7 +5,7 @@ initialisation and the stage boundaries."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -157,20 +157,25 @@ class ParallelContext:
 
     # ---------------------------------------------------------------- pipeline hand-off
 
-    def send_next(self, hidden: torch.Tensor, topk_rows: Optional[torch.Tensor], valid: bool) -> None:
+    def send_next(self, hidden: torch.Tensor, topk_rows: Optional[torch.Tensor], valid: bool,
+                  forced: Sequence[int] = ()) -> None:
         """Stage s -> s+1 (rank r -> r + tp): the residual stream, its "top-k rows valid" flag and,
-        when the next stage begins on an S layer (both sides know it from the plan), the rows [:N]."""
+        when the next stage begins on an S layer (both sides know it from the plan), the rows [:N].
+        ``forced``: under adaptive step reuse, per request of the batch 1 where the probe layer sent
+        it back to computing (models/step_reuse.py); both sides know the batch's size."""
         dist, dst = _dist(), self.rank + self.tp_size
-        flag = torch.tensor([int(valid)], dtype=torch.int32, device=hidden.device)
+        flag = torch.tensor([int(valid), *forced], dtype=torch.int32, device=hidden.device)
         for t in (flag, hidden.contiguous()) + (() if topk_rows is None else (topk_rows.contiguous(),)):
             self._count("stage_send", t)
             dist.send(t, dst)
 
-    def recv_prev(self, hidden: torch.Tensor, topk_rows: Optional[torch.Tensor]) -> bool:
+    def recv_prev(self, hidden: torch.Tensor, topk_rows: Optional[torch.Tensor],
+                  num_forced: int = 0) -> tuple[bool, list]:
         """Receive :meth:`send_next` into ``hidden`` and ``topk_rows`` (a view of the shared buffer,
-        None when this stage begins on an F layer); returns the valid flag."""
+        None when this stage begins on an F layer); returns the valid flag and the ``num_forced``
+        per-request flags."""
         dist, src = _dist(), self.rank - self.tp_size
-        flag = torch.zeros(1, dtype=torch.int32, device=hidden.device)
+        flag = torch.zeros(1 + num_forced, dtype=torch.int32, device=hidden.device)
         dist.recv(flag, src)
         dist.recv(hidden, src)
         if topk_rows is None:
@@ -181,7 +186,8 @@ class ParallelContext:
             tmp = torch.empty_like(topk_rows, memory_format=torch.contiguous_format)
             dist.recv(tmp, src)
             topk_rows.copy_(tmp)
-        return bool(flag.item())
+        flags = flag.tolist()
+        return bool(flags[0]), flags[1:]
 
     def send_to_last(self, t: torch.Tensor) -> None:
         """First stage -> last stage, same tensor-parallel rank (MTP input embeddings)."""
