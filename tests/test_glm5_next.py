@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_model import run_paged
 
 from indexcache.models import BatchMeta, Glm5NextForCausalLM, from_pretrained, model_class
@@ -299,24 +300,107 @@ def test_text_only_flat_checkpoint(ckpt, ids, tmp_path):
     assert model.model_type == "glm5_next_text" and rel(model(ids), want) < 1e-4
 
 
-def test_bf16_runs(tmp_path, ids):
-    # KNOWN DEFECT (issue 34 note, 2026-12-02): over fresh random checkpoints our bf16 error here is
-    # 1.2-7x transformers' own in about half the draws (with reference.delta_rule as with the op),
-    # cause not found yet. Until it is, this test runs one fixed checkpoint (seed 11) so CI does not
-    # toss a coin; the assertion is unchanged.
-    path = tmp_path / "bf16"
-    hf = hf_model(seed=11)
-    hf.save_pretrained(path)
+def fp32_choices(hf, ids):
+    """transformers' fp32 logits and the discrete choices behind them: per MoE layer the routed
+    experts ``[rows, top_k]``, per indexed layer the selection ``[B, S, index_topk + P - 1]``."""
+    choices, hooks = {}, []
+    for i, layer in enumerate(hf.model.language_model.layers):
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda mod, args, out, i=i: choices.__setitem__(("experts", i), out[2])))
+        if getattr(layer.self_attn, "indexer", None) is not None:
+            hooks.append(layer.self_attn.indexer.register_forward_hook(
+                lambda mod, args, out, i=i: choices.__setitem__(("selection", i), out)))
+    try:
+        return hf_logits(hf, ids), choices
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def rerouted(gate, x, experts, weights, forced, scale):
+    """A router's ``(experts, weights)`` with the rows whose expert set differs from ``forced`` given
+    the forced experts instead, weighted by this router's own sigmoid scores there (renormalised,
+    times ``scale``); the other rows keep its own weights."""
+    same = (experts.sort(dim=-1).values == forced.sort(dim=-1).values).all(dim=-1, keepdim=True)
+    scores = torch.sigmoid(F.linear(x.reshape(-1, x.shape[-1]).float(), gate.weight.float()))
+    picked = scores.gather(1, forced.long())
+    picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20) * scale
+    return torch.where(same, experts, forced.to(experts.dtype)), torch.where(same, weights, picked.to(weights.dtype))
+
+
+@contextlib.contextmanager
+def forced(layers, choices, scale, transformers_side):
+    """``layers`` (transformers' or ours) take ``choices`` instead of their own: each router the
+    given experts where its own differ (``rerouted``), each indexer the given selection. Yields the
+    set of choices applied, filled as the forward runs."""
+    used, hooks = set(), []
+
+    def route(i):
+        def hook(gate, args, out):
+            used.add(("experts", i))
+            forced = choices[("experts", i)]
+            if transformers_side:
+                experts, weights = rerouted(gate, args[0], out[2], out[1], forced, scale)
+                return out[0], weights, experts
+            return rerouted(gate, args[0], out[0], out[1], forced, scale)
+        return hook
+
+    def select(i):
+        def hook(indexer, args, out):
+            used.add(("selection", i))
+            rows = choices[("selection", i)]
+            if transformers_side:
+                return rows
+            ctx = args[2]  # ours writes the shared top-k buffer: overwrite it
+            ctx.topk_rows.fill_(-1)
+            ctx.topk_rows[:, :rows.shape[-1]] = rows.reshape(-1, rows.shape[-1])
+        return hook
+    for i, layer in enumerate(layers):
+        if ("experts", i) in choices:
+            hooks.append(layer.mlp.gate.register_forward_hook(route(i)))
+        if ("selection", i) in choices:
+            hooks.append(layer.self_attn.indexer.register_forward_hook(select(i)))
+    try:
+        yield used
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def row_errors(a, b):
+    """Each row's (position's) relative error of logits ``a`` against ``b``."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+
+
+def test_bf16_error_within_twice_transformers_bf16(ckpt, ids):
+    """Our bf16 model against transformers' fp32 logits errs at most twice as much as transformers'
+    own bf16 model (the median over rows of each row's relative error), both bf16 models taking the
+    fp32 run's discrete choices (routed experts, pooled selections). Left to choose, either bf16
+    model flips a near-tie now and then (fp32 router margins ~1e-3) and its error jumps 3-10x on that
+    checkpoint, transformers' as often as ours; and a row where a layer amplifies rounding 100x
+    (either model's, as fp32 math does) sways the error over all rows. docs/model.md, "GLM-5.3-Flash
+    in bf16", has the numbers."""
+    path, hf = ckpt
     model = from_pretrained(path, dtype=torch.bfloat16)
     assert model.model.layers[1].self_attn.q_a_proj.weight.dtype == torch.bfloat16
     assert model.model.layers[0].self_attn.q_conv1d.weight.dtype == torch.float32
-    out = model(ids)
-    # rows whose window holds at most 2 pools attend all of it whatever the rounding of the scores;
-    # the yardstick is transformers' own bf16 error there (a random model drifts a few % in bf16)
-    want = hf_logits(hf, ids)[:, :8]
-    theirs = rel(hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids)[:, :8], want)
-    ours = rel(out[:, :8], want)
-    assert torch.isfinite(out).all() and ours < max(2 * theirs, 0.02), (ours, theirs)
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert torch.isfinite(model(ids)).all()
+    want, choices = fp32_choices(hf, ids)
+    moe = [i for i, t in enumerate(TEXT["mlp_layer_types"]) if t == "sparse"]
+    assert set(choices) == {("experts", i) for i in moe} | {("selection", i) for i in INDEXED}
+    scale = hf.config.text_config.routed_scaling_factor
+    theirs_model = copy.deepcopy(hf).to(torch.bfloat16)
+    with forced(theirs_model.model.language_model.layers, choices, scale, transformers_side=True) as used:
+        theirs = row_errors(hf_logits(theirs_model, ids), want)
+    assert used == set(choices)
+    with forced(model.model.layers, choices, scale, transformers_side=False) as used:
+        out = model(ids)
+    assert used == set(choices)
+    ours = row_errors(out, want)
+    assert torch.isfinite(out).all() and ours.median() < 2 * theirs.median(), (ours.median(), theirs.median())
 
 
 def test_pattern_tools_run(ckpt, tmp_path, capsys):
