@@ -29,15 +29,16 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 
-def write_checkpoint(path: Path, layers: int, hidden: int, topk: int, seed: int = 0) -> Path:
+def write_checkpoint(path: Path, layers: int, hidden: int, topk: int, seed: int = 0, heads: int = 8,
+                     index_heads: int = 8, max_positions: int = 8192) -> Path:
     import transformers
 
     cfg = transformers.GlmMoeDsaConfig(
         vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=8,
         n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=hidden, qk_rope_head_dim=64,
-        qk_nope_head_dim=64, v_head_dim=64, index_topk=topk, index_head_dim=128, index_n_heads=8,
-        first_k_dense_replace=1, max_position_embeddings=8192, routed_scaling_factor=2.5, n_group=1,
+        qk_nope_head_dim=64, v_head_dim=64, index_topk=topk, index_head_dim=128, index_n_heads=index_heads,
+        first_k_dense_replace=1, max_position_embeddings=max_positions, routed_scaling_factor=2.5, n_group=1,
         topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid")
     model = transformers.GlmMoeDsaForCausalLM(cfg)
     g = torch.Generator().manual_seed(seed)

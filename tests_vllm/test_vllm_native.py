@@ -234,17 +234,52 @@ def test_minimax_m3_vl_checkpoint_chunked(tmp_path, mm_prompts):
 # --------------------------------------------------------------------------------- refused in one line
 
 
-def test_tensor_parallel_refused_in_one_line():
+def test_pipeline_parallel_refused_in_one_line():
     from types import SimpleNamespace
 
     from indexcache.integrations.vllm_hy_v4 import IndexCacheHYV4ForCausalLM
 
-    cfg = SimpleNamespace(model_config=None, parallel_config=SimpleNamespace(tensor_parallel_size=2,
-                                                                             pipeline_parallel_size=1))
+    cfg = SimpleNamespace(model_config=None, parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                                             pipeline_parallel_size=2))
     with pytest.raises(ValueError) as err:
         IndexCacheHYV4ForCausalLM(vllm_config=cfg)
     msg = str(err.value)
-    assert "\n" not in msg and msg.startswith("indexcache: HYV4ForCausalLM serves on vLLM's CPU platform in one process")
+    assert "\n" not in msg and msg.startswith("indexcache: HYV4ForCausalLM serves on vLLM's CPU platform without "
+                                              "pipeline parallelism; drop --pipeline-parallel-size 2")
+
+
+# ------------------------------------------------------------------------ across processes, TP 2
+
+
+def two_workers(monkeypatch):
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.fail(f"TP 2 needs two CPU cores, this process may use {cores}")
+    # vLLM binds each CPU worker to a NUMA node by default and refuses two workers on one node
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    # an earlier in-process engine core froze vLLM's environment reading (envs.enable_envs_cache)
+    vllm.envs.disable_envs_cache()
+
+
+@pytest.mark.parametrize("family", ["hy_v4", "minimax_m3"])
+def test_tensor_parallel_2(family, hy_full, hy_prompts, mm_path, mm_prompts, monkeypatch):
+    """``tensor_parallel_size=2`` through vLLM's CPU executor (two worker processes, each building its rank's
+    shard of this package's model over vLLM's tensor-parallel group: MLA heads / GQA query and KV heads and
+    the experts split, the caches of its shard), IndexCache on: the same greedy tokens as TP 1 and every
+    log-prob within the bars against this package's single-process model."""
+    path, token_prompts, dense = (hy_full, hy_prompts, HY_DENSE_PREFIX) if family == "hy_v4" else \
+        (mm_path, mm_prompts, MM_DENSE_PREFIX)
+    overrides = {"use_index_cache": True, "index_topk_pattern": "FSFSS"} if family == "hy_v4" else \
+        {"use_index_cache": True, "index_topk_pattern": "FSS"}
+    one = run_vllm(path, token_prompts, overrides)
+    two_workers(monkeypatch)
+    two = run_vllm(path, token_prompts, overrides, tensor_parallel_size=2)
+    for (plp1, gen1, _), (plp2, gen2, _) in zip(one, two):
+        assert gen2 == gen1
+        assert float((torch.tensor(plp2[1:]) - torch.tensor(plp1[1:])).abs().max()) < LOGPROB_TOL
+    check(path, token_prompts, two, overrides, dense, hf=False)
 
 
 # ------------------------------------------------------------------------------------ DeepSeek-V4

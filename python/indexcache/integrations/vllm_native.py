@@ -20,8 +20,11 @@ and whose state lives where vLLM keeps it:
   honoured); S layers are built without an indexer and get no index-K cache.
 
 Weights are read by the package's loader from the checkpoint directory (its tensor names, renames,
-fp8 blocks, S-layer indexer tensors passed over), not from vLLM's iterator. One process only (no tensor
-or pipeline parallelism: refused in one line), ``index_reuse_steps`` 1.
+fp8 blocks, S-layer indexer tensors passed over), not from vLLM's iterator. Tensor parallelism
+(``--tensor-parallel-size``) is the package model's own (``indexcache.parallel``: heads and experts split
+by rank, its all-reduces and the logits' all-gather) over vLLM's tensor-parallel process group: each of
+vLLM's workers builds its rank's shard, reads its slice of the weights and declares its shard's caches.
+No pipeline parallelism (refused in one line), ``index_reuse_steps`` 1.
 
 A family is one small module: a subclass naming the package class (``family``), the architecture it
 serves and, if its config needs it, what to read from vLLM's config (see ``vllm_hy_v4.py``).
@@ -122,6 +125,22 @@ def cache_tensors(template) -> list:
     return out
 
 
+def tensor_parallel_context(tp_size: int):
+    """The package's ``ParallelContext`` for this vLLM worker's place in vLLM's tensor-parallel group
+    (its gloo device group on the CPU platform); None for one process."""
+    if tp_size == 1:
+        return None
+    from vllm.distributed import get_tp_group
+
+    from indexcache.parallel import ParallelContext
+
+    group = get_tp_group()
+    if group.world_size != tp_size:
+        raise RuntimeError(f"indexcache: vLLM's tensor-parallel group has {group.world_size} ranks, its config "
+                           f"says {tp_size}")
+    return ParallelContext(tp_size=tp_size, rank=group.rank_in_group, tp_group=group.device_group)
+
+
 class NativeForCausalLM(nn.Module):
     """A vLLM text-generation model running this package's model of ``family`` over vLLM's caches."""
 
@@ -133,10 +152,11 @@ class NativeForCausalLM(nn.Module):
         from .vllm_models import _checkpoint_config
 
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
-            raise ValueError(f"indexcache: {self.architecture} serves on vLLM's CPU platform in one process; "
-                             f"drop --tensor-parallel-size {pc.tensor_parallel_size} / --pipeline-parallel-size "
-                             f"{pc.pipeline_parallel_size}")
+        if pc.pipeline_parallel_size != 1:
+            raise ValueError(f"indexcache: {self.architecture} serves on vLLM's CPU platform without pipeline "
+                             f"parallelism; drop --pipeline-parallel-size {pc.pipeline_parallel_size} "
+                             "(--tensor-parallel-size is supported)")
+        par = tensor_parallel_context(pc.tensor_parallel_size)
         config = dict(_checkpoint_config(mc))
         overrides = dict(mc.hf_overrides) if isinstance(mc.hf_overrides, dict) else {}
         # the shared top-k buffer holds one row per token of a step
@@ -148,7 +168,13 @@ class NativeForCausalLM(nn.Module):
             family = model_class(config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the plan is logged below, once
-            self.ic = family.from_config(config, overrides, dtype=mc.dtype, init="empty")
+            try:
+                self.ic = family.from_config(config, overrides, dtype=mc.dtype, init="empty", parallel=par)
+            except ValueError as e:
+                if par is None:
+                    raise
+                raise ValueError(f"indexcache: {self.architecture} with --tensor-parallel-size {par.tp_size}: {e}") \
+                    from None
         if self.ic.index_reuse_steps > 1:
             raise ValueError(f"indexcache: index_reuse_steps {self.ic.index_reuse_steps} is not in the vLLM plugin "
                              "yet (it runs in this package's own model and generate); use 1 with vLLM")
