@@ -5,7 +5,7 @@
 // Work is split into tasks of (g, a block of output columns); a task computes every row m of its
 // columns, so every output element is one task's fixed-order sum and the result does not depend
 // on the thread count. A call whose work is under kParallelWork multiply-adds runs on the
-// calling thread (no OpenMP region: at one row most projections are that small).
+// calling thread (no OpenMP region: at one row every projection but the LM head is that small).
 //
 // ISA paths: portable (scalar loops, any CPU) and AVX-512 (the avx512bf16 path: vdpbf16ps for
 // bf16 x bf16, bf16 -> fp32 widening + FMA otherwise); isa.h's cpu_op_path(CpuOp::kRowsMatmul,
@@ -32,7 +32,10 @@
 namespace indexcache {
 namespace {
 
-constexpr int64_t kParallelWork = int64_t{1} << 20;  // multiply-adds below which one thread runs it
+// Multiply-adds below which one thread runs it: at one row only the LM head (26M at vocab 50K x
+// hidden 512) passes. A 2 MB projection (1M) gains ~0.1 ms from a second core on an idle machine but
+// waits for a scheduler slice when the cores are shared (docs/profiling.md: 2 threads, load 6).
+constexpr int64_t kParallelWork = int64_t{1} << 22;
 constexpr int64_t kChunkWork = int64_t{1} << 19;     // at least this much work per parallel chunk
 constexpr int64_t kBlock = 64;                        // output columns per task
 
