@@ -63,4 +63,8 @@ TORCH_LIBRARY(indexcache, m) {
   m.def(
       "delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor cu_seqlens, "
       "Tensor state_indices, float scale, Tensor(b!) out) -> ()");
+  // A few rows through a weight (decode projections; CPU only): out[g, m, n] = sum_k x[g, m, k] *
+  // w[g, n, k] (w_nk, a linear layer's weight) or x[g, m, k] * w[g, k, n]; 2-D or 3-D (G first),
+  // fp32 or bf16 each, last dims contiguous, summed in fp32.
+  m.def("rows_matmul(Tensor x, Tensor w, bool w_nk, Tensor(a!) out) -> ()");
 }

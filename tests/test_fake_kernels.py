@@ -113,7 +113,18 @@ def _delta_rule_cases():
     ]
 
 
-CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases()]
+def _rows_matmul_cases():
+    x, w = torch.randn(2, 8).bfloat16(), torch.randn(5, 8).bfloat16()
+    return [
+        (o.rows_matmul, (x, w, True, torch.empty(2, 5)),
+         [(0, x.int(), "x must be"), (1, torch.randn(5, 7), "does not take x's K = 8"),
+          (1, torch.randn(1, 5, 8), "same number of dims"), (3, torch.empty(2, 6), r"out must be \[.., 2, 5\]")]),
+        (o.rows_matmul, (torch.randn(3, 2, 8), torch.randn(3, 8, 4), False, torch.empty(3, 2, 4)),
+         [(1, torch.randn(3, 5, 4), "does not take x's K = 8"), (3, torch.empty(3, 2, 5), "out must be")]),
+    ]
+
+
+CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases(), *_rows_matmul_cases()]
 
 
 def _fake_call(op, args):

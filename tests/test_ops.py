@@ -692,8 +692,8 @@ def test_cpu_path_errors():
 # written out here as the spec that isa.cpp's table must match.
 _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/fp32", "sparse_mla/bf16",
         "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16",
-        "delta_rule/fp32", "delta_rule/bf16"}
-KERNELS = {"portable": _ALL, "avx2": _ALL - {"quantize/fp32", "quantize/bf16"},
+        "delta_rule/fp32", "delta_rule/bf16", "rows_matmul/fp32", "rows_matmul/bf16"}
+KERNELS = {"portable": _ALL, "avx2": _ALL - {"quantize/fp32", "quantize/bf16", "rows_matmul/fp32", "rows_matmul/bf16"},
            "avx512bf16": _ALL - {"sparse_mla/fp32"},
            "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}}
 FALLBACK = ["blas", "avx512bf16", "avx2", "portable"]
@@ -722,8 +722,10 @@ def test_cpu_dispatch_per_op_and_dtype():
     got = _C._cpu_dispatch()
     if not _C._cpu_paths()["avx2"]:
         # no silent scalar loops: with AVX2 present, 'auto' runs no (op, dtype) on portable but the
-        # quantizer (no AVX2 kernel of its own), and fp32 sparse MLA never on portable
-        assert {k for k, p in got.items() if p == "portable"} <= {"quantize/fp32", "quantize/bf16"}
+        # quantizer and rows_matmul (no AVX2 kernels of their own: the model keeps F.linear where
+        # rows_matmul has no vectorised kernel, parallel.linear.few_rows), and fp32 sparse MLA never
+        assert {k for k, p in got.items() if p == "portable"} <= {"quantize/fp32", "quantize/bf16", "rows_matmul/fp32",
+                                                                  "rows_matmul/bf16"}
         assert got["sparse_mla/fp32"] == "avx2"
     assert _C._cpu_isa("sparse_mla") == got["sparse_mla/bf16"] and _C._cpu_isa("topk") == got["topk/fp32"]
     with pytest.raises(ValueError, match="CPU op 'topk' takes no dtype 'bf16'"):
@@ -758,8 +760,9 @@ def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind):
 
 def test_every_op_has_a_kernel_per_backend():
     """Every schema of csrc/torch_bindings.cpp has its CPU kernel (cuda_error_word is CUDA only)
-    and, in a build with the CUDA kernels, its CUDA kernel: the one registration block per
-    backend (csrc/{cpu,cuda}/registration.*) misses none."""
+    and, in a build with the CUDA kernels, its CUDA kernel (rows_matmul is CPU only: the decode
+    rows of a CPU step): the one registration block per backend (csrc/{cpu,cuda}/registration.*)
+    misses none."""
     import indexcache
 
     names = sorted({str(op).split("::")[1].split(".")[0] for op in torch._C._dispatch_get_all_op_names()
@@ -772,7 +775,7 @@ def test_every_op_has_a_kernel_per_backend():
         dump = torch._C._dispatch_dump(f"indexcache::{name}")
         if name != "cuda_error_word":
             assert "\nCPU: registered" in dump, f"{name} has no CPU kernel"
-        if cuda:
+        if cuda and name != "rows_matmul":
             assert "\nCUDA: registered" in dump, f"{name} has no CUDA kernel"
 
 
@@ -802,6 +805,9 @@ def test_opcheck_all_ops():
                                 torch.empty(2, 4, 512, dtype=torch.bfloat16), torch.empty(2, 4))),
         (o.sparse_mla.default, (torch.randn(2, 4, 576).bfloat16(), mcache, idx, 0.1, 512,
                                 torch.empty(2, 4, 512, dtype=torch.bfloat16), torch.empty(2, 4), torch.randn(4))),
+        (o.rows_matmul.default, (torch.randn(2, 8).bfloat16(), torch.randn(5, 8), True, torch.empty(2, 5))),
+        (o.rows_matmul.default, (torch.randn(3, 2, 8), torch.randn(3, 8, 4).bfloat16(), False,
+                                 torch.empty(3, 2, 4, dtype=torch.bfloat16))),
     ]
     for op, args in cases:
         has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)

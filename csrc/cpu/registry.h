@@ -12,5 +12,6 @@ void register_indexer_cpu(torch::Library& m);
 void register_sparse_mla_cpu(torch::Library& m);
 void register_block_sparse_cpu(torch::Library& m);
 void register_delta_rule_cpu(torch::Library& m);
+void register_rows_matmul_cpu(torch::Library& m);
 
 }  // namespace indexcache

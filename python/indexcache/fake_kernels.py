@@ -339,3 +339,17 @@ def _delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale, out):
 @torch.library.register_fake("indexcache::cuda_error_word")
 def _cuda_error_word(like):
     return like.new_empty((1,), dtype=torch.int32)
+
+
+@torch.library.register_fake("indexcache::rows_matmul")
+def _rows_matmul(x, w, w_nk, out):
+    for t, name in ((x, "x"), (w, "w"), (out, "out")):
+        _dtype(t, FLOATS, name)
+    torch._check(x.dim() in (2, 3), lambda: f"x must be [M, K] or [G, M, K], got shape {tuple(x.shape)}")
+    torch._check(w.dim() == x.dim() and out.dim() == x.dim(),
+                 lambda: f"x, w and out must have the same number of dims, got {tuple(x.shape)}, {tuple(w.shape)} "
+                         f"and {tuple(out.shape)}")
+    k, n = (w.shape[-1], w.shape[-2]) if w_nk else (w.shape[-2], w.shape[-1])
+    torch._check(k == x.shape[-1], lambda: f"w {tuple(w.shape)} does not take x's K = {x.shape[-1]}")
+    torch._check(tuple(out.shape[-2:]) == (x.shape[-2], n),
+                 lambda: f"out must be [.., {x.shape[-2]}, {n}], got {tuple(out.shape)}")

@@ -331,6 +331,28 @@ def delta_rule(q, k, v, g, beta, state, cu_seqlens, state_indices, scale: float)
     return out
 
 
+def rows_matmul(x: torch.Tensor, w: torch.Tensor, w_nk: bool = True, out: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A few rows through a weight, CPU only (a decode step's projections): ``w_nk`` True:
+    ``out[g, m, n] = Σ_k x[g, m, k] · w[g, n, k]`` (``x @ w^T``: ``w`` is a linear layer's ``[out, in]``
+    weight), False: ``Σ_k x[g, m, k] · w[g, k, n]`` (``x @ w``). x ``[M, K]`` with w 2-D, or
+    ``[G, M, K]`` with w 3-D (one matrix per g, e.g. per head); fp32 or bf16 each, any strides
+    with the last dim contiguous (a transposed view of per-head rows is fine). Products are summed
+    in fp32 in a fixed order per element (independent of the thread count) and rounded once to
+    ``out``'s dtype (default x's); ``out`` (last dim contiguous, may be a view) is written in place.
+    :func:`indexcache.reference.rows_matmul` is the definition.
+    """
+    if x.dim() not in (2, 3) or w.dim() != x.dim():
+        raise ValueError(f"rows_matmul takes x [M, K] with w 2-D or x [G, M, K] with w 3-D, got x {tuple(x.shape)} "
+                         f"and w {tuple(w.shape)}")
+    g = (x.shape[0],) if x.dim() == 3 else ()
+    if out is None:
+        n = w.shape[-2] if w_nk else w.shape[-1]
+        out = torch.empty(*g, x.shape[-2], n, dtype=out_dtype or x.dtype, device=x.device)
+    _ops.rows_matmul(x, w, bool(w_nk), out)
+    return out
+
+
 def _error_word(device) -> torch.Tensor | None:
     device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":

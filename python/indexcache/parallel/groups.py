@@ -13,7 +13,7 @@ from torch import nn
 
 from indexcache.formats import FP8_LINEAR_NAMES
 
-from .linear import ShardedLinear
+from .linear import Linear, ShardedLinear
 
 
 def _dist():
@@ -120,11 +120,11 @@ class ParallelContext:
         """A bias-free linear layer. ``split``: None (replicated), ``"col"`` (output rows ``shard`` of
         ``out_features``) or ``"row"`` (input columns ``shard`` of ``in_features``). FP8 when this
         context keeps weights FP8 and the official checkpoint stores ``name`` in fp8. A replicated
-        non-FP8 layer is a plain ``nn.Linear`` (single-process models are exactly as before)."""
+        non-FP8 layer is a ``Linear`` (an ``nn.Linear`` with the same parameters)."""
         fp8 = self.fp8 and name in FP8_LINEAR_NAMES
         sharded = split is not None and self.tp_size > 1
         if not fp8 and not sharded:
-            return nn.Linear(in_features, out_features, bias=False)
+            return Linear(in_features, out_features)
         dim = {None: None, "col": 0, "row": 1}[split] if sharded else None
         return ShardedLinear(in_features, out_features, dim, shard if sharded else None, fp8)
 

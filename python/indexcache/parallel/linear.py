@@ -10,10 +10,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from indexcache import _C, ops
 from indexcache.formats import FP8_MAX, FP8_WEIGHT_AMAX_FLOOR, FP8_WEIGHT_BLOCK
 from indexcache.fp8_blocks import quantize_fp8_blocks
 
 FP8_BLOCK = FP8_WEIGHT_BLOCK[0]  # rows (and columns) per weight scale
+# Up to this many rows (a decode step's requests, MTP verify rows) a CPU projection runs
+# ops.rows_matmul where the CPU has its vectorised kernel: torch's bf16 matmul at one row spends
+# most of its time on set-up (docs/profiling.md). More rows: torch's GEMM.
+FEW_ROWS = 8
+
+
+def few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``x`` (``[.., M, K]``) through ``weights`` takes ``ops.rows_matmul``: CPU, at most
+    ``FEW_ROWS`` rows, no gradient to record, and a vectorised kernel for the weight's dtype here."""
+    if x.device.type != "cpu" or x.shape[-2] > FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    return all(w.dtype in (torch.float32, torch.bfloat16) and
+               _C._cpu_isa("rows_matmul", "fp32" if w.dtype == torch.float32 else "bf16") == "avx512bf16"
+               for w in weights)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x W^T`` in fp32 sums, rounded to ``out_dtype`` (default x's): a few rows on the CPU through
+    ``ops.rows_matmul`` (any mix of fp32 / bf16), otherwise ``F.linear`` on the inputs cast to
+    ``out_dtype`` (x's dtype when None)."""
+    if x.dim() == 2 and weight.is_contiguous() and few_rows(x, weight):
+        return ops.rows_matmul(x, weight, True, out_dtype=out_dtype)
+    dt = out_dtype or x.dtype
+    return F.linear(x.to(dt), weight if weight.dtype == dt else weight.to(dt))
+
+
+class Linear(nn.Linear):
+    """A bias-free ``nn.Linear`` (same parameters, same checkpoint names) whose forward is
+    :func:`linear`: decode rows on the CPU skip torch's GEMM set-up."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 def _dequant_block_row(weight: torch.Tensor, scale_row: torch.Tensor, col_off: int, dtype: torch.dtype) -> torch.Tensor:
@@ -90,7 +128,7 @@ class ShardedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8:
-            return F.linear(x, self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight)
+            return linear(x, self.weight)
         if x.is_cuda and self._scaled_mm_ok:
             y = self._forward_scaled_mm(x)
             if y is not None:

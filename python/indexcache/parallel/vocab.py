@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .groups import ParallelContext
-from .linear import ShardedLinear
+from .linear import Linear, ShardedLinear, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,10 +40,10 @@ def make_embedding(vocab: int, dim: int, par: ParallelContext) -> nn.Module:
 def make_lm_head(dim: int, vocab: int, par: ParallelContext) -> nn.Module:
     """The LM head (kept fp32, never FP8): this rank's vocabulary rows."""
     if par.tp_size == 1:
-        return nn.Linear(dim, vocab, bias=False)
+        return Linear(dim, vocab)
     return ShardedLinear(dim, vocab, 0, par.vocab_range(vocab), False)
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, vocab: int, par: ParallelContext) -> torch.Tensor:
     """fp32 full-vocabulary logits on every tensor-parallel rank of this stage."""
-    return par.all_gather_last(F.linear(hidden.float(), head.weight.float()), vocab)
+    return par.all_gather_last(linear(hidden, head.weight, out_dtype=torch.float32), vocab)

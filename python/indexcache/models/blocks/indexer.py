@@ -13,6 +13,7 @@ from torch import nn
 
 from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext
+from indexcache.parallel.linear import Linear
 
 from ..args import INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS, ModelArgs
 from .. import step_reuse
@@ -39,7 +40,7 @@ class Indexer(nn.Module):
         self.wq_b = par.linear(args.q_lora_rank, self.n_heads * self.head_dim, "wq_b")
         self.wk = par.linear(args.hidden_size, self.head_dim, "wk")
         self.k_norm = LayerNorm(self.head_dim, eps=args.index_k_norm_eps)
-        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)  # kept in fp32
+        self.weights_proj = Linear(args.hidden_size, self.n_heads)  # kept in fp32
 
     def _rope(self, t, cos, sin):
         r = self.rope_dim

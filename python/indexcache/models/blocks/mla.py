@@ -16,6 +16,7 @@ from torch import nn
 
 from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext, dense_weight
+from indexcache.parallel.linear import few_rows
 
 from ..args import ATTN_CHUNK_ELEMS, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE, ModelArgs
 from ..state import ForwardContext, LayerRecord, row_chunks
@@ -54,13 +55,25 @@ class SparseAttention(nn.Module):
 def absorb_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """Absorbed MLA's queries (DESIGN §5), for this model and the transformers integration: q_nope
     ``[N, H, nope]`` through W_UK ``[H, nope, latent]``, then the rotated q_pe ``[N, H, rope]`` ->
-    ``[N, H, latent + rope]``, what ``ops.sparse_mla`` attends the latent cache with."""
+    ``[N, H, latent + rope]``, what ``ops.sparse_mla`` attends the latent cache with. Decode rows on
+    the CPU: one ``ops.rows_matmul`` per head straight into the result (the einsum would copy W_UK)."""
+    if few_rows(q_nope.transpose(0, 1), w_uk):
+        n, h, latent = q_nope.shape[0], q_nope.shape[1], w_uk.shape[-1]
+        out = q_nope.new_empty(n, h, latent + q_pe.shape[-1])
+        ops.rows_matmul(q_nope.transpose(0, 1), w_uk, False, out=out[..., :latent].transpose(0, 1))
+        out[..., latent:] = q_pe
+        return out
     return torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe), dim=-1)
 
 
 def absorbed_values(out: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse MLA's latent output ``[N, H, latent]`` through W_UV ``[H, v, latent]``: the heads'
-    values ``[N, H, v]``, times ``sigmoid(gate)`` when a gate ``[N, H * v]`` is given (HY-V4)."""
+    values ``[N, H, v]``, times ``sigmoid(gate)`` when a gate ``[N, H * v]`` is given (HY-V4). Decode
+    rows on the CPU: ``ops.rows_matmul`` per head (the einsum would copy W_UV transposed each call)."""
+    if few_rows(out.transpose(0, 1), w_uv):
+        o = out.new_empty(out.shape[0], out.shape[1], w_uv.shape[1])
+        ops.rows_matmul(out.transpose(0, 1), w_uv, True, out=o.transpose(0, 1))
+        return gate_heads(o, gate)
     return gate_heads(torch.einsum("thc,hdc->thd", out, w_uv), gate)
 
 

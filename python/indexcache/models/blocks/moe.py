@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from indexcache.parallel import ParallelContext
+from indexcache.parallel.linear import linear
 
 from ..args import ModelArgs
 
@@ -73,7 +74,7 @@ class Gate(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts))  # kept in fp32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = linear(x, self.weight, out_dtype=torch.float32).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             grouped = choice.view(x.shape[0], self.n_group, -1)
@@ -135,6 +136,8 @@ class MoE(nn.Module):
         return y
 
     def _routed(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self._one_row(x, idx, weights)
         k = idx.shape[1]
         flat = idx.flatten()
         order = flat.argsort(stable=True)
@@ -148,6 +151,16 @@ class MoE(nn.Module):
                 tok = sel // k
                 y.index_add_(0, tok, self.expert(e)(x[tok]).float() * w[sel].unsqueeze(-1))
             start += c
+        return y
+
+    def _one_row(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``_routed`` for one row (a decode step of one request): its experts in ascending id
+        order, each output times its weight added in fp32, the same sums in the same order without
+        the sort, the counts and the gathers."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
+            if self.e0 <= e < self.e1:
+                y += self.expert(e)(x).float() * weights[:, j:j + 1]
         return y
 
 

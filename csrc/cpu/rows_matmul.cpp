@@ -1,0 +1,247 @@
+// A few rows times a weight matrix on CPU (indexcache/rows_matmul.h): a decode step's
+// projections. torch's bf16 matmul at one row spends 2-7x the weight's read time on set-up
+// (docs/profiling.md); these loops stream each weight row once.
+//
+// Work is split into tasks of (g, a block of output columns); a task computes every row m of its
+// columns, so every output element is one task's fixed-order sum and the result does not depend
+// on the thread count. A call whose work is under kParallelWork multiply-adds runs on the
+// calling thread (no OpenMP region: at one row every projection but the LM head is that small).
+//
+// ISA paths: portable (scalar loops, any CPU) and AVX-512 (the avx512bf16 path: vdpbf16ps for
+// bf16 x bf16, bf16 -> fp32 widening + FMA otherwise); isa.h's cpu_op_path(CpuOp::kRowsMatmul,
+// weight dtype) picks one at run time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "../checks.h"
+#include "indexcache/rows_matmul.h"
+#include "isa.h"
+#include "registry.h"
+
+namespace indexcache {
+namespace {
+
+// Multiply-adds below which one thread runs it: at one row only the LM head (26M at vocab 50K x
+// hidden 512) passes. A 2 MB projection (1M) gains ~0.1 ms from a second core on an idle machine but
+// waits for a scheduler slice when the cores are shared (docs/profiling.md: 2 threads, load 6).
+constexpr int64_t kParallelWork = int64_t{1} << 22;
+constexpr int64_t kChunkWork = int64_t{1} << 19;     // at least this much work per parallel chunk
+constexpr int64_t kBlock = 64;                        // output columns per task
+
+inline float to_f(const void* p, int64_t i, DType dt) {
+  return dt == DType::kFloat32 ? static_cast<const float*>(p)[i]
+                               : static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
+}
+
+inline void store_f(void* p, int64_t i, float v, DType dt) {
+  if (dt == DType::kFloat32)
+    static_cast<float*>(p)[i] = v;
+  else
+    static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v);
+}
+
+inline int64_t esize(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
+inline const char* at_elem(const void* base, int64_t i, DType dt) {
+  return static_cast<const char*>(base) + i * esize(dt);
+}
+
+// ---------------------------------------------------------------------------------- portable
+
+void portable_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
+  const void* x = at_elem(p.x, g * p.x_sg, p.x_dtype);
+  const void* w = at_elem(p.w, g * p.w_sg, p.w_dtype);
+  void* out = const_cast<char*>(at_elem(p.out, g * p.o_sg, p.out_dtype));
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) {
+        const int64_t wi = p.w_nk ? n * p.w_sr + k : k * p.w_sr + n;
+        acc += to_f(x, m * p.x_sm + k, p.x_dtype) * to_f(w, wi, p.w_dtype);
+      }
+      store_f(out, m * p.o_sm + n, acc, p.out_dtype);
+    }
+}
+
+// ---------------------------------------------------------------------------------- AVX-512
+#if defined(__x86_64__)
+#define IC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+// 16 values from p (fp32 or bf16) as fp32, lanes past `mask` zero.
+IC_AVX512 inline __m512 load16(const void* p, DType dt, __mmask16 mask) {
+  if (dt == DType::kFloat32) return _mm512_maskz_loadu_ps(mask, p);
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+IC_AVX512 inline void store16(void* p, __m512 v, DType dt, __mmask16 mask) {
+  if (dt == DType::kFloat32) return _mm512_mask_storeu_ps(p, mask, v);
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  c10::BFloat16* o = static_cast<c10::BFloat16*>(p);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) o[i] = c10::BFloat16(tmp[i]);
+}
+
+inline __mmask16 tail16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+inline __mmask32 tail32(int64_t left) { return left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1); }
+
+// R weight rows (w_nk) dotted with one x row: out[j] for j < R.
+template <int R>
+IC_AVX512 inline void dot_rows(const void* x, const char* w, int64_t w_row_bytes, int64_t K, DType xd, DType wd,
+                               float* out) {
+  __m512 acc[R];
+  for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+  if (xd == DType::kBFloat16 && wd == DType::kBFloat16) {
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask32 mk = tail32(K - k);
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(x) + k);
+      for (int j = 0; j < R; ++j) {
+        const uint16_t* wr = reinterpret_cast<const uint16_t*>(w + j * w_row_bytes);
+        acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + k));
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mk = tail16(K - k);
+      const __m512 xv = load16(at_elem(x, k, xd), xd, mk);
+      for (int j = 0; j < R; ++j)
+        acc[j] = _mm512_fmadd_ps(xv, load16(w + j * w_row_bytes + k * esize(wd), wd, mk), acc[j]);
+    }
+  }
+  for (int j = 0; j < R; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
+  const char* x = at_elem(p.x, g * p.x_sg, p.x_dtype);
+  const char* w = at_elem(p.w, g * p.w_sg, p.w_dtype);
+  char* out = const_cast<char*>(at_elem(p.out, g * p.o_sg, p.out_dtype));
+  const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype), oe = esize(p.out_dtype);
+  const int64_t w_row_bytes = p.w_sr * we;
+  if (p.w_nk) {
+    for (int64_t m = 0; m < p.M; ++m) {
+      const char* xr = x + m * p.x_sm * xe;
+      int64_t n = n0;
+      float r[4];
+      for (; n + 4 <= n1; n += 4) {
+        dot_rows<4>(xr, w + n * w_row_bytes, w_row_bytes, p.K, p.x_dtype, p.w_dtype, r);
+        for (int j = 0; j < 4; ++j) store_f(out, m * p.o_sm + n + j, r[j], p.out_dtype);
+      }
+      for (; n < n1; ++n) {
+        dot_rows<1>(xr, w + n * w_row_bytes, w_row_bytes, p.K, p.x_dtype, p.w_dtype, r);
+        store_f(out, m * p.o_sm + n, r[0], p.out_dtype);
+      }
+    }
+    return;
+  }
+  // w [K, N]: columns n0..n1 (<= kBlock = 4 vectors) accumulated over k in order
+  const int64_t cols = n1 - n0;
+  __mmask16 mask[4];
+  for (int j = 0; j < 4; ++j) mask[j] = tail16(std::max<int64_t>(cols - 16 * j, 0));
+  const int nv = static_cast<int>((cols + 15) / 16);
+  for (int64_t m = 0; m < p.M; ++m) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const char* xr = x + m * p.x_sm * xe;
+    for (int64_t k = 0; k < p.K; ++k) {
+      const __m512 xs = _mm512_set1_ps(to_f(xr, k, p.x_dtype));
+      const char* wr = w + k * w_row_bytes + n0 * we;
+      for (int j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(xs, load16(wr + 16 * j * we, p.w_dtype, mask[j]), acc[j]);
+    }
+    for (int j = 0; j < nv; ++j) store16(out + (m * p.o_sm + n0 + 16 * j) * oe, acc[j], p.out_dtype, mask[j]);
+  }
+}
+#undef IC_AVX512
+#endif
+
+void run(const RowsMatmulParams& p, void (*task)(const RowsMatmulParams&, int64_t, int64_t, int64_t)) {
+  const int64_t blocks = (p.N + kBlock - 1) / kBlock, tasks = p.G * blocks;
+  const int64_t work = p.G * p.M * p.N * p.K;
+  auto body = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / blocks, b = t % blocks;
+      task(p, g, b * kBlock, std::min(p.N, (b + 1) * kBlock));
+    }
+  };
+  if (work < kParallelWork) return body(0, tasks);
+  const int64_t per_task = std::max<int64_t>(work / tasks, 1);
+  at::parallel_for(0, tasks, std::max<int64_t>(kChunkWork / per_task, 1), body);
+}
+
+DType float_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+  return t.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
+}
+
+void rows_matmul_op(const at::Tensor& x, const at::Tensor& w, bool w_nk, at::Tensor& out) {
+  const RowsMatmulParams p = [&] {
+    TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must be [M, K] or [G, M, K], got shape ", x.sizes());
+    TORCH_CHECK(w.dim() == x.dim() && out.dim() == x.dim(), "x, w and out must have the same number of dims, got ",
+                x.sizes(), ", ", w.sizes(), " and ", out.sizes());
+    IC_CHECK_SAME_DEVICE(x, w, "x", "w");
+    IC_CHECK_SAME_DEVICE(x, out, "x", "out");
+    RowsMatmulParams q{};
+    q.x_dtype = float_dtype(x, "x");
+    q.w_dtype = float_dtype(w, "w");
+    q.out_dtype = float_dtype(out, "out");
+    const int b = x.dim() == 3 ? 1 : 0;
+    q.G = b ? x.size(0) : 1;
+    q.M = x.size(b);
+    q.K = x.size(b + 1);
+    q.N = w_nk ? w.size(b) : w.size(b + 1);
+    const int64_t wk = w_nk ? w.size(b + 1) : w.size(b);
+    TORCH_CHECK(wk == q.K, "w ", w.sizes(), (w_nk ? " ([.., N, K])" : " ([.., K, N])"), " does not take x's K = ", q.K,
+                " (x ", x.sizes(), ")");
+    TORCH_CHECK(!b || (w.size(0) == q.G && out.size(0) == q.G), "x, w and out need the same G, got ", x.sizes(), ", ",
+                w.sizes(), " and ", out.sizes());
+    TORCH_CHECK(out.size(b) == q.M && out.size(b + 1) == q.N, "out must be [.., ", q.M, ", ", q.N, "], got ",
+                out.sizes());
+    for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&w, "w"}, {&out, "out"}})
+      TORCH_CHECK(t->size(-1) <= 1 || t->stride(-1) == 1, name, "'s last dim must be contiguous, got strides ",
+                  t->strides());
+    q.x = x.data_ptr();
+    q.w = w.data_ptr();
+    q.out = out.data_ptr();
+    q.x_sg = b ? x.stride(0) : 0;
+    q.x_sm = x.stride(b);
+    q.w_sg = b ? w.stride(0) : 0;
+    q.w_sr = w.stride(b);
+    q.o_sg = b ? out.stride(0) : 0;
+    q.o_sm = out.stride(b);
+    q.w_nk = w_nk;
+    return q;
+  }();
+  rows_matmul_cpu(p);
+}
+
+}  // namespace
+
+void register_rows_matmul_cpu(torch::Library& m) { m.impl("rows_matmul", &rows_matmul_op); }
+
+void rows_matmul_cpu(const RowsMatmulParams& p) {
+  if (p.G == 0 || p.M == 0 || p.N == 0) return;
+  if (p.K == 0) {  // empty sums
+    for (int64_t g = 0; g < p.G; ++g)
+      for (int64_t m = 0; m < p.M; ++m)
+        for (int64_t n = 0; n < p.N; ++n)
+          store_f(const_cast<char*>(at_elem(p.out, g * p.o_sg, p.out_dtype)), m * p.o_sm + n, 0.0f, p.out_dtype);
+    return;
+  }
+#if defined(__x86_64__)
+  if (cpu_op_path(CpuOp::kRowsMatmul, p.w_dtype) == CpuPath::kAvx512Bf16) return run(p, avx512_task);
+#endif
+  run(p, portable_task);
+}
+
+}  // namespace indexcache
