@@ -11,8 +11,8 @@
 // with an online softmax between them (running max and sum per head, α the rescale). Each
 // gathered row is read from the cache once per tile for the whole head block. With few query
 // rows the selected keys are split across threads and the partial (max, sum, O) merged in
-// split order (by whichever task finishes a row's last split, in the same parallel region), so
-// results are bit-identical run to run for a given thread count.
+// split order (by whichever task finishes a row's last split, in the same parallel region); the
+// split count depends on the shape alone, so results are bit-identical on any thread count.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -48,7 +48,8 @@ constexpr int kPanel = 16;         // heads per register panel: two 8-lane vecto
 constexpr int kGroup = 6;          // keys (kernel 1) or value columns (kernel 2) per register block
 constexpr int64_t kKeyTile = 48;   // gathered keys per tile, a multiple of kGroup
 constexpr int64_t kHeadBlock = 64; // heads per task: its qT (147 KB) and O^T (128 KB) stay in L2
-constexpr int64_t kMinSplitKeys = 256;
+constexpr int64_t kMinSplitKeys = 256;  // a split of a row's keys has at least this many entries
+constexpr int64_t kFewTasks = 32;       // fewer (row, head block) pairs than this: split the keys
 
 // exp(x) for x <= 0: 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial; inputs below -87
 // give exp(-87) ~ 1.6e-38 (NaN lanes come out as garbage; callers flag them separately).
@@ -314,12 +315,10 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
   }
   const int64_t hblock = std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t hblocks = (p.h_q + hblock - 1) / hblock;
-  // Few (row, head block) tasks: split the keys so every thread has work (decode).
-  const int64_t threads = at::get_num_threads();
+  // Few (row, head block) tasks: split the keys so threads have work (decode). The count depends
+  // on the shape only, never on the thread count, so results are the same on any number of threads.
   int64_t splits = 1;
-  if (p.s_q * hblocks < 2 * threads)
-    splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + p.s_q * hblocks - 1) / (p.s_q * hblocks),
-                                                    entries / kMinSplitKeys));
+  if (p.s_q * hblocks < kFewTasks) splits = std::max<int64_t>(1, entries / kMinSplitKeys);
   // Partial results of split tasks: max, sum, NaN flag per (row, head, split), O [d_v]. The
   // task that finishes the last split of a (row, head block) merges it, in split order, inside
   // the same parallel region.

@@ -2,8 +2,8 @@
 // the selected cache slots. Two passes per (row, head block): scores for every selected
 // key, an exact softmax, then P·V. With AVX-512 BF16 the scores run on vdpbf16ps (exact
 // bf16 products, fp32 sums) and P·V on fp32 FMAs with P kept in fp32. fp32 inputs (q or cache)
-// go to the avx2 kernels by dispatch (isa.h; avx2.cpp); the fp32 row loop below is the portable
-// path's.
+// run sparse_mla_avx512.cpp's FMA kernels on that path (the avx2 path has its own, avx2.cpp); the
+// fp32 row loop below is the portable path's.
 // Every path is a template on the row width D = d_qk (576 for DSA, 512 for DeepSeek-V4's K=V
 // head, whose value is the whole row), so the 576 loops keep their compile-time bounds; a row's
 // keys are the valid entries of indices and then of extra_indices (mla_entry).
@@ -20,6 +20,7 @@
 #include "registry.h"
 #include "avx2.h"
 #include "blas.h"
+#include "sparse_mla_avx512.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
 #include "simd.h"
@@ -425,9 +426,15 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (zero heads once divided by zero below)
-  // isa.h: bf16 / fp8 on blas or avx512bf16 where the CPU has them, fp32 (and everything on AVX2-only
-  // CPUs) on avx2; portable only where it is the path requested or the only one.
-  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, sparse_mla_dtype(p.q_dtype, p.kv_dtype));
+  // isa.h: bf16 / fp8 on blas or avx512bf16 where the CPU has them, fp32 on avx512bf16 (its FMA
+  // kernels), everything on AVX2-only CPUs on avx2; portable only where it is the path requested or
+  // the only one.
+  const DType dt = sparse_mla_dtype(p.q_dtype, p.kv_dtype);
+  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, dt);
+  if (path == CpuPath::kAvx512Bf16 && dt == DType::kFloat32) {
+    sparse_mla_avx512_f32(p);
+    return;
+  }
   if (path == CpuPath::kAvx2) {
     sparse_mla_avx2(p);  // every dtype
     return;
