@@ -291,7 +291,7 @@ def make_mla(device, cache_kind, s_q, h, topk, blocks=6, bs=64):
 
 @pytest.mark.parametrize("cache_kind,q_dtype,bar", [("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2),
                                                      ("fp8", torch.bfloat16, 1e-2), ("bf16", torch.float32, 1e-5)])
-@pytest.mark.parametrize("s_q,h,topk", [(3, 16, 64), (2, 128, 200), (4, 5, 7)])
+@pytest.mark.parametrize("s_q,h,topk", [(3, 16, 64), (2, 128, 200), (4, 5, 7), (3, 8, 301)])
 def test_sparse_mla(device, cpu_isa, cache_kind, q_dtype, bar, s_q, h, topk):
     cache, idx = make_mla(device, cache_kind, s_q, h, topk)
     idx[1 % s_q] = -1  # a row with no valid slot
