@@ -385,8 +385,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
     if constexpr (NV == 1) {
       ld_h = p.d_v;
       ld_c = 1;
-      for (int64_t c0 = 0; c0 < p.d_v; c0 += 64)
-        for (int64_t hh = 0; hh < nh; hh += 4) pv_heads<4, 4>(st, w.krows.data(), n, hh, c0, w.ot.data(), p.d_v);
+      // 8 heads x 32 columns per block where 8 heads remain: each converted value vector serves 8.
+      for (int64_t c0 = 0; c0 < p.d_v; c0 += 64) {
+        int64_t hh = 0;
+        for (; hh + 8 <= nh; hh += 8)
+          for (int64_t c = c0; c < c0 + 64; c += 32) pv_heads<8, 2>(st, w.krows.data(), n, hh, c, w.ot.data(), p.d_v);
+        for (; hh < nh; hh += 4) pv_heads<4, 4>(st, w.krows.data(), n, hh, c0, w.ot.data(), p.d_v);
+      }
     } else {
       // Chunks of 64 key pairs keep their P (16 KB) in L1 while every value column sweeps it.
       std::fill(w.ot.begin(), w.ot.end(), 0.f);
