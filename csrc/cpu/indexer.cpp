@@ -27,6 +27,7 @@
 #include "indexcache/ops.h"
 #include "indexer_common.h"
 #include "select.h"
+#include "simd.h"
 
 namespace indexcache {
 namespace {
@@ -116,11 +117,13 @@ __attribute__((target("avx512f"))) void pack_tile_avx512(const Keys& keys, DType
   for (int j = 0; j < kTile; ++j) {
     if (j >= n) {
       rows[j] = zeros;
-    } else if (kind == Tiles::kBf16 && dt != DType::kBFloat16) {  // e4m3 -> bf16 pairs
+    } else if (kind == Tiles::kBf16 && dt != DType::kBFloat16) {
+      // e4m3 -> fp32 -> bf16 pairs, 16 at a time; exact (every e4m3 value is a bf16 value).
       const uint8_t* r = static_cast<const uint8_t*>(keys.row(s0 + j));
-      const uint16_t* tb = cpu::e4m3_tables().bf16;
-      for (int64_t p = 0; p < cols; ++p)
-        conv[j][p] = static_cast<uint32_t>(tb[r[2 * p]]) | (static_cast<uint32_t>(tb[r[2 * p + 1]]) << 16);
+      for (int64_t c = 0; c < d; c += 16) {
+        const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(cpu::e4m3x16(r + c)), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(conv[j] + c / 2), _mm512_cvtepi32_epi16(bits));
+      }
       rows[j] = conv[j];
     } else {
       rows[j] = reinterpret_cast<const uint32_t*>(keys.row(s0 + j));

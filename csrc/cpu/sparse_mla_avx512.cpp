@@ -64,19 +64,6 @@ inline void bf16_to_f32(const uint16_t* src, float* dst, int n) {
   }
 }
 
-// 16 e4m3 bytes -> fp32, exact (e4m3_to_float): normal values rebias the exponent (7 -> 127) as
-// integers, subnormals (exponent 0) are mantissa · 2^-9, 0x7F is NaN, the sign is or-ed back.
-inline __m512 e4m3x16(const uint8_t* src) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
-  __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-  v = _mm512_mask_mov_ps(v, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)),
-                         _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0.001953125f)));
-  v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
-                         _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
-  return _mm512_or_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
-}
-
 // Cache row `slot` (bf16, or fp8_ds_mla for D = 576) as fp32 [D].
 template <int D>
 void convert_row(const SparseMlaParams& p, int64_t slot, float* dst) {
@@ -91,7 +78,7 @@ void convert_row(const SparseMlaParams& p, int64_t slot, float* dst) {
     for (int g = 0; g < kMlaLatent / kQuantGroup; ++g) {
       const __m512 sc = _mm512_set1_ps(scales[g]);
       for (int c = g * kQuantGroup; c < (g + 1) * kQuantGroup; c += 16)
-        _mm512_storeu_ps(dst + c, _mm512_mul_ps(e4m3x16(row + c), sc));
+        _mm512_storeu_ps(dst + c, _mm512_mul_ps(cpu::e4m3x16(row + c), sc));
     }
     uint16_t rope[kMlaRope];
     std::memcpy(rope, row + kMlaLatent + sizeof(scales), sizeof(rope));
