@@ -291,7 +291,7 @@ def make_mla(device, cache_kind, s_q, h, topk, blocks=6, bs=64):
 
 @pytest.mark.parametrize("cache_kind,q_dtype,bar", [("fp32", torch.float32, 1e-5), ("bf16", torch.bfloat16, 1e-2),
                                                      ("fp8", torch.bfloat16, 1e-2), ("bf16", torch.float32, 1e-5)])
-@pytest.mark.parametrize("s_q,h,topk", [(3, 16, 64), (2, 128, 200), (4, 5, 7)])
+@pytest.mark.parametrize("s_q,h,topk", [(3, 16, 64), (2, 128, 200), (4, 5, 7), (3, 8, 301)])
 def test_sparse_mla(device, cpu_isa, cache_kind, q_dtype, bar, s_q, h, topk):
     cache, idx = make_mla(device, cache_kind, s_q, h, topk)
     idx[1 % s_q] = -1  # a row with no valid slot
@@ -381,6 +381,52 @@ def test_sparse_mla_few_rows_split_keys(device, cpu_isa, cache_kind):
     assert (gl[keep] - rl[keep]).abs().max() < 2e-2
     again = ops.sparse_mla(q, cache, idx, scale)
     assert torch.equal(again[0].view(torch.int16), out.view(torch.int16)) and torch.equal(again[1].isnan(), lse.isnan())
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("h", [8, 21, 70])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_sparse_mla_fp32_heads_splits_threads(cpu_isa, d_qk, h, q_dtype, cache_dtype):
+    """fp32 sparse MLA (q or cache fp32) with head counts that fill 8-head panels exactly, leave a
+    partial panel, or need two head blocks; one or two rows whose 700 + 90 entries (indices, then
+    extra_indices, -1 holes, a row half empty) get split and merged; sinks; one NaN query head.
+    Against reference.py at the fp32 bar, and bit-identical on one thread and on two."""
+    s_q, n = 2, 1500
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    cache = (torch.randn(n, 1, d_qk, generator=g) * 2).to(cache_dtype)
+    idx = torch.randint(0, n, (s_q, 700), generator=g, dtype=torch.int32)
+    idx[:, ::5] = -1
+    idx[1, 350:] = -1
+    extra = torch.randint(0, n, (s_q, 90), generator=g, dtype=torch.int32)
+    extra[:, ::7] = -1
+    q = torch.randn(s_q, h, d_qk, generator=g).to(q_dtype)
+    q[0, h // 2, 3] = float("nan")
+    sinks = make_sinks(h, "cpu")
+    scale = d_qk ** -0.5
+    out = torch.full((s_q, h, 512), POISON_F, dtype=q_dtype)
+    lse = torch.full((s_q, h), POISON_F)
+    ops.sparse_mla(q, cache, idx, scale, out=out, lse=lse, sinks=sinks, extra_indices=extra)
+    ro, rl = ref.sparse_mla(q, cache, idx, scale, sinks=sinks, extra_indices=extra)
+    bad = torch.zeros(s_q, h, dtype=torch.bool)
+    bad[0, h // 2] = True
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    got = out.float()
+    assert torch.isfinite(got[~bad]).all() and torch.isfinite(lse[~bad]).all()
+    assert rel_err(got[~bad], ro.float()[~bad]) < (1e-5 if q_dtype == torch.float32 else 1e-2)
+    assert (lse[~bad] - rl[~bad]).abs().max() < 1e-4
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.sparse_mla(q, cache, idx, scale, sinks=sinks, extra_indices=extra)
+        torch.set_num_threads(2)
+        two = ops.sparse_mla(q, cache, idx, scale, sinks=sinks, extra_indices=extra)
+    finally:
+        torch.set_num_threads(threads)
+    for a in (one, two):
+        assert torch.equal(a[0].view(torch.int16 if q_dtype == torch.bfloat16 else torch.int32),
+                           out.view(torch.int16 if q_dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(a[1].view(torch.int32), lse.view(torch.int32))
 
 
 # ------------------------------------------------------------------ sparse MLA with attention sinks
@@ -694,7 +740,7 @@ _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/
         "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16",
         "delta_rule/fp32", "delta_rule/bf16", "rows_matmul/fp32", "rows_matmul/bf16"}
 KERNELS = {"portable": _ALL, "avx2": _ALL - {"quantize/fp32", "quantize/bf16", "rows_matmul/fp32", "rows_matmul/bf16"},
-           "avx512bf16": _ALL - {"sparse_mla/fp32"},
+           "avx512bf16": _ALL,
            "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}}
 FALLBACK = ["blas", "avx512bf16", "avx2", "portable"]
 
@@ -724,9 +770,10 @@ def test_cpu_dispatch_per_op_and_dtype():
         # no silent scalar loops: with AVX2 present, 'auto' runs no (op, dtype) on portable but the
         # quantizer and rows_matmul (no AVX2 kernels of their own: the model keeps F.linear where
         # rows_matmul has no vectorised kernel, parallel.linear.few_rows), and fp32 sparse MLA never
+        # on portable: its own AVX-512 kernels where the CPU has AVX-512 BF16, else avx2's
         assert {k for k, p in got.items() if p == "portable"} <= {"quantize/fp32", "quantize/bf16", "rows_matmul/fp32",
                                                                   "rows_matmul/bf16"}
-        assert got["sparse_mla/fp32"] == "avx2"
+        assert got["sparse_mla/fp32"] == ("avx2" if _C._cpu_paths()["avx512bf16"] else "avx512bf16")
     assert _C._cpu_isa("sparse_mla") == got["sparse_mla/bf16"] and _C._cpu_isa("topk") == got["topk/fp32"]
     with pytest.raises(ValueError, match="CPU op 'topk' takes no dtype 'bf16'"):
         _C._cpu_isa("topk", "bf16")

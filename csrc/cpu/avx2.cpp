@@ -5,14 +5,15 @@
 // heads and one range of its selected keys. It walks its keys in tiles of 48: the tile's cache
 // rows are gathered and converted to fp32 once (bf16 by a shift, fp8_ds_mla by exponent
 // arithmetic and the group scale), then two register-blocked FMA kernels run on it with heads
-// across the lanes (16 heads = two vectors):
+// across the lanes (16 heads = two vectors; a block of 8 heads or fewer, a tensor-parallel rank's
+// share, one vector with 12 keys / 8 columns per block instead of half-empty 16-head panels):
 //   S^T[key][h] = Σ_c K[key][c] · qT[c][h]          6 keys x 16 heads per block
 //   O^T[v][h]  = α[h]·O^T[v][h] + Σ_key K[key][v] · P[key][h]   6 value columns x 16 heads
 // with an online softmax between them (running max and sum per head, α the rescale). Each
 // gathered row is read from the cache once per tile for the whole head block. With few query
 // rows the selected keys are split across threads and the partial (max, sum, O) merged in
-// split order (by whichever task finishes a row's last split, in the same parallel region), so
-// results are bit-identical run to run for a given thread count.
+// split order (by whichever task finishes a row's last split, in the same parallel region); the
+// split count depends on the shape alone, so results are bit-identical on any thread count.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -44,11 +45,14 @@
 namespace indexcache {
 namespace {
 
-constexpr int kPanel = 16;         // heads per register panel: two 8-lane vectors
+// Heads per register panel: 8 * NV, NV = 2 8-lane vectors, or 1 for 8 heads or fewer (a tensor-
+// parallel rank's share, GLM-5 at TP 8), which would otherwise fill half of every FMA.
 constexpr int kGroup = 6;          // keys (kernel 1) or value columns (kernel 2) per register block
+                                   // with NV = 2; 12 keys / 8 columns with NV = 1
 constexpr int64_t kKeyTile = 48;   // gathered keys per tile, a multiple of kGroup
 constexpr int64_t kHeadBlock = 64; // heads per task: its qT (147 KB) and O^T (128 KB) stay in L2
-constexpr int64_t kMinSplitKeys = 256;
+constexpr int64_t kMinSplitKeys = 256;  // a split of a row's keys has at least this many entries
+constexpr int64_t kFewTasks = 32;       // fewer (row, head block) pairs than this: split the keys
 
 // exp(x) for x <= 0: 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial; inputs below -87
 // give exp(-87) ~ 1.6e-38 (NaN lanes come out as garbage; callers flag them separately).
@@ -115,12 +119,14 @@ void load_row(const SparseMlaParams& p, int64_t slot, float* dst) {
 }
 
 // Kernel 1: st[r][0:16] = scale · Σ_c k[r][c] · qp[c][0:16] for kGroup rows of k (rows of D).
+// (Written out for two vectors: GCC 12 keeps an a[6][2] array version's accumulators in
+// registers less well, 1.3x slower at 16 and 128 heads.)
 template <int D>
 inline void qk_block(const float* k, const float* qp, float scale, float* st, int64_t ld) {
   __m256 a0[kGroup], a1[kGroup];
   for (int r = 0; r < kGroup; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (int c = 0; c < D; ++c) {
-    const __m256 b0 = _mm256_loadu_ps(qp + c * kPanel), b1 = _mm256_loadu_ps(qp + c * kPanel + 8);
+    const __m256 b0 = _mm256_loadu_ps(qp + c * 16), b1 = _mm256_loadu_ps(qp + c * 16 + 8);
     for (int r = 0; r < kGroup; ++r) {
       const __m256 kv = _mm256_broadcast_ss(k + r * D + c);
       a0[r] = _mm256_fmadd_ps(kv, b0, a0[r]);
@@ -132,6 +138,20 @@ inline void qk_block(const float* k, const float* qp, float scale, float* st, in
     _mm256_storeu_ps(st + r * ld, _mm256_mul_ps(a0[r], sc));
     _mm256_storeu_ps(st + r * ld + 8, _mm256_mul_ps(a1[r], sc));
   }
+}
+
+// Kernel 1 for one-vector panels (8 heads): 12 rows of k.
+template <int D>
+inline void qk_block8(const float* k, const float* qp, float scale, float* st, int64_t ld) {
+  constexpr int G = 12;
+  __m256 a[G];
+  for (int r = 0; r < G; ++r) a[r] = _mm256_setzero_ps();
+  for (int c = 0; c < D; ++c) {
+    const __m256 b = _mm256_loadu_ps(qp + c * 8);
+    for (int r = 0; r < G; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(k + r * D + c), b, a[r]);
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int r = 0; r < G; ++r) _mm256_storeu_ps(st + r * ld, _mm256_mul_ps(a[r], sc));
 }
 
 // Kernel 2: ot[v][0:16] = α · ot[v][0:16] + Σ_j k[j][v] · pt[j][0:16] for R value columns v
@@ -159,9 +179,29 @@ inline void pv_block(const float* k, const float* pt, int64_t ld, const float* a
   }
 }
 
+// Kernel 2 for one-vector panels (8 heads): 8 value columns (d_v is a multiple of 64).
 template <int D>
+inline void pv_block8(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot,
+                      int64_t ldo) {
+  constexpr int R = 8;
+  __m256 a[R];
+  const __m256 al = _mm256_loadu_ps(alpha);
+  for (int r = 0; r < R; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(ot + r * ldo), al);
+  for (int64_t j = 0; j < nkeys; ++j) {
+    const __m256 b = _mm256_loadu_ps(pt + j * ld);
+    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(k + j * D + r), b, a[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(ot + r * ldo, a[r]);
+}
+
+// R = rem value columns; one-vector panels (NV = 1) take 8 at a time.
+template <int D, int NV>
 void pv_cols(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot, int64_t ldo,
              int rem) {
+  if constexpr (NV == 1) {
+    pv_block8<D>(k, pt, ld, alpha, nkeys, ot, ldo);
+    return;
+  }
   switch (rem) {
     case 1: pv_block<D, 1>(k, pt, ld, alpha, nkeys, ot, ldo); break;
     case 2: pv_block<D, 2>(k, pt, ld, alpha, nkeys, ot, ldo); break;
@@ -172,7 +212,10 @@ void pv_cols(const float* k, const float* pt, int64_t ld, const float* alpha, in
   }
 }
 
-// One task's running state for heads [h0, h0 + nh), padded to hp (a multiple of kPanel).
+// Heads per panel for a block of nh heads (a multiple of which the block is padded to, hp).
+inline int64_t panel_width(int64_t nh) { return nh <= 8 ? 8 : 16; }
+
+// One task's running state for heads [h0, h0 + nh), padded to hp (a multiple of panel_width).
 struct MlaState {
   std::vector<float> kbuf;  // [kKeyTile][d_qk] gathered fp32 rows
   std::vector<float> qT;    // [hp / 16][d_qk][16] query, heads across lanes
@@ -186,10 +229,13 @@ float q_value(const SparseMlaParams& p, int64_t i) {
                                       : bf16_to_float(static_cast<const uint16_t*>(p.q)[i]);
 }
 
-// Runs keys slots[0:n) for row t, heads [h0, h0 + nh); leaves m, l, z and ot in `s`. D = d_qk.
-template <int D>
+// Runs keys slots[0:n) for row t, heads [h0, h0 + nh) in panels of 8 * NV heads (NV = 1 exactly
+// when nh <= 8); leaves m, l, z and ot in `s`. D = d_qk.
+template <int D, int NV>
 void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const int32_t* slots, int64_t n,
               MlaState& s) {
+  constexpr int kPanel = 8 * NV, kKeys = NV == 1 ? 12 : kGroup, kCols = NV == 1 ? 8 : kGroup;
+  static_assert(kKeyTile % kKeys == 0, "a tile is whole key groups");
   const int64_t hp = (nh + kPanel - 1) / kPanel * kPanel, panels = hp / kPanel;
   s.kbuf.resize(kKeyTile * D);
   s.qT.resize(hp * D);
@@ -214,14 +260,18 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
   float* st = s.st.data();
   for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
     const int64_t nk = std::min<int64_t>(kKeyTile, n - j0);
-    const int64_t groups = (nk + kGroup - 1) / kGroup;
+    const int64_t groups = (nk + kKeys - 1) / kKeys;
     for (int64_t j = 0; j < nk; ++j) load_row<D>(p, slots[j0 + j], kb + j * D);
-    std::fill(kb + nk * D, kb + groups * kGroup * D, 0.f);
-    // Scores: each 6-row group of the tile against every head panel.
+    std::fill(kb + nk * D, kb + groups * kKeys * D, 0.f);
+    // Scores: each 6-row (NV = 1: 12-row) group of the tile against every head panel.
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t pn = 0; pn < panels; ++pn)
-        qk_block<D>(kb + g * kGroup * D, s.qT.data() + pn * D * kPanel, p.sm_scale,
-                 st + g * kGroup * hp + pn * kPanel, hp);
+        if constexpr (NV == 1) {
+          qk_block8<D>(kb + g * kKeys * D, s.qT.data(), p.sm_scale, st + g * kKeys * hp, hp);
+        } else {
+          qk_block<D>(kb + g * kKeys * D, s.qT.data() + pn * D * kPanel, p.sm_scale, st + g * kKeys * hp + pn * kPanel,
+                      hp);
+        }
     // Online softmax, 8 heads at a time: new max, rescale of the old sum, probabilities in place.
     // z: 0 per head, NaN once one of its scores is NaN or +-inf (x - x); such heads get NaN
     // out and lse (docs/ops.md).
@@ -245,12 +295,12 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
       _mm256_storeu_ps(s.m.data() + v, mt);
       _mm256_storeu_ps(s.z.data() + v, zt);
     }
-    // P·V: 6 value columns x 16 heads per block, over the tile's keys.
-    for (int64_t c0 = 0; c0 < p.d_v; c0 += kGroup) {
-      const int rem = static_cast<int>(std::min<int64_t>(kGroup, p.d_v - c0));
+    // P·V: 6 value columns x 16 heads (NV = 1: 8 x 8) per block, over the tile's keys.
+    for (int64_t c0 = 0; c0 < p.d_v; c0 += kCols) {
+      const int rem = static_cast<int>(std::min<int64_t>(kCols, p.d_v - c0));
       for (int64_t pn = 0; pn < panels; ++pn)
-        pv_cols<D>(kb + c0, st + pn * kPanel, hp, s.alpha.data() + pn * kPanel, nk, s.ot.data() + c0 * hp + pn * kPanel,
-                hp, rem);
+        pv_cols<D, NV>(kb + c0, st + pn * kPanel, hp, s.alpha.data() + pn * kPanel, nk,
+                       s.ot.data() + c0 * hp + pn * kPanel, hp, rem);
     }
   }
 }
@@ -314,12 +364,10 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
   }
   const int64_t hblock = std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t hblocks = (p.h_q + hblock - 1) / hblock;
-  // Few (row, head block) tasks: split the keys so every thread has work (decode).
-  const int64_t threads = at::get_num_threads();
+  // Few (row, head block) tasks: split the keys so threads have work (decode). The count depends
+  // on the shape only, never on the thread count, so results are the same on any number of threads.
   int64_t splits = 1;
-  if (p.s_q * hblocks < 2 * threads)
-    splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + p.s_q * hblocks - 1) / (p.s_q * hblocks),
-                                                    entries / kMinSplitKeys));
+  if (p.s_q * hblocks < kFewTasks) splits = std::max<int64_t>(1, entries / kMinSplitKeys);
   // Partial results of split tasks: max, sum, NaN flag per (row, head, split), O [d_v]. The
   // task that finishes the last split of a (row, head block) merges it, in split order, inside
   // the same parallel region.
@@ -350,12 +398,14 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
       }
       const int64_t per = (n + splits - 1) / splits;
       const int64_t a = std::min(n, sp * per), e = std::min(n, a + per);
-      const int64_t hp = (nh + kPanel - 1) / kPanel * kPanel;
+      const int64_t hp = (nh + panel_width(nh) - 1) / panel_width(nh) * panel_width(nh);
       if (e > a) {
+        const int32_t* ts = slots.data() + t * entries + a;
         if (p.d_qk == kMlaDim) {
-          mla_task<kMlaDim>(p, t, h0, nh, slots.data() + t * entries + a, e - a, s);
+          nh <= 8 ? mla_task<kMlaDim, 1>(p, t, h0, nh, ts, e - a, s) : mla_task<kMlaDim, 2>(p, t, h0, nh, ts, e - a, s);
         } else {
-          mla_task<kMlaLatent>(p, t, h0, nh, slots.data() + t * entries + a, e - a, s);
+          nh <= 8 ? mla_task<kMlaLatent, 1>(p, t, h0, nh, ts, e - a, s)
+                  : mla_task<kMlaLatent, 2>(p, t, h0, nh, ts, e - a, s);
         }
       } else {  // an empty split (fewer keys than splits x per)
         s.m.assign(hp, -std::numeric_limits<float>::infinity());

@@ -3,8 +3,9 @@
 //
 // Scores are computed 32 keys at a time. With AVX-512 BF16 the key tile is packed as
 // bf16 pairs ([d/2][32 keys][2], exact for e4m3 and bf16 inputs) and each query head's
-// pair is broadcast into vdpbf16ps with fp32 accumulation; otherwise (or for fp32 inputs)
-// a portable fp32 loop runs on a [d][32] tile. The fused and plain ops call the same tile
+// pair is broadcast into vdpbf16ps with fp32 accumulation; fp32 inputs there run an AVX-512 FMA
+// kernel of the same shape on a [d][32] fp32 tile (8 heads x 32 keys in registers); otherwise a
+// portable fp32 loop runs on that tile. The fused and plain ops call the same tile
 // routine, so they select from bit-identical scores.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -26,6 +27,7 @@
 #include "indexcache/ops.h"
 #include "indexer_common.h"
 #include "select.h"
+#include "simd.h"
 
 namespace indexcache {
 namespace {
@@ -46,7 +48,14 @@ constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 // The indexer's path for inputs of dt (isa.h: blas declines fp32, which then runs avx512bf16's
 // fp32 tile loop); the vdpbf16ps tiles run on the avx512bf16 path for bf16 and fp8 inputs.
 CpuPath indexer_path(DType dt) { return cpu_op_path(CpuOp::kIndexer, dt); }
-bool use_bf16_path(DType dt) { return dt != DType::kFloat32 && indexer_path(dt) == CpuPath::kAvx512Bf16; }
+
+// The tile kernel scores run on: vdpbf16ps on bf16 pairs, AVX-512 FMAs on fp32 (both the
+// avx512bf16 path's), or the portable fp32 loop (its target_clones build for the CPU).
+enum class Tiles { kF32, kF32Avx512, kBf16 };
+Tiles tiles_for(DType dt) {
+  if (indexer_path(dt) != CpuPath::kAvx512Bf16) return Tiles::kF32;
+  return dt == DType::kFloat32 ? Tiles::kF32Avx512 : Tiles::kBf16;
+}
 
 inline float elem_f32(const void* row, DType dt, int64_t i) {
   switch (dt) {
@@ -68,11 +77,73 @@ struct KeyTile {
   int n = 0;
 };
 
+// dst[c * ld + i] = rows[i][c0 + c] for i, c < 16: a 16 x 16 transpose of 32-bit values (in 128-bit
+// lanes: rows interleaved in 32-bit, then 64-bit steps; then the lanes regrouped across vectors).
+__attribute__((target("avx512f"))) inline void transpose16(const uint32_t* const* rows, int64_t c0, uint32_t* dst,
+                                                          int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + c0);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[4g + k], lane m: column 4m + k of rows 4g .. 4g + 3.
+  for (int g = 0; g < 16; g += 4) {
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    _mm512_storeu_si512(dst + k * ld, _mm512_shuffle_i32x4(v0, w0, 0x88));
+    _mm512_storeu_si512(dst + (4 + k) * ld, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+    _mm512_storeu_si512(dst + (8 + k) * ld, _mm512_shuffle_i32x4(v1, w1, 0x88));
+    _mm512_storeu_si512(dst + (12 + k) * ld, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+  }
+}
+
+// The avx512bf16 path's tiles (kind kBf16 or kF32Avx512) by 16 x 16 transposes of whole rows of
+// 32-bit elements: bf16 pairs (bf16 keys in place; fp8 rows converted to pairs first) or fp32.
 template <typename Keys>
-void pack_tile(const Keys& keys, DType dt, int64_t d, int64_t s0, int n, bool bf16, KeyTile& t) {
+__attribute__((target("avx512f"))) void pack_tile_avx512(const Keys& keys, DType dt, int64_t d, int64_t s0, int n,
+                                                        Tiles kind, KeyTile& t) {
+  alignas(64) static const uint32_t zeros[kIndexHeadDim] = {};
+  alignas(64) uint32_t conv[kTile][kIndexHeadDim / 2];
+  const int64_t cols = kind == Tiles::kBf16 ? d / 2 : d;
+  const uint32_t* rows[kTile];
+  for (int j = 0; j < kTile; ++j) {
+    if (j >= n) {
+      rows[j] = zeros;
+    } else if (kind == Tiles::kBf16 && dt != DType::kBFloat16) {
+      // e4m3 -> fp32 -> bf16 pairs, 16 at a time; exact (every e4m3 value is a bf16 value).
+      const uint8_t* r = static_cast<const uint8_t*>(keys.row(s0 + j));
+      for (int64_t c = 0; c < d; c += 16) {
+        const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(cpu::e4m3x16(r + c)), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(conv[j] + c / 2), _mm512_cvtepi32_epi16(bits));
+      }
+      rows[j] = conv[j];
+    } else {
+      rows[j] = reinterpret_cast<const uint32_t*>(keys.row(s0 + j));
+    }
+  }
+  uint32_t* dst = kind == Tiles::kBf16 ? t.pairs : reinterpret_cast<uint32_t*>(t.f32.data());
+  for (int j = 0; j < kTile; j += 16)
+    for (int64_t c = 0; c < cols; c += 16) transpose16(rows + j, c, dst + c * kTile + j, kTile);
+}
+
+template <typename Keys>
+void pack_tile(const Keys& keys, DType dt, int64_t d, int64_t s0, int n, Tiles kind, KeyTile& t) {
   t.n = n;
   for (int j = 0; j < kTile; ++j) t.scale[j] = j < n ? keys.scale_of(s0 + j) : 0.f;
-  if (bf16) {
+  if (kind != Tiles::kF32 && d % 32 == 0 && d <= kIndexHeadDim) {
+    if (kind == Tiles::kF32Avx512) t.f32.resize(d * kTile);
+    pack_tile_avx512(keys, dt, d, s0, n, kind, t);
+    return;
+  }
+  if (kind == Tiles::kBf16) {
     const int64_t pairs = d / 2;
     for (int j = 0; j < kTile; ++j) {
       if (j >= n) {
@@ -84,6 +155,12 @@ void pack_tile(const Keys& keys, DType dt, int64_t d, int64_t s0, int n, bool bf
         t.pairs[p * kTile + j] = static_cast<uint32_t>(elem_bf16(r, dt, 2 * p)) |
                                  (static_cast<uint32_t>(elem_bf16(r, dt, 2 * p + 1)) << 16);
       }
+    }
+  } else if (dt == DType::kFloat32) {
+    t.f32.resize(d * kTile);
+    for (int j = 0; j < kTile; ++j) {
+      const float* r = j < n ? reinterpret_cast<const float*>(keys.row(s0 + j)) : nullptr;
+      for (int64_t c = 0; c < d; ++c) t.f32[c * kTile + j] = r ? r[c] : 0.f;
     }
   } else {
     t.f32.resize(d * kTile);
@@ -101,9 +178,9 @@ struct QueryRow {
   const float* w = nullptr;  // [h]
 };
 
-void prepare_query(const void* q, DType dt, int64_t h, int64_t d, bool bf16, const float* w, QueryRow& out) {
+void prepare_query(const void* q, DType dt, int64_t h, int64_t d, Tiles kind, const float* w, QueryRow& out) {
   out.w = w;
-  if (bf16) {
+  if (kind == Tiles::kBf16) {
     out.pairs.resize(h * d / 2);
     for (int64_t i = 0; i < h * d / 2; ++i)
       out.pairs[i] = static_cast<uint32_t>(elem_bf16(q, dt, 2 * i)) | (static_cast<uint32_t>(elem_bf16(q, dt, 2 * i + 1)) << 16);
@@ -169,11 +246,48 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void score_tile_f32
   for (int j = 0; j < kTile; ++j) out[j] = o[j] * t.scale[j];
 }
 
-inline void score_tile(const QueryRow& q, const KeyTile& t, int64_t h, int64_t d, bool bf16, float* out) {
-  if (bf16) {
-    score_tile_bf16(q, t, h, d, out);
-  } else {
-    score_tile_f32(q, t, h, d, out);
+// HB heads' ReLU-weighted scores against the 32 keys of an fp32 tile kt [d][32], added to o0 / o1.
+template <int HB>
+__attribute__((target("avx512f"))) inline void heads_f32(const float* qh, const float* w, const float* kt, int64_t d,
+                                                        __m512& o0, __m512& o1) {
+  __m512 acc0[HB], acc1[HB];
+  for (int i = 0; i < HB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    const __m512 k0 = _mm512_loadu_ps(kt + c * kTile), k1 = _mm512_loadu_ps(kt + c * kTile + 16);
+    for (int i = 0; i < HB; ++i) {
+      const __m512 qb = _mm512_set1_ps(qh[i * d + c]);
+      acc0[i] = _mm512_fmadd_ps(qb, k0, acc0[i]);
+      acc1[i] = _mm512_fmadd_ps(qb, k1, acc1[i]);
+    }
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int i = 0; i < HB; ++i) {
+    const __m512 wv = _mm512_set1_ps(w[i]);
+    // max_ps returns its second operand when either is NaN: ReLU keeps a NaN dot.
+    o0 = _mm512_fmadd_ps(_mm512_max_ps(zero, acc0[i]), wv, o0);
+    o1 = _mm512_fmadd_ps(_mm512_max_ps(zero, acc1[i]), wv, o1);
+  }
+}
+
+// fp32 scores on AVX-512: 8 heads x 32 keys (16 accumulators) per pass over the tile, so each
+// tile vector loaded serves 8 heads (the portable loop reloads it for every head).
+__attribute__((target("avx512f"))) void score_tile_f32_avx512(const QueryRow& q, const KeyTile& t, int64_t h,
+                                                             int64_t d, float* out) {
+  __m512 o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
+  const float* kt = t.f32.data();
+  int64_t hh = 0;
+  for (; hh + 8 <= h; hh += 8) heads_f32<8>(q.f32.data() + hh * d, q.w + hh, kt, d, o0, o1);
+  for (; hh + 4 <= h; hh += 4) heads_f32<4>(q.f32.data() + hh * d, q.w + hh, kt, d, o0, o1);
+  for (; hh < h; ++hh) heads_f32<1>(q.f32.data() + hh * d, q.w + hh, kt, d, o0, o1);
+  _mm512_storeu_ps(out, _mm512_mul_ps(o0, _mm512_loadu_ps(t.scale)));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(o1, _mm512_loadu_ps(t.scale + 16)));
+}
+
+inline void score_tile(const QueryRow& q, const KeyTile& t, int64_t h, int64_t d, Tiles kind, float* out) {
+  switch (kind) {
+    case Tiles::kBf16: score_tile_bf16(q, t, h, d, out); break;
+    case Tiles::kF32Avx512: score_tile_f32_avx512(q, t, h, d, out); break;
+    case Tiles::kF32: score_tile_f32(q, t, h, d, out); break;
   }
 }
 
@@ -183,7 +297,7 @@ inline void score_tile(const QueryRow& q, const KeyTile& t, int64_t h, int64_t d
 // on_scores(row, s0, n, scores) for every tile that overlaps the row's window, in
 // increasing key order, for tiles in [c0, c1).
 template <typename Keys, typename RowQ, typename OnScores>
-void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, bool bf16, int64_t r0, int64_t r1,
+void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, Tiles kind, int64_t r0, int64_t r1,
                 const int64_t* lo, const int64_t* hi, int64_t c0, int64_t c1, RowQ row_query, OnScores on_scores) {
   std::vector<QueryRow> qrows(r1 - r0);
   for (int64_t r = r0; r < r1; ++r) row_query(r, qrows[r - r0]);
@@ -195,10 +309,10 @@ void score_rows(const Keys& keys, DType dt, int64_t h, int64_t d, bool bf16, int
     for (int64_t r = r0; r < r1; ++r) {
       if (lo[r - r0] >= s0 + n || hi[r - r0] <= s0) continue;
       if (!packed) {
-        pack_tile(keys, dt, d, s0, n, bf16, tile);
+        pack_tile(keys, dt, d, s0, n, kind, tile);
         packed = true;
       }
-      score_tile(qrows[r - r0], tile, h, d, bf16, scores);
+      score_tile(qrows[r - r0], tile, h, d, kind, scores);
       on_scores(r, s0, n, scores);
     }
   }
@@ -212,17 +326,17 @@ auto relative(int64_t r0, Emit emit) {
   return [r0, emit](int64_t r, int64_t s0, int n, const float* scores) { emit(r - r0, s0, n, scores); };
 }
 
-auto dense_query(const IndexerParams& p, bool bf16) {
+auto dense_query(const IndexerParams& p, Tiles kind) {
   const int64_t elem = cpu::elem_bytes(p.qk_dtype);
-  return [&p, bf16, elem](int64_t r, QueryRow& q) {
-    prepare_query(static_cast<const uint8_t*>(p.q) + r * p.h * p.d * elem, p.qk_dtype, p.h, p.d, bf16,
+  return [&p, kind, elem](int64_t r, QueryRow& q) {
+    prepare_query(static_cast<const uint8_t*>(p.q) + r * p.h * p.d * elem, p.qk_dtype, p.h, p.d, kind,
                   p.weights + r * p.h, q);
   };
 }
 
-auto paged_query(const PagedIndexerParams& p, bool bf16) {
-  return [&p, bf16](int64_t r, QueryRow& q) {
-    prepare_query(p.q + r * p.h * p.d, DType::kFp8E4M3, p.h, p.d, bf16, p.weights + r * p.h, q);
+auto paged_query(const PagedIndexerParams& p, Tiles kind) {
+  return [&p, kind](int64_t r, QueryRow& q) {
+    prepare_query(p.q + r * p.h * p.d, DType::kFp8E4M3, p.h, p.d, kind, p.weights + r * p.h, q);
   };
 }
 
@@ -232,11 +346,11 @@ auto paged_query(const PagedIndexerParams& p, bool bf16) {
 
 void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
   if (indexer_path(p.qk_dtype) == CpuPath::kBlas && indexer_logits_blas(p, o)) return;
-  const bool bf16 = use_bf16_path(p.qk_dtype);
+  const Tiles kind = tiles_for(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);
-  const auto row_query = dense_query(p, bf16);
+  const auto row_query = dense_query(p, kind);
   const int64_t blocks = (p.s_q + kRowBlock - 1) / kRowBlock;
   const int64_t chunks = std::max<int64_t>(1, (p.s_kv + kKeyChunk - 1) / kKeyChunk);
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -244,7 +358,7 @@ void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
       const int64_t r0 = (task / chunks) * kRowBlock, r1 = std::min(p.s_q, r0 + kRowBlock);
       const int64_t c0 = (task % chunks) * kKeyChunk, c1 = std::min(p.s_kv, c0 + kKeyChunk);
       for (int64_t r = r0; r < r1; ++r) fill_neg_inf(o.logits + r * o.stride + c0, c1 - c0);
-      score_rows(keys, p.qk_dtype, p.h, p.d, bf16, r0, r1, lo.data() + r0, hi.data() + r0, c0, c1, row_query,
+      score_rows(keys, p.qk_dtype, p.h, p.d, kind, r0, r1, lo.data() + r0, hi.data() + r0, c0, c1, row_query,
                  [&](int64_t r, int64_t s0, int n, const float* scores) {
                    float* dst = o.logits + r * o.stride;
                    const int64_t a = std::max<int64_t>(lo[r], s0), e = std::min<int64_t>(hi[r], s0 + n);
@@ -259,16 +373,16 @@ void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
 
 void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
   if (indexer_path(DType::kFp8E4M3) == CpuPath::kBlas && indexer_logits_paged_blas(p, o)) return;
-  const bool bf16 = use_bf16_path(DType::kFp8E4M3);
+  const Tiles kind = tiles_for(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);
-  const auto row_query = paged_query(p, bf16);
+  const auto row_query = paged_query(p, kind);
   at::parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t r0 = b * p.next_n, r1 = r0 + p.next_n;
       for (int64_t r = r0; r < r1; ++r) fill_neg_inf(o.logits + r * o.stride, o.cols);
       const PagedKeys keys{p.cache, p.block_table + b * p.max_blocks, p.block_size, p.d};
-      score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, lo.data() + r0, hi.data() + r0, 0,
+      score_rows(keys, DType::kFp8E4M3, p.h, p.d, kind, r0, r1, lo.data() + r0, hi.data() + r0, 0,
                  std::max<int64_t>(0, p.seq_lens[b]), row_query,
                  [&](int64_t r, int64_t s0, int n, const float* scores) {
                    float* dst = o.logits + r * o.stride;
@@ -391,24 +505,24 @@ void topk_cpu(const TopkParams& p, const TopkOut& o) {
 
 void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
   if (indexer_path(p.qk_dtype) == CpuPath::kBlas && indexer_topk_blas(p, o)) return;
-  const bool bf16 = use_bf16_path(p.qk_dtype);
+  const Tiles kind = tiles_for(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);
-  const auto row_query = dense_query(p, bf16);
+  const auto row_query = dense_query(p, kind);
   cpu::fused_topk<NoGuard>(p.s_q, kRowBlock, p.s_kv, kTile, lo.data(), hi.data(), o,
              [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
                  auto on_scores) {
-               score_rows(keys, p.qk_dtype, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query, relative(r0, on_scores));
+               score_rows(keys, p.qk_dtype, p.h, p.d, kind, r0, r1, rlo, rhi, c0, c1, row_query, relative(r0, on_scores));
              });
 }
 
 void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
   if (indexer_path(DType::kFp8E4M3) == CpuPath::kBlas && indexer_topk_paged_blas(p, o)) return;
-  const bool bf16 = use_bf16_path(DType::kFp8E4M3);
+  const Tiles kind = tiles_for(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);
-  const auto row_query = paged_query(p, bf16);
+  const auto row_query = paged_query(p, kind);
   int64_t max_keys = 0;
   for (int64_t b = 0; b < p.batch; ++b) max_keys = std::max<int64_t>(max_keys, p.seq_lens[b]);
   if (p.next_n <= kRowBlock) {
@@ -417,7 +531,7 @@ void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
                [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
                    auto on_scores) {
                  const PagedKeys keys{p.cache, p.block_table + (r0 / p.next_n) * p.max_blocks, p.block_size, p.d};
-                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, row_query,
+                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, kind, r0, r1, rlo, rhi, c0, c1, row_query,
                             relative(r0, on_scores));
                });
     return;
@@ -432,7 +546,7 @@ void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
     cpu::fused_topk<NoGuard>(p.next_n, kRowBlock, p.seq_lens[b], kTile, lo.data() + base, hi.data() + base, ob,
                [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, const int64_t* rlo, const int64_t* rhi,
                    auto on_scores) {
-                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, bf16, r0, r1, rlo, rhi, c0, c1, query, relative(r0, on_scores));
+                 score_rows(keys, DType::kFp8E4M3, p.h, p.d, kind, r0, r1, rlo, rhi, c0, c1, query, relative(r0, on_scores));
                });
   }
 }

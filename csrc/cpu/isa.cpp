@@ -169,12 +169,12 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     case CpuPath::kAvx2: return op != CpuOp::kQuantize && op != CpuOp::kRowsMatmul;
     // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
     // AVX-512 top-k filter, block_sparse_impl.h (fp32 and bf16: 16-lane FMA micro-kernels, 1.1-1.5x
-    // its AVX2 build on Zen 4) and the e4m3 quantizer compiled for AVX-512. fp32 sparse MLA goes on
-    // to avx2 (no fp32 kernel here). delta_rule_impl.h compiled for AVX-512 takes both its dtypes
+    // its AVX2 build on Zen 4), the e4m3 quantizer compiled for AVX-512 and fp32 sparse MLA's FMA
+    // kernels (sparse_mla_avx512.cpp). delta_rule_impl.h compiled for AVX-512 takes both its dtypes
     // (its inputs are converted to fp32 tiles once; the work is fp32 FMA). rows_matmul: vdpbf16ps for
     // bf16 x bf16, widening + FMA for the other dtype pairs (rows_matmul.cpp).
     case CpuPath::kAvx512Bf16:
-      return dt != DType::kFloat32 || op != CpuOp::kSparseMla;
+      return true;
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h).
     case CpuPath::kBlas:
       return (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && dt != DType::kFloat32;

@@ -55,8 +55,8 @@ bool cpu_op_takes(CpuOp op, DType dt);
 bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt);
 // The path (op, dt) takes: the requested path (cpu_path()) where that path has a kernel for it,
 // else the first path after it in the order blas, avx512bf16, avx2, portable that this CPU runs
-// and that has one. So 'auto' takes, per op and dtype, the fastest kernel this CPU has (fp32
-// sparse MLA on an AVX-512 BF16 CPU: the avx2 kernels), and a forced path runs its own kernels
+// and that has one. So 'auto' takes, per op and dtype, the fastest kernel this CPU has (the
+// quantizer on an AVX2-only CPU: the portable loop), and a forced path runs its own kernels
 // wherever it has them ('avx2' on an AVX-512 CPU tests the AVX2 kernels; 'portable' the loops).
 CpuPath cpu_op_path(CpuOp op, DType dt);
 // sparse_mla's dispatch dtype for a query and cache dtype (cpu_op_takes above).

@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace indexcache {
 namespace cpu {
 
@@ -23,6 +25,20 @@ __attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// 16 e4m3 bytes -> fp32, exact (e4m3_to_float): normal values rebias the exponent (7 -> 127) as
+// integers, subnormals (exponent 0) are mantissa · 2^-9, 0x7F is NaN, the sign is or-ed back.
+__attribute__((target("avx512f"))) inline __m512 e4m3x16(const uint8_t* src) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  v = _mm512_mask_mov_ps(v, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)),
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0.001953125f)));
+  v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
+                         _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));  // (or_ps would need AVX-512 DQ)
 }
 
 }  // namespace cpu

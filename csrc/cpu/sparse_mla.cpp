@@ -2,8 +2,8 @@
 // the selected cache slots. Two passes per (row, head block): scores for every selected
 // key, an exact softmax, then P·V. With AVX-512 BF16 the scores run on vdpbf16ps (exact
 // bf16 products, fp32 sums) and P·V on fp32 FMAs with P kept in fp32. fp32 inputs (q or cache)
-// go to the avx2 kernels by dispatch (isa.h; avx2.cpp); the fp32 row loop below is the portable
-// path's.
+// run sparse_mla_avx512.cpp's FMA kernels on that path (the avx2 path has its own, avx2.cpp); the
+// fp32 row loop below is the portable path's.
 // Every path is a template on the row width D = d_qk (576 for DSA, 512 for DeepSeek-V4's K=V
 // head, whose value is the whole row), so the 576 loops keep their compile-time bounds; a row's
 // keys are the valid entries of indices and then of extra_indices (mla_entry).
@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "registry.h"
 #include "avx2.h"
 #include "blas.h"
+#include "sparse_mla_avx512.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
 #include "simd.h"
@@ -149,6 +151,32 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_keys(const
   const __m512 sc = _mm512_set1_ps(scale);
   for (int j = 0; j < KB; ++j)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + (j * NV + v) * 16, _mm512_mul_ps(a[j][v], sc));
+}
+
+// 8 heads or fewer (GLM-5 at TP 8): S^T[j][0:8] for keys j0..j0+KB-1 with 16 lanes = 8 heads x 2
+// channel pairs, so the heads fill a whole vector: lanes 2i, 2i + 1 of qQ[pq] hold head i's pairs
+// 2pq, 2pq + 1 (D / 4 quads of 4 bf16), a key's quad is one 64-bit broadcast, and the two halves
+// of a head are added once per key. Lanes 8..15 of st are 0 (no heads there).
+template <int D, int KB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void qk_keys8(const uint32_t* qQ,
+                                                                               const uint32_t* const* krows,
+                                                                               float scale, float* st) {
+  __m512 a[KB];
+  for (int j = 0; j < KB; ++j) a[j] = _mm512_setzero_ps();
+  for (int pq = 0; pq < D / 4; ++pq) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qQ + pq * 16);
+    for (int j = 0; j < KB; ++j) {
+      int64_t quad;
+      std::memcpy(&quad, krows[j] + 2 * pq, sizeof(quad));
+      a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_set1_epi64(quad), q);
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int j = 0; j < KB; ++j) {
+    const __m512 x = _mm512_add_ps(a[j], _mm512_permute_ps(a[j], 0xB1));
+    _mm512_storeu_ps(st + j * 16, _mm512_mul_ps(_mm512_maskz_permutexvar_ps(0x00FF, even, x), sc));
+  }
 }
 
 // O^T[v0..v0+C][0:16NV] += Σ_k V[k][v] · P[k][0:16NV] over one chunk of key pairs, in fp32: P stays
@@ -282,7 +310,7 @@ __attribute__((target("avx512f,avx512bw"))) void softmax_heads(float* st, int64_
 
 // One row's bf16 operands: key row pointers krows[0:2*pairs) (an odd count padded with a zero row),
 // V as key pairs vt[pairs][d_v] (pair_values: for the 32-head blocks' P·V), q as pairs with heads
-// across lanes qT[D / 2][h_pad].
+// across lanes qT[D / 2][h_pad], or (quads: 8 heads or fewer) as qk_keys8's qQ[D / 4][16].
 struct RowBf16 {
   std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [n][576]
   std::vector<const uint32_t*> krows;
@@ -293,7 +321,7 @@ struct RowBf16 {
 template <int D>
 __attribute__((target("avx512f,avx512bw"))) void prepare_row_bf16(const SparseMlaParams& p, int64_t t,
                                                                    const std::vector<int32_t>& slots, int64_t h_pad,
-                                                                   bool pair_values, RowBf16& w) {
+                                                                   bool pair_values, bool quads, RowBf16& w) {
   constexpr int kPairs = D / 2;
   static const uint16_t zero_row[kMlaDim] = {};
   const int64_t n = static_cast<int64_t>(slots.size()), pairs = (n + 1) / 2;
@@ -315,8 +343,14 @@ __attribute__((target("avx512f,avx512bw"))) void prepare_row_bf16(const SparseMl
       interleave_rows(reinterpret_cast<const uint16_t*>(w.krows[2 * kp]),
                       reinterpret_cast<const uint16_t*>(w.krows[2 * kp + 1]), p.d_v, w.vt.data() + kp * p.d_v);
   }
-  w.qT.assign(kPairs * h_pad, 0);
   const uint32_t* qsrc = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + t * p.h_q * D);
+  if (quads) {
+    w.qT.assign(kPairs * 8, 0);
+    for (int64_t h = 0; h < p.h_q; ++h)
+      for (int pp = 0; pp < kPairs; ++pp) w.qT[(pp / 2) * 16 + 2 * h + pp % 2] = qsrc[h * kPairs + pp];
+    return;
+  }
+  w.qT.assign(kPairs * h_pad, 0);
   for (int64_t h = 0; h < p.h_q; ++h)
     for (int pp = 0; pp < kPairs; ++pp) w.qT[pp * h_pad + h] = qsrc[h * kPairs + pp];
 }
@@ -329,13 +363,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
   const int64_t n = static_cast<int64_t>(slots.size()), pairs = (n + 1) / 2;
   const int64_t h_pad = (p.h_q + LH - 1) / LH * LH;
   static thread_local RowBf16 w;
-  prepare_row_bf16<D>(p, t, slots, h_pad, NV == 2, w);
+  const bool quads = NV == 1 && p.h_q <= 8;
+  prepare_row_bf16<D>(p, t, slots, h_pad, NV == 2, quads, w);
   w.st.resize(pairs * 2 * LH);
   w.ot.resize(p.d_v * LH);
   float* st = w.st.data();
   for (int64_t h0 = 0; h0 < p.h_q; h0 += LH) {
     const uint32_t* qb = w.qT.data() + h0;
     int64_t j = 0;
+    if (quads) {
+      for (; j + KB <= n; j += KB) qk_keys8<D, KB>(qb, w.krows.data() + j, p.sm_scale, st + j * LH);
+      for (; j < n; ++j) qk_keys8<D, 1>(qb, w.krows.data() + j, p.sm_scale, st + j * LH);
+    }
     for (; j + KB <= n; j += KB) qk_keys<D, KB, NV>(qb, h_pad, w.krows.data() + j, p.sm_scale, st + j * LH);
     for (; j < n; ++j) qk_keys<D, 1, NV>(qb, h_pad, w.krows.data() + j, p.sm_scale, st + j * LH);
     alignas(64) float mx[LH], sum[LH], bad[LH];
@@ -346,8 +385,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void row_bf16(const Spars
     if constexpr (NV == 1) {
       ld_h = p.d_v;
       ld_c = 1;
-      for (int64_t c0 = 0; c0 < p.d_v; c0 += 64)
-        for (int64_t hh = 0; hh < nh; hh += 4) pv_heads<4, 4>(st, w.krows.data(), n, hh, c0, w.ot.data(), p.d_v);
+      // 8 heads x 32 columns per block where 8 heads remain: each converted value vector serves 8.
+      for (int64_t c0 = 0; c0 < p.d_v; c0 += 64) {
+        int64_t hh = 0;
+        for (; hh + 8 <= nh; hh += 8)
+          for (int64_t c = c0; c < c0 + 64; c += 32) pv_heads<8, 2>(st, w.krows.data(), n, hh, c, w.ot.data(), p.d_v);
+        for (; hh < nh; hh += 4) pv_heads<4, 4>(st, w.krows.data(), n, hh, c0, w.ot.data(), p.d_v);
+      }
     } else {
       // Chunks of 64 key pairs keep their P (16 KB) in L1 while every value column sweeps it.
       std::fill(w.ot.begin(), w.ot.end(), 0.f);
@@ -425,9 +469,15 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (zero heads once divided by zero below)
-  // isa.h: bf16 / fp8 on blas or avx512bf16 where the CPU has them, fp32 (and everything on AVX2-only
-  // CPUs) on avx2; portable only where it is the path requested or the only one.
-  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, sparse_mla_dtype(p.q_dtype, p.kv_dtype));
+  // isa.h: bf16 / fp8 on blas or avx512bf16 where the CPU has them, fp32 on avx512bf16 (its FMA
+  // kernels), everything on AVX2-only CPUs on avx2; portable only where it is the path requested or
+  // the only one.
+  const DType dt = sparse_mla_dtype(p.q_dtype, p.kv_dtype);
+  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, dt);
+  if (path == CpuPath::kAvx512Bf16 && dt == DType::kFloat32) {
+    sparse_mla_avx512_f32(p);
+    return;
+  }
   if (path == CpuPath::kAvx2) {
     sparse_mla_avx2(p);  // every dtype
     return;

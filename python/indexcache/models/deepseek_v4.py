@@ -131,7 +131,7 @@ def _ropes(c: dict) -> tuple:
 
 class DeepseekV4ForCausalLM(DSAForCausalLM):
     model_type = "deepseek_v4"
-    step_reuse = False
+    reuses_across_steps = False
     architecture = "DeepseekV4ForCausalLM"
     config_defaults = {
         "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "swiglu_limit": 10.0, "fused_experts": False,

@@ -31,6 +31,7 @@ from indexcache.plan import LayerPlan, build_layer_plan
 from .args import BLOCK_SIZE, ModelArgs, _dtype, split_overrides
 from .blocks import AbsentLayer, DecoderLayer, MTPLayer, RMSNorm, rope_inv_freq
 from .blocks.hyper import HyperDecoderLayer, HyperHead
+from . import step_reuse
 from .state import BatchMeta, ForwardContext, PagedKVCache, StageTimer, TorchPass
 
 
@@ -115,9 +116,7 @@ class DSAForCausalLM(nn.Module):
 
     decoder_layer = None  # a family's decoder-layer class (None: the DSA DecoderLayer)
     mla = True  # the layers are MLA + the lightning indexer (CUDA needs their native widths); False: the family's own
-    # whether the family's indexer reuses selections across decode steps (index_reuse_steps > 1,
-    # models/step_reuse.py); False: from_config refuses the key rather than print a plan it ignores
-    step_reuse = True
+    reuses_across_steps = True  # its indexer reuses across decode steps (models/step_reuse.py); False: refused
 
     def drops_checkpoint_tensor(self, name: str) -> bool:
         """Whether the loader passes over checkpoint tensor ``name`` (beyond the S layers' indexers)."""
@@ -190,10 +189,7 @@ class DSAForCausalLM(nn.Module):
         indexed = cls.indexed_layers(args)
         plan = ic.plan(len(indexed), args.num_nextn_predict_layers)
         par = parallel or ParallelContext()
-        if ic.index_reuse_steps > 1 and not cls.step_reuse:
-            raise ValueError(f"index_reuse_steps {ic.index_reuse_steps}: {cls.__name__} ({cls.model_type}) reuses "
-                             "selections across layers only; across decode steps only the lightning-indexer "
-                             "families do (deepseek_v32, glm_moe_dsa, hy_v4): use 1")
+        step_reuse.check_family(cls, ic.index_reuse_steps)
         if pp_stage_starts_full and par.pp_size > 1:
             plan = stage_full_plan(plan, par.pp_size, indexed, args.num_hidden_layers)
         validate_parallel(args, par)
@@ -383,24 +379,18 @@ class DSAForCausalLM(nn.Module):
         """Embedding, the main layers and the final norm under ``ctx`` (gradients follow the caller's
         grad mode: training calls this under a ``TorchPass``): ``[N]`` token ids -> ``[N, hidden]``."""
         par, n, L = self.par, ctx.meta.num_tokens, self.args.num_hidden_layers
-        hc = self.args.hc_mult
-        stream = (n, hc, self.args.hidden_size) if hc else (n, self.args.hidden_size)
-        # adaptive step reuse: the probe layer's verdicts (requests sent back to computing) travel
-        # with the residual stream, so the F layers of later stages follow them as in one process
-        rids = ctx.meta.rids if ctx.reuse_steps > 1 and ctx.reuse_min_recall is not None else None
+        stream = (n, self.args.hc_mult, self.args.hidden_size) if self.args.hc_mult else (n, self.args.hidden_size)
         if par.first_stage:
             x = self.model.embed(input_ids)
-        else:  # the previous stage's residual stream and, if this stage begins on an S layer, its top-k rows
+        else:  # the previous stage's residual stream, its step-reuse verdicts and, if this stage begins on S, its rows
             x = torch.empty(stream, dtype=self.compute_dtype, device=self.device)
-            ctx.topk_valid, forced = par.recv_prev(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank, ctx) else None,
-                                                   0 if rids is None else len(rids))
-            ctx.reuse_forced |= {rid for rid, f in zip(rids or (), forced) if f}
+            ctx.topk_valid, verdicts = par.recv_prev(x, self._stage_rows(par.pp_rank, ctx), len(step_reuse.verdicts(ctx)))
+            step_reuse.take_verdicts(ctx, verdicts)
         for layer in self.model.layers[:L]:
             if not isinstance(layer, AbsentLayer):
                 x = layer(x, ctx)
         if not par.last_stage:
-            par.send_next(x, ctx.topk_rows if self._stage_needs_rows(par.pp_rank + 1, ctx) else None, ctx.topk_valid,
-                          [int(rid in ctx.reuse_forced) for rid in rids or ()])
+            par.send_next(x, self._stage_rows(par.pp_rank + 1, ctx), ctx.topk_valid, step_reuse.verdicts(ctx))
             h = torch.empty(n, self.args.hidden_size, dtype=self.compute_dtype, device=self.device)
         else:
             h = self.model.final_norm(x)
@@ -416,12 +406,12 @@ class DSAForCausalLM(nn.Module):
         meta = BatchMeta.dense(torch_pass.batch, torch_pass.seq, self.device)
         return self.forward_context(meta, full=full, torch_pass=torch_pass)
 
-    def _stage_needs_rows(self, stage: int, ctx: ForwardContext) -> bool:
-        """Whether pipeline stage ``stage``'s first indexed layer is S in this forward (and so needs
-        the previous stage's top-k rows)."""
+    def _stage_rows(self, stage: int, ctx: ForwardContext) -> Optional[torch.Tensor]:
+        """The top-k rows handed to pipeline stage ``stage`` when its first indexed layer is S in this
+        forward (it reuses the previous stage's rows), else None."""
         lo, hi = stage_bounds(self.args.num_hidden_layers, self.par.pp_size)[stage:stage + 2]
         first = next((i for i in self.indexed if lo <= i < hi), None)
-        return stage > 0 and first is not None and not ctx.is_full(first)
+        return ctx.topk_rows if stage > 0 and first is not None and not ctx.is_full(first) else None
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

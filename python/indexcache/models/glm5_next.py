@@ -324,7 +324,7 @@ class Glm5NextForCausalLM(DSAForCausalLM):
                    "indexer.k_norm.bias", "index_kpool_compress_ape")
     decoder_layer = Glm5NextDecoderLayer
     mla = False
-    step_reuse = False
+    reuses_across_steps = False
     # parameter name (transformers' in-memory names) -> the checkpoint's (what save_pretrained writes:
     # the released layout, transformers' conversion mapping run backwards)
     checkpoint_renames = (

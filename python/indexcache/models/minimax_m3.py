@@ -99,7 +99,7 @@ class MiniMaxM3ForCausalLM(DSAForCausalLM):
     }
     decoder_layer = MiniMaxM3DecoderLayer
     mla = False
-    step_reuse = False
+    reuses_across_steps = False
     _text_defaults = {"head_dim": 128, "num_key_value_heads": 4, "index_n_heads": 4, "index_head_dim": 128,
                       "dense_intermediate_size": 12288, "shared_intermediate_size": 3072, "intermediate_size": 3072,
                       "num_local_experts": 128, "num_experts_per_tok": 4}

@@ -247,7 +247,7 @@ class Qwen4ExpForCausalLM(DSAForCausalLM):
     }
     decoder_layer = Qwen4ExpDecoderLayer
     mla = False
-    step_reuse = False
+    reuses_across_steps = False
     checkpoint_renames = ((r"^model\.hc_head\.", "model.hyper_connection_mixer."),)
     _text_defaults = {
         "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,

@@ -46,6 +46,29 @@ class ReusePlan:
     probed: list = ()  # the probe layer: (request index, its row, saved position, saved selection) to check
 
 
+def check_family(cls, steps: int) -> None:
+    """Refuse ``index_reuse_steps`` > 1 for a family whose indexer does not reuse across steps
+    (``DSAForCausalLM.reuses_across_steps`` False) rather than print a plan its forward would ignore."""
+    if steps > 1 and not cls.reuses_across_steps:
+        raise ValueError(f"index_reuse_steps {steps}: {cls.__name__} ({cls.model_type}) reuses selections across "
+                         "layers only; across decode steps only the lightning-indexer families do (deepseek_v32, "
+                         "glm_moe_dsa, hy_v4): use 1")
+
+
+def verdicts(ctx: ForwardContext) -> list:
+    """Under adaptive reuse, per request of the forward 1 where the probe layer sent it back to
+    computing: a pipeline stage hands them to the next with the residual stream, so F layers of
+    later stages follow the probe as in one process (both sides know the batch; [] otherwise)."""
+    if ctx.reuse_steps <= 1 or ctx.reuse_min_recall is None or ctx.meta.rids is None:
+        return []
+    return [int(rid in ctx.reuse_forced) for rid in ctx.meta.rids]
+
+
+def take_verdicts(ctx: ForwardContext, flags: list) -> None:
+    """The previous stage's ``verdicts``."""
+    ctx.reuse_forced |= {rid for rid, f in zip(ctx.meta.rids or (), flags) if f}
+
+
 def probe_layer(ctx: ForwardContext) -> Optional[int]:
     """The layer whose fresh rows check the others' reuse (None: adaptive reuse is off)."""
     if ctx.reuse_min_recall is None:
