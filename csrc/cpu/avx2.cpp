@@ -30,6 +30,7 @@
 #include "avx2.h"
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
+#include "mla_slots.h"
 #include "select.h"
 
 #if defined(__x86_64__)
@@ -51,8 +52,6 @@ constexpr int kGroup = 6;          // keys (kernel 1) or value columns (kernel 2
                                    // with NV = 2; 12 keys / 8 columns with NV = 1
 constexpr int64_t kKeyTile = 48;   // gathered keys per tile, a multiple of kGroup
 constexpr int64_t kHeadBlock = 64; // heads per task: its qT (147 KB) and O^T (128 KB) stay in L2
-constexpr int64_t kMinSplitKeys = 256;  // a split of a row's keys has at least this many entries
-constexpr int64_t kFewTasks = 32;       // fewer (row, head block) pairs than this: split the keys
 
 // exp(x) for x <= 0: 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial; inputs below -87
 // give exp(-87) ~ 1.6e-38 (NaN lanes come out as garbage; callers flag them separately).
@@ -348,26 +347,10 @@ void merge_splits(const SparseMlaParams& p, int64_t th, int64_t splits, const fl
 
 void sparse_mla_avx2(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (and no split count to divide by)
-  // Each row's selected slots (indices, then extra_indices), -1s dropped (serial: a parallel
-  // region of its own costs more than this scan, a whole scheduler quantum on a loaded machine).
-  const int64_t entries = p.topk + p.n_extra;
-  std::vector<int32_t> slots(p.s_q * entries);
-  std::vector<int64_t> count(p.s_q);
-  for (int64_t t = 0; t < p.s_q; ++t) {
-    int64_t c = 0;
-    for (int64_t j = 0; j < entries; ++j) {
-      const int32_t v = mla_entry(p, t, j);
-      slots[t * entries + c] = v;
-      c += v >= 0;
-    }
-    count[t] = c;
-  }
+  const MlaSlots rows(p);
   const int64_t hblock = std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t hblocks = (p.h_q + hblock - 1) / hblock;
-  // Few (row, head block) tasks: split the keys so threads have work (decode). The count depends
-  // on the shape only, never on the thread count, so results are the same on any number of threads.
-  int64_t splits = 1;
-  if (p.s_q * hblocks < kFewTasks) splits = std::max<int64_t>(1, entries / kMinSplitKeys);
+  const int64_t splits = mla_key_splits(p, hblocks);
   // Partial results of split tasks: max, sum, NaN flag per (row, head, split), O [d_v]. The
   // task that finishes the last split of a (row, head block) merges it, in split order, inside
   // the same parallel region.
@@ -387,7 +370,7 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t sp = task % splits, t = task / splits / hblocks, hb = task / splits % hblocks;
       const int64_t h0 = hb * hblock, nh = std::min(hblock, p.h_q - h0);
-      const int64_t n = count[t];
+      const int64_t n = rows.count[t];
       if (n == 0) {  // a row with no valid slot: zeros and lse = sink or -inf (once, from split 0)
         if (sp == 0)
           for (int64_t h = h0; h < h0 + nh; ++h) {
@@ -400,7 +383,7 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
       const int64_t a = std::min(n, sp * per), e = std::min(n, a + per);
       const int64_t hp = (nh + panel_width(nh) - 1) / panel_width(nh) * panel_width(nh);
       if (e > a) {
-        const int32_t* ts = slots.data() + t * entries + a;
+        const int32_t* ts = rows.row(t) + a;
         if (p.d_qk == kMlaDim) {
           nh <= 8 ? mla_task<kMlaDim, 1>(p, t, h0, nh, ts, e - a, s) : mla_task<kMlaDim, 2>(p, t, h0, nh, ts, e - a, s);
         } else {

@@ -32,6 +32,7 @@
 
 #include "indexcache/fp8.h"
 #include "indexcache/ops.h"
+#include "mla_slots.h"
 #include "simd.h"
 
 #if defined(__x86_64__)
@@ -50,8 +51,6 @@ namespace {
 
 constexpr int kKeyTile = 48;         // keys per tile: a multiple of every score block (16, 12, 6)
 constexpr int64_t kHeadBlock = 64;   // heads per task: its Q (147 KB) and O (128 KB) stay in L2
-constexpr int64_t kSplitKeys = 256;  // a split of a row's keys has at least this many entries
-constexpr int64_t kFewTasks = 32;    // fewer (row, head block) pairs than this: split the keys
 constexpr int kPvCols = 4;           // value vectors per P·V block (64 columns; d_v % 64 == 0)
 
 alignas(64) const float kZeroRow[kMlaDim] = {};  // pads a tile to whole score blocks
@@ -310,23 +309,11 @@ void merge_splits(const SparseMlaParams& p, int64_t th, const Splits& sp, float*
 
 void sparse_mla_avx512_f32(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;
-  // Each row's valid slots (indices, then extra_indices), -1s dropped.
-  const int64_t entries = p.topk + p.n_extra;
-  std::vector<int32_t> slots(p.s_q * entries);
-  std::vector<int64_t> count(p.s_q);
-  for (int64_t t = 0; t < p.s_q; ++t) {
-    int64_t c = 0;
-    for (int64_t j = 0; j < entries; ++j) {
-      const int32_t v = mla_entry(p, t, j);
-      slots[t * entries + c] = v;
-      c += v >= 0;
-    }
-    count[t] = c;
-  }
+  const MlaSlots rows(p);
   const int64_t hblock = std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t hblocks = (p.h_q + hblock - 1) / hblock;
   Splits sp;
-  if (p.s_q * hblocks < kFewTasks) sp.n = std::max<int64_t>(1, entries / kSplitKeys);
+  sp.n = mla_key_splits(p, hblocks);  // shape only: the same results on any number of threads
   if (sp.n > 1) {
     const int64_t parts = p.s_q * p.h_q * sp.n;
     sp.m.resize(parts);
@@ -341,7 +328,7 @@ void sparse_mla_avx512_f32(const SparseMlaParams& p) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t k = task % sp.n, t = task / sp.n / hblocks, hb = task / sp.n % hblocks;
       const int64_t h0 = hb * hblock, nh = std::min(hblock, p.h_q - h0);
-      const int64_t n = count[t];
+      const int64_t n = rows.count[t];
       if (n == 0) {  // no valid slot: zeros and lse = sink or -inf (written once, by split 0)
         if (k == 0)
           for (int64_t h = h0; h < h0 + nh; ++h) {
@@ -354,9 +341,9 @@ void sparse_mla_avx512_f32(const SparseMlaParams& p) {
       const int64_t a = std::min(n, k * per), e = std::min(n, a + per);
       if (e > a) {
         if (p.d_qk == kMlaDim) {
-          mla_task<kMlaDim>(p, t, h0, nh, slots.data() + t * entries + a, e - a, s);
+          mla_task<kMlaDim>(p, t, h0, nh, rows.row(t) + a, e - a, s);
         } else {
-          mla_task<kMlaLatent>(p, t, h0, nh, slots.data() + t * entries + a, e - a, s);
+          mla_task<kMlaLatent>(p, t, h0, nh, rows.row(t) + a, e - a, s);
         }
       } else {  // an empty split (fewer keys than splits x per)
         s.m.assign(nh, -std::numeric_limits<float>::infinity());

@@ -1,0 +1,48 @@
+// Host-side set-up shared by the CPU sparse MLA kernels (avx2.cpp, sparse_mla_avx512.cpp): each
+// row's valid key slots and how many ways a row's keys split. Torch-free; included before the
+// kernels' target pragmas, so it compiles for the baseline ISA.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "indexcache/ops.h"
+
+namespace indexcache {
+
+constexpr int64_t kMlaSplitKeys = 256;  // a split of a row's keys has at least this many entries
+constexpr int64_t kMlaFewTasks = 32;    // fewer (row, head block) tasks than this: split the keys
+
+// Row t's valid slots (its indices, then its extra_indices; -1s dropped) at
+// slots[t * entries ..], count[t] of them. Serial: a parallel region of its own costs more than
+// this scan (a whole scheduler quantum on a loaded machine).
+struct MlaSlots {
+  int64_t entries;              // topk + n_extra
+  std::vector<int32_t> slots;   // [s_q, entries]
+  std::vector<int64_t> count;   // [s_q]
+
+  explicit MlaSlots(const SparseMlaParams& p)
+      : entries(p.topk + p.n_extra), slots(p.s_q * entries), count(p.s_q) {
+    for (int64_t t = 0; t < p.s_q; ++t) {
+      int64_t c = 0;
+      for (int64_t j = 0; j < entries; ++j) {
+        const int32_t v = mla_entry(p, t, j);
+        slots[t * entries + c] = v;
+        c += v >= 0;
+      }
+      count[t] = c;
+    }
+  }
+  const int32_t* row(int64_t t) const { return slots.data() + t * entries; }
+};
+
+// Ways each row's keys split: more than one only when there are few (row, head block) tasks
+// (decode), so that threads have work. The count depends on the shape only, never on the thread
+// count, so results are the same on any number of threads.
+inline int64_t mla_key_splits(const SparseMlaParams& p, int64_t head_blocks) {
+  if (p.s_q * head_blocks >= kMlaFewTasks) return 1;
+  return std::max<int64_t>(1, (p.topk + p.n_extra) / kMlaSplitKeys);
+}
+
+}  // namespace indexcache
