@@ -362,9 +362,12 @@ def test_f_fp8_mla_cache_and_bf16():
     s = torch.randint(0, CFG["vocab_size"], (50,)).tolist()
     full = model(torch.tensor([s]))[0]
     fp8 = run_paged(model, [s], [20], chunk=16, kv_cache_dtype="fp8_ds_mla")[0]
-    # every path reads the same quantized cache, so prefill vs decode agree closely (an ulp of
-    # difference in a projection can still flip one e4m3 rounding) ...
-    assert rel(fp8, run_paged(model, [s], [50], chunk=64, kv_cache_dtype="fp8_ds_mla")[0]) < 1e-3
+    # every path reads the same quantized cache, so prefill vs decode agree closely: an ulp of
+    # difference in a projection can still flip an e4m3 rounding, and decode rows take
+    # ops.rows_matmul (another summation order than prefill's F.linear) on AVX-512 CPUs; over 12
+    # seeds on Zen 4 most runs agree to < 5e-4 and those with a flip to 2-3e-3, 100x inside the
+    # quantization's own effect below ...
+    assert rel(fp8, run_paged(model, [s], [50], chunk=64, kv_cache_dtype="fp8_ds_mla")[0]) < 1e-2
     # ... while e4m3 rounding (amplified by random layers) separates it from the unquantized run
     assert torch.isfinite(fp8).all() and 1e-4 < rel(fp8, full) < 0.5
     one = make(None, config=dict(CFG, num_hidden_layers=1, first_k_dense_replace=1))
