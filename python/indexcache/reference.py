@@ -324,9 +324,8 @@ from indexcache.reference_block_sparse import (block_scores, block_sparse_attent
                                                block_topk_paged, paged_rows, select_blocks)
 
 
-# ----------------------------------------------------------------------------- delta-rule linear attention
-# GLM-5.3-Flash's Kimi Delta Attention (per-channel gate) and Qwen3.8-Flash-Next's Gated DeltaNet
-# (scalar gate) are one recurrence; kernels compute it chunk-wise for prefill, step-wise for decode.
+# ----------------------------------------------------------------------------- a few rows through a weight
+# A decode step's projections on the CPU (ops.rows_matmul).
 
 def rows_matmul(x: torch.Tensor, w: torch.Tensor, w_nk: bool = True, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x @ w^T`` (``w_nk``: w ``[.., N, K]``) or ``x @ w`` (w ``[.., K, N]``), x ``[.., M, K]``, in fp32
@@ -334,6 +333,10 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, w_nk: bool = True, out_dtype: 
     wf = w.float().transpose(-1, -2) if w_nk else w.float()
     return torch.matmul(x.float(), wf).to(out_dtype or x.dtype)
 
+
+# ----------------------------------------------------------------------------- delta-rule linear attention
+# GLM-5.3-Flash's Kimi Delta Attention (per-channel gate) and Qwen3.8-Flash-Next's Gated DeltaNet
+# (scalar gate) are one recurrence; kernels compute it chunk-wise for prefill, step-wise for decode.
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
