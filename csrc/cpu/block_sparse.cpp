@@ -35,6 +35,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "simd.h"
 #endif
 
 #include "../block_sparse_checks.h"
