@@ -46,9 +46,15 @@ inline void pack_values_bf16(Val val, int64_t nk, int64_t d, int64_t dp, uint32_
     const uint16_t* a = reinterpret_cast<const uint16_t*>(val(2 * kp));
     const uint16_t* b = 2 * kp + 1 < nk ? reinterpret_cast<const uint16_t*>(val(2 * kp + 1)) : nullptr;
     for (int64_t c = 0; c < dp; c += 32) {
-      const __mmask32 m = d - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (d - c)) - 1);
-      const __m512i va = _mm512_maskz_loadu_epi16(m, a + c);
-      const __m512i vb = b ? _mm512_maskz_loadu_epi16(m, b + c) : _mm512_setzero_si512();
+      __m512i va, vb = _mm512_setzero_si512();
+      if (d - c >= 32) {
+        va = _mm512_loadu_si512(a + c);
+        if (b) vb = _mm512_loadu_si512(b + c);
+      } else {
+        const __mmask32 m = static_cast<__mmask32>((1u << (d - c)) - 1);
+        va = _mm512_maskz_loadu_epi16(m, a + c);
+        if (b) vb = _mm512_maskz_loadu_epi16(m, b + c);
+      }
       _mm512_storeu_si512(vt2 + kp * dp + c, _mm512_permutex2var_epi16(va, ilo, vb));
       _mm512_storeu_si512(vt2 + kp * dp + c + 16, _mm512_permutex2var_epi16(va, ihi, vb));
     }
