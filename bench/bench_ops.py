@@ -478,11 +478,8 @@ def matrix_record(records, op, dtype, heads, shape, flops, ours, fp32_rate):
                auto_path=auto[3] if auto else "", fp32_matmul_fraction=gf / fp32_rate if fp32_rate else 0.0)
 
 
-def bench_matrix(records, device, quick, fp32_rate):
-    """sparse_mla (64 rows x top-512 of 8192, 576/512), indexer_topk (64 rows x 8192 keys, top-2048)
-    and block_sparse_attention (64 rows, 4 KV heads x 128, 16 blocks of 128) in fp32 and bf16 (the
-    indexer also fp8), at 8, 16 and 128 (indexer 64, block-sparse 64 query) heads, on every path."""
-    rows, n = (16 if quick else 64), 8192
+def matrix_sparse_mla(records, device, rows, fp32_rate):
+    n = 8192
     for dtype, dt in MATRIX_DTYPES.items():
         for h in (8, 16, 128):
             cache = torch.randn(n, 1, 576).to(dt)
@@ -492,6 +489,10 @@ def bench_matrix(records, device, quick, fp32_rate):
             ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse), device, "sparse_mla", dtype,
                              min_time=0.3, max_iters=5)
             matrix_record(records, "sparse_mla", dtype, h, f"{rows}q k512", 2 * rows * h * 512 * 1088, ours, fp32_rate)
+
+
+def matrix_indexer(records, device, rows, fp32_rate):
+    n = 8192
     for dtype in ("fp32", "bf16", "fp8"):
         for h in (8, 16, 64):
             q, k, w, qv, kv, ksc, wq, ks, ke = indexer_inputs(rows, n, h, device)
@@ -501,6 +502,9 @@ def bench_matrix(records, device, quick, fp32_rate):
             ours = time_ours(lambda: ops.indexer_topk(*args, ks, ke, 2048, out=buf), device, "indexer", dtype,
                              min_time=0.3, max_iters=5)
             matrix_record(records, "indexer_topk", dtype, h, f"{rows}q x {n}", 2 * rows * h * n * 128, ours, fp32_rate)
+
+
+def matrix_block_sparse(records, device, rows, fp32_rate):
     h_kv, bsz, topk, page, n_ctx = 4, 128, 16, 64, 8192
     for dtype, dt in MATRIX_DTYPES.items():
         for h_q in (8, 16, 64):
@@ -518,6 +522,23 @@ def bench_matrix(records, device, quick, fp32_rate):
                           2 * 2 * rows * h_q * topk * bsz * 128, ours, fp32_rate)
 
 
+# --matrix-ops names -> their part of the matrix.
+MATRIX_OPS = {"sparse_mla": matrix_sparse_mla, "indexer_topk": matrix_indexer,
+              "block_sparse_attention": matrix_block_sparse}
+
+
+def bench_matrix(records, device, quick, fp32_rate, which=tuple(MATRIX_OPS)):
+    """sparse_mla (64 rows x top-512 of 8192, 576/512), indexer_topk (64 rows x 8192 keys, top-2048)
+    and block_sparse_attention (64 rows, 4 KV heads x 128, 16 blocks of 128) in fp32 and bf16 (the
+    indexer also fp8), at 8, 16 and 128 (indexer 64, block-sparse 64 query) heads, on every path;
+    which: the ops to run (MATRIX_OPS keys)."""
+    unknown = [w for w in which if w not in MATRIX_OPS]
+    if unknown:
+        raise ValueError(f"--matrix-ops: unknown {unknown}; choose from {sorted(MATRIX_OPS)}")
+    for name in which:
+        MATRIX_OPS[name](records, device, 16 if quick else 64, fp32_rate)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller shapes; under 5 minutes on 2 CPU cores")
@@ -530,6 +551,8 @@ def main():
     ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse,mla_v4,delta_rule",
                     help="which groups to run; 'matrix' (CPU only, not in the default): op x dtype x heads "
                          "{8, 16, 64/128} on every --isa path, with the path each took and auto's")
+    ap.add_argument("--matrix-ops", default=",".join(MATRIX_OPS),
+                    help="with --ops matrix: which ops' rows to run, comma-separated")
     ap.add_argument("--sinks", action="store_true",
                     help="sparse MLA also with attention sinks, interleaved with the sink-free call")
     ap.add_argument("--cpu-time", action="store_true",
@@ -570,7 +593,8 @@ def main():
     if "delta_rule" in groups:
         bench_delta_rule(records, args.device, args.quick)
     if "matrix" in groups and args.device == "cpu":
-        bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"])
+        bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"],
+                     [s.strip() for s in args.matrix_ops.split(",") if s.strip()])
     if any("gflop_per_s" in r for r in records):
         ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
     for r in records:

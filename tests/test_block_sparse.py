@@ -301,6 +301,78 @@ def test_attention_blocks_beyond_position_read_nothing(cpu_isa):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def bf16_p_reference(q, kc, vc, table, req, pos, blocks, block_size, scale):
+    """The reference with each softmax weight rounded to bf16 before P·V (what a kernel that fed P to
+    bf16 dot products unsplit would compute), out rounded to bf16: the error the bar below must catch."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    g = q.shape[1] // kc.shape[2]
+    for t in range(q.shape[0]):
+        keys, vals = ref.paged_rows(kc, table, int(req[t]), int(pos[t]) + 1).float(), \
+            ref.paged_rows(vc, table, int(req[t]), int(pos[t]) + 1).float()
+        kb = torch.arange(int(pos[t]) + 1) // block_size
+        for kh in range(kc.shape[2]):
+            sel = blocks[t, kh].long()
+            allowed = (kb.view(-1, 1) == sel[sel >= 0].view(1, -1)).any(dim=-1)
+            if bool(allowed.any()):
+                s = q[t, kh * g:(kh + 1) * g].float() @ keys[allowed, kh].T * scale
+                p = torch.exp(s - s.amax(-1, keepdim=True))
+                out[t, kh * g:(kh + 1) * g] = (p.bfloat16().float() @ vals[allowed, kh]) / p.sum(-1, keepdim=True)
+    return out.bfloat16()
+
+
+@pytest.mark.parametrize("h_q,h_kv,d,block_size,rows_per", [
+    (40, 2, 128, 25, 48),   # 20 heads per KV group: 16-vector query chunks split rows' heads; odd block
+    (7, 1, 96, 7, 33),      # d/2 = 48 channel pairs: three 16-column transposes; odd block
+    (10, 2, 40, 16, 30),    # d/2 = 20: one transpose and 4 columns element by element
+    (3, 1, 64, 33, 70),     # 3 heads per group: panels of vectors of several rows
+])
+def test_attention_bf16_tiles_and_p_accuracy(cpu_isa, h_q, h_kv, d, block_size, rows_per):
+    """bf16 with shapes the avx512bf16 tiles cut unevenly, many rows sharing each block (6 of 12
+    blocks per row), rows whose position ends inside a block on an odd key. P keeps fp32 accuracy
+    on every path (the avx512bf16 path splits it into two bf16 parts): out equals the reference up
+    to rare flips of out's own bf16 rounding, far inside what rounding P to bf16 costs."""
+    lens = [12 * block_size - 3, 5 * block_size + 1]
+    q, kc, vc, table, req, pos, _ = make_attention(torch.bfloat16, lens, h_q, h_kv, d, 16, block_size, 6, rows_per,
+                                                   seed=h_q + d)
+    g = torch.Generator().manual_seed(d)
+    nb = lens[0] // block_size + 1
+    blocks = torch.stack([torch.randperm(nb, generator=g)[:6] for _ in range(q.shape[0] * h_kv)]).int()
+    blocks = blocks.view(q.shape[0], h_kv, 6)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((q.shape[0], h_q), math.nan)
+    ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5, out=(out, lse))
+    e_out, e_lse = ref.block_sparse_attention(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an output element was not written"
+    torch.testing.assert_close(lse, e_lse, rtol=1e-5, atol=1e-5)
+    rounded_p = rel_err(bf16_p_reference(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5).float(),
+                        e_out.float())
+    bar = 4e-4  # measured: 5e-5 .. 1e-4 with P split (avx512bf16), 6e-7 .. 4e-5 with fp32 P; ~2e-3 rounded
+    assert rounded_p > 3 * bar, "the bar would not tell P rounded to bf16 from P kept"
+    assert rel_err(out.float(), e_out.float()) < bar
+    assert torch.equal(ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, block_size, d ** -0.5)[0], out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_attention_value_past_position_in_a_shared_block_is_not_read(cpu_isa, dtype, bad):
+    """Rows of one request share block 2's value tile; a row whose position ends at key 20 (5 of
+    the block's 8 keys: an odd count, so on the avx512bf16 path key 21 is the other half of its last
+    key pair) never reads key 21: an inf or NaN there reaches only the rows at or past it."""
+    q, kc, vc, table, req, pos, _ = make_attention(dtype, [64], 8, 2, 32, 4, 8, 3, 1, seed=3, dup=False)
+    q = torch.randn(4, 8, 32).to(dtype)
+    req = torch.zeros(4, dtype=torch.int32)
+    pos = torch.tensor([20, 40, 23, 17], dtype=torch.int32)
+    blocks = torch.tensor([0, 2, 3], dtype=torch.int32).repeat(4, 2, 1)
+    vc[table[0, 21 // 4], 21 % 4, 1, 5] = bad  # key 21, KV head 1, column 5
+    out, lse = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, 8, 0.3)
+    e_out, e_lse = ref.block_sparse_attention(q, kc, vc, table, req, pos, blocks, 8, 0.3)
+    assert torch.isfinite(out[[0, 3]]).all() and not torch.isfinite(out[[1, 2], 4:, 5]).any()
+    assert torch.equal(torch.isfinite(out), torch.isfinite(e_out))
+    fin = torch.isfinite(e_out)
+    assert rel_err(out[fin].float(), e_out[fin].float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(lse, e_lse, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------ errors, opcheck
 
 def test_block_topk_errors():

@@ -11,7 +11,9 @@
 // request. The group's selected blocks are visited once each in ascending order: the block's
 // visible keys and values are loaded once for every row that selects it and every query head of
 // the KV group, scored by a register-blocked micro-kernel (query vectors x key lanes), softmaxed
-// online per (row, head), and P·V added by the same shape of micro-kernel (block_sparse_impl.h).
+// online per (row, head), and P·V added by the same shape of micro-kernel (block_sparse_impl.h;
+// bf16 on the avx512bf16 path: both products on vdpbf16ps, P split into two bf16 parts,
+// block_sparse_bf16.h). The next block's K/V rows are prefetched while one block is computed.
 // Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
 // whatever the grouping or thread count.
 //
@@ -35,6 +37,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "simd.h"
 #endif
 
 #include "../block_sparse_checks.h"

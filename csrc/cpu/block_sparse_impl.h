@@ -295,16 +295,20 @@ inline void panel_scores(const float* __restrict qp, int64_t d, const float* __r
   }
 }
 
-// ob[r][:dp] = Σ_{i < nk} pr[r][i] · vrow[i][:dp] for r < MR (dp a multiple of kNW); pr rows of
-// stride lds, ob rows of stride dp; vrow[i] points at value row i (fp32, dp readable floats).
-// Keys go in ascending order.
+// ob[r][:dp] (+)= Σ_{k0 <= i < nk} pr[r][i] · vrow[i][:dp] for r < MR (dp a multiple of kNW): added
+// to ob's values when add, else written; pr rows of stride lds, ob rows of stride dp; vrow[i]
+// points at value row i (fp32, dp readable floats). Keys go in ascending order, so keys [0, j)
+// then [j, nk) with add give bit for bit what [0, nk) gives.
 template <int MR>
-inline void panel_pv(const float* __restrict pr, int64_t lds, const float* const* vrow, int64_t dp, int64_t nk,
-                     float* __restrict ob) {
+inline void panel_pv(const float* __restrict pr, int64_t lds, const float* const* vrow, int64_t dp, int64_t k0,
+                     int64_t nk, bool add, float* __restrict ob) {
   for (int64_t c = 0; c < dp; c += kNW) {
     vnf a0[MR], a1[MR];
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vnf{};
-    for (int64_t i = 0; i < nk; ++i) {
+    for (int r = 0; r < MR; ++r) {
+      a0[r] = add ? load_v(ob + r * dp + c) : vnf{};
+      a1[r] = add ? load_v(ob + r * dp + c + kVecLanes) : vnf{};
+    }
+    for (int64_t i = k0; i < nk; ++i) {
       const float* v = vrow[i] + c;
       const vnf v0 = load_v(v), v1 = load_v(v + kVecLanes);
       for (int r = 0; r < MR; ++r) {
@@ -330,28 +334,28 @@ inline void panel_scores_n(int mr, const float* qp, int64_t d, const float* kt, 
 }
 
 template <int MR = kMR>
-inline void panel_pv_n(int mr, const float* pr, int64_t lds, const float* const* vt, int64_t dp, int64_t nk,
-                       float* ob) {
+inline void panel_pv_n(int mr, const float* pr, int64_t lds, const float* const* vt, int64_t dp, int64_t k0,
+                       int64_t nk, bool add, float* ob) {
   if constexpr (MR > 1) {
-    if (mr < MR) return panel_pv_n<MR - 1>(mr, pr, lds, vt, dp, nk, ob);
+    if (mr < MR) return panel_pv_n<MR - 1>(mr, pr, lds, vt, dp, k0, nk, add, ob);
   }
-  panel_pv<MR>(pr, lds, vt, dp, nk, ob);
+  panel_pv<MR>(pr, lds, vt, dp, k0, nk, add, ob);
 }
 
 #if defined(IC_BF16_DOT)
 // bf16 scores by vdpbf16ps (AVX-512 BF16): the same panel as panel_scores, on bf16 pairs. qp2 is
-// a panel [d/2][kMR] of q pairs (q[2c], q[2c+1]) as 32-bit words, kt2 the key tile [d/2][ldk] of
+// a panel [d/2][ldq] of q pairs (q[2c], q[2c+1]) as 32-bit words, kt2 the key tile [d/2][ldk] of
 // key pairs; each instruction adds two products per lane to the fp32 accumulator, in a fixed order.
 template <int MR>
-inline void panel_scores_bf16(const uint32_t* __restrict qp2, int64_t d2, const uint32_t* __restrict kt2, int64_t ldk,
-                              int64_t ncols, float* __restrict s, int64_t lds) {
+inline void panel_scores_bf16(const uint32_t* __restrict qp2, int64_t ldq, int64_t d2, const uint32_t* __restrict kt2,
+                              int64_t ldk, int64_t ncols, float* __restrict s, int64_t lds) {
   for (int64_t j = 0; j < ncols; j += kNW) {
     __m512 a0[MR], a1[MR];
     for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     const uint32_t* k = kt2 + j;
     for (int64_t c = 0; c < d2; ++c, k += ldk) {
       const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + kVecLanes);
-      const uint32_t* q = qp2 + c * kMR;
+      const uint32_t* q = qp2 + c * ldq;
       for (int r = 0; r < MR; ++r) {
         const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r]));
         a0[r] = _mm512_dpbf16_ps(a0[r], k0, qv);
@@ -366,13 +370,15 @@ inline void panel_scores_bf16(const uint32_t* __restrict qp2, int64_t d2, const 
 }
 
 template <int MR = kMR>
-inline void panel_scores_bf16_n(int mr, const uint32_t* qp2, int64_t d2, const uint32_t* kt2, int64_t ldk,
-                                int64_t ncols, float* s, int64_t lds) {
+inline void panel_scores_bf16_n(int mr, const uint32_t* qp2, int64_t ldq, int64_t d2, const uint32_t* kt2,
+                                int64_t ldk, int64_t ncols, float* s, int64_t lds) {
   if constexpr (MR > 1) {
-    if (mr < MR) return panel_scores_bf16_n<MR - 1>(mr, qp2, d2, kt2, ldk, ncols, s, lds);
+    if (mr < MR) return panel_scores_bf16_n<MR - 1>(mr, qp2, ldq, d2, kt2, ldk, ncols, s, lds);
   }
-  panel_scores_bf16<MR>(qp2, d2, kt2, ldk, ncols, s, lds);
+  panel_scores_bf16<MR>(qp2, ldq, d2, kt2, ldk, ncols, s, lds);
 }
+
+#include "block_sparse_bf16.h"
 #endif
 
 // One query vector's scores of one block, in place: s[j] *= scale, then p[j] = exp(s[j] - m) for
@@ -431,156 +437,228 @@ inline void attention_groups(const BlockSparseAttnParams& p, std::vector<int64_t
   starts.push_back(p.s_q);
 }
 
+// Panel starts of m_n query vectors, then m_n: near-equal panels of at most kMR vectors (16:
+// 8 + 8, not 12 + 4: a short last panel would run with few FMA chains per load), none crossing
+// a multiple of chunk (the bf16 query panels are packed kQChunk vectors at a time).
+inline void panel_starts(int64_t m_n, int64_t chunk, std::vector<int64_t>& pst) {
+  pst.clear();
+  for (int64_t c0 = 0; c0 < m_n; c0 += chunk) {
+    const int64_t n = std::min(chunk, m_n - c0), n_pan = (n + kMR - 1) / kMR, base = n / n_pan, extra = n % n_pan;
+    for (int64_t pn = 0; pn < n_pan; ++pn) pst.push_back(c0 + pn * base + std::min(pn, extra));
+  }
+  pst.push_back(m_n);
+}
+
+// Scratch of one attention task (per thread): sized for the largest group.
+struct AttnScratch {
+  std::vector<float> qg, o, run_max, run_sum, alpha, kt, vt, qp, s, ob, kstage;
+  std::vector<const float*> krow, vrow;
+  std::vector<uint32_t> kt2, vt2, qp2, zero;  // bf16 pairs (avx512bf16 path)
+  std::vector<uint16_t> ph, pl;               // P_hi, P_lo (avx512bf16 path)
+  std::vector<char> bad, has;
+  std::vector<std::pair<int32_t, int32_t>> sel;  // (block, row in group)
+  std::vector<int64_t> nk, pst;
+  AttnScratch(int64_t mv, int64_t max_rows, int64_t topk, int64_t d, int64_t dp, int64_t ss, bool bf16)
+      : qg(bf16 ? 0 : mv * d), o(mv * dp), run_max(mv), run_sum(mv), alpha(mv), kt(bf16 ? 0 : d * ss, 0.0f),
+        vt(bf16 ? 0 : ss * dp, 0.0f), qp(bf16 ? 0 : (mv + kMR - 1) / kMR * d * kMR), s(mv * ss), ob(mv * dp),
+        kstage(bf16 ? 0 : kNW * d), krow(kNW), vrow(ss), kt2(bf16 ? d / 2 * ss : 0, 0u),
+        vt2(bf16 ? ss / 2 * dp : 0, 0u), qp2(bf16 ? (mv + 15) / 16 * 16 * (d / 2) : 0, 0u)  /* kQChunk-vector chunks */, zero(d / 2 + 16, 0u),
+        ph(bf16 ? mv * ss : 0), pl(bf16 ? mv * ss : 0), bad(mv), has(max_rows), sel(max_rows * topk), nk(mv) {}
+};
+
+// One block's fp32 tiles: Kᵀ [d][ss] written kNW keys at a time from rows staged in L1 (a
+// whole-tile scatter would touch d lines per key); fp32 value rows are read in place (d == dp),
+// others converted into vt [ss][dp]. Keys past nk_max are never loaded: nothing reads them.
+template <class Slot>
+inline void load_block_f32(const BlockSparseAttnParams& p, int64_t kh, int64_t i0, int64_t nk_max, int64_t dp,
+                           int64_t ss, Slot slot_of, AttnScratch& w) {
+  const int64_t d = p.d, es = elem_size(p.dtype);
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  for (int64_t i = 0; i < nk_max; i += kNW) {
+    const int64_t nc = std::min<int64_t>(kNW, nk_max - i);
+    for (int64_t k = 0; k < nc; ++k) {
+      const int64_t off = (slot_of(i0 + i + k) * p.h_kv + kh) * d * es;
+      if (p.dtype == DType::kFloat32) {
+        w.krow[k] = reinterpret_cast<const float*>(kc + off);
+        if (d == dp) {
+          w.vrow[i + k] = reinterpret_cast<const float*>(vc + off);
+        } else {
+          std::memcpy(&w.vt[(i + k) * dp], vc + off, d * sizeof(float));
+          w.vrow[i + k] = &w.vt[(i + k) * dp];
+        }
+      } else {
+        to_float(kc + off, p.dtype, d, &w.kstage[k * d]);
+        w.krow[k] = &w.kstage[k * d];
+        to_float(vc + off, p.dtype, d, &w.vt[(i + k) * dp]);
+        w.vrow[i + k] = &w.vt[(i + k) * dp];
+      }
+    }
+    for (int64_t k = nc; k < kNW; ++k) w.krow[k] = w.krow[0];  // lanes masked later
+    for (int64_t c = 0; c < d; ++c) {
+      float* dst = &w.kt[c * ss + i];
+      for (int64_t k = 0; k < kNW; ++k) dst[k] = w.krow[k][c];
+    }
+  }
+}
+
 // One task per (row group, KV head), KV head major: consecutive tasks read one head's slice of
-// the cache, which stays in the last-level cache between them. The group's (block, row) selections are sorted by block;
-// each distinct block's visible keys are loaded once (Kᵀ fp32 [d][ss], V fp32 [ss][dp]), the
-// query vectors of the rows that select it are packed into kMR-wide panels, scored, softmaxed
-// online per query vector (blocks ascending for every row, as before), and P · V is added.
+// the cache, which stays in the last-level cache between them. The group's (block, row)
+// selections are sorted by block; each distinct block's visible keys are loaded once (fp32: Kᵀ
+// [d][ss], V [ss][dp]; bf16 on the avx512bf16 path: key-channel pairs [d/2][ss], value key
+// pairs [ss/2][dp]), the query vectors of the rows that select it are packed into panels,
+// scored, softmaxed online per query vector (blocks ascending for every row), and P · V is added.
 inline void attention(const BlockSparseAttnParams& p) {
   const int64_t es = elem_size(p.dtype), g = p.h_q / p.h_kv, bsz = p.block_size, d = p.d;
   const int64_t dp = (d + kNW - 1) / kNW * kNW, ss = (bsz + kNW - 1) / kNW * kNW;
-  const char* kc = static_cast<const char*>(p.k_cache);
-  const char* vc = static_cast<const char*>(p.v_cache);
   const float ninf = -std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<int64_t> starts;
   attention_groups(p, starts);
   const int64_t ngroups = static_cast<int64_t>(starts.size()) - 1;
   int64_t max_rows = 1;
   for (int64_t gi = 0; gi < ngroups; ++gi) max_rows = std::max(max_rows, starts[gi + 1] - starts[gi]);
-  const int64_t mv = max_rows * g, panels = (mv + kMR - 1) / kMR;
+  const int64_t mv = max_rows * g;
 #if defined(IC_BF16_DOT)
-  const bool dot_bf16 = p.dtype == DType::kBFloat16 && d % 2 == 0;  // bf16 q·k by vdpbf16ps
+  const bool dot_bf16 = p.dtype == DType::kBFloat16 && d % 2 == 0;  // both products by vdpbf16ps
 #else
   const bool dot_bf16 = false;
 #endif
   at::parallel_for(0, ngroups * p.h_kv, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qg(mv * d), o(mv * dp), run_max(mv), run_sum(mv), alpha(mv);
-    std::vector<float> kt(d * ss, 0.0f), vt(ss * dp, 0.0f), qp(panels * d * kMR), s(mv * ss), ob(mv * dp);
-    std::vector<float> kstage(kNW * d);
-    std::vector<const float*> krow(kNW), vrow(ss);
-    std::vector<uint32_t> kt2(dot_bf16 ? d / 2 * ss : 0), qp2(dot_bf16 ? panels * d / 2 * kMR : 0);
-    std::vector<char> bad(mv);
-    std::vector<std::pair<int32_t, int32_t>> sel(max_rows * p.topk);  // (block, row in group)
-    std::vector<int64_t> nk(mv);
-    std::vector<char> has(max_rows);  // the row selected a visible block
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t kh = w / ngroups, gi = w % ngroups, t0 = starts[gi], rows = starts[gi + 1] - t0;
+    AttnScratch w(mv, max_rows, p.topk, d, dp, ss, dot_bf16);
+    for (int64_t task = w0; task < w1; ++task) {
+      const int64_t kh = task / ngroups, gi = task % ngroups, t0 = starts[gi], rows = starts[gi + 1] - t0;
       const int32_t* bt = p.block_table + static_cast<int64_t>(p.req[t0]) * p.max_pages;
       int64_t nsel = 0;
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < p.topk; ++j) {
           const int32_t blk = p.blocks[((t0 + r) * p.h_kv + kh) * p.topk + j];
-          if (blk >= 0 && static_cast<int64_t>(blk) * bsz <= p.pos[t0 + r]) sel[nsel++] = {blk, static_cast<int32_t>(r)};
+          if (blk >= 0 && static_cast<int64_t>(blk) * bsz <= p.pos[t0 + r])
+            w.sel[nsel++] = {blk, static_cast<int32_t>(r)};
         }
-      std::fill(has.begin(), has.end(), 0);
-      for (int64_t i = 0; i < nsel; ++i) has[sel[i].second] = 1;
-      std::sort(sel.begin(), sel.begin() + nsel);
-      nsel = std::unique(sel.begin(), sel.begin() + nsel) - sel.begin();  // duplicates count once
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t hh = 0; hh < g; ++hh)
-          to_float(static_cast<const char*>(p.q) + (((t0 + r) * p.h_q) + kh * g + hh) * d * es, p.dtype, d,
-                   &qg[(r * g + hh) * d]);
-      std::fill(o.begin(), o.begin() + rows * g * dp, 0.0f);
-      std::fill(run_max.begin(), run_max.begin() + rows * g, ninf);
-      std::fill(run_sum.begin(), run_sum.begin() + rows * g, 0.0f);
-      std::fill(bad.begin(), bad.begin() + rows * g, 0);
+      std::fill(w.has.begin(), w.has.end(), 0);
+      for (int64_t i = 0; i < nsel; ++i) w.has[w.sel[i].second] = 1;
+      std::sort(w.sel.begin(), w.sel.begin() + nsel);
+      nsel = std::unique(w.sel.begin(), w.sel.begin() + nsel) - w.sel.begin();  // duplicates count once
+      auto q_of = [&](int64_t r, int64_t hh) {
+        return static_cast<const char*>(p.q) + (((t0 + r) * p.h_q) + kh * g + hh) * d * es;
+      };
+      if (!dot_bf16)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t hh = 0; hh < g; ++hh) to_float(q_of(r, hh), p.dtype, d, &w.qg[(r * g + hh) * d]);
+      std::fill(w.o.begin(), w.o.begin() + rows * g * dp, 0.0f);
+      std::fill(w.run_max.begin(), w.run_max.begin() + rows * g, ninf);
+      std::fill(w.run_sum.begin(), w.run_sum.begin() + rows * g, 0.0f);
+      std::fill(w.bad.begin(), w.bad.begin() + rows * g, 0);
       auto slot_of = [&](int64_t i) {
         return static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;
       };
+      // ob[m..m+mr) (+)= P · V over keys [k0, nk) of the current block (k0 even on the bf16 path).
+      auto pv_keys = [&](int mr, int64_t m, int64_t k0, int64_t nk, bool add) {
+#if defined(IC_BF16_DOT)
+        if (dot_bf16)
+          return panel_pv_bf16_n(mr, reinterpret_cast<const uint32_t*>(&w.ph[m * ss]),
+                                 reinterpret_cast<const uint32_t*>(&w.pl[m * ss]), ss / 2, &w.s[m * ss], ss,
+                                 w.vt2.data(), dp, k0 / 2, nk, add, &w.ob[m * dp]);
+#endif
+        panel_pv_n(mr, &w.s[m * ss], ss, w.vrow.data(), dp, k0, nk, add, &w.ob[m * dp]);
+      };
+      // The selections [a, *b) of block sel[a]: *b and the keys the furthest row reads there.
+      auto block_run = [&](int64_t a, int64_t* b) {
+        const int64_t i0 = static_cast<int64_t>(w.sel[a].first) * bsz;
+        int64_t nk = 0;
+        for (*b = a; *b < nsel && w.sel[*b].first == w.sel[a].first; ++*b)
+          nk = std::max(nk, std::min<int64_t>(p.pos[t0 + w.sel[*b].second] + 1, i0 + bsz) - i0);
+        return nk;
+      };
+      // The next block's key and value rows into L2 while this one is computed: a KV head's rows
+      // lie h_kv * d apart in pages spread over the cache, which the hardware prefetch misses.
+      auto prefetch_block = [&](int64_t a) {
+        if (a >= nsel) return;
+        int64_t b;
+        const int64_t nk = block_run(a, &b), i0 = static_cast<int64_t>(w.sel[a].first) * bsz;
+        for (int64_t i = 0; i < nk; ++i) {
+          const int64_t off = (slot_of(i0 + i) * p.h_kv + kh) * d * es;
+          for (int64_t l = 0; l < d * es; l += 64) {
+            __builtin_prefetch(static_cast<const char*>(p.k_cache) + off + l, 0, 2);
+            __builtin_prefetch(static_cast<const char*>(p.v_cache) + off + l, 0, 2);
+          }
+        }
+      };
       for (int64_t a = 0; a < nsel;) {
-        int64_t b = a;
-        const int64_t i0 = static_cast<int64_t>(sel[a].first) * bsz;
-        int64_t nk_max = 0;
-        for (; b < nsel && sel[b].first == sel[a].first; ++b)
-          nk_max = std::max(nk_max, std::min<int64_t>(p.pos[t0 + sel[b].second] + 1, i0 + bsz) - i0);
-        // Keys past every selecting row's position are never loaded: nothing reads them. Kᵀ is
-        // written kNW keys at a time from rows staged in L1 (a whole-tile scatter would touch
-        // d lines per key); fp32 value rows are read in place (d == dp), others converted.
-        for (int64_t i = 0; i < nk_max; i += kNW) {
-          const int64_t nc = std::min<int64_t>(kNW, nk_max - i);
-          for (int64_t k = 0; k < nc; ++k) {
-            const int64_t off = (slot_of(i0 + i + k) * p.h_kv + kh) * d * es;
-            if (p.dtype == DType::kFloat32) {
-              krow[k] = reinterpret_cast<const float*>(kc + off);
-              if (d == dp) {
-                vrow[i + k] = reinterpret_cast<const float*>(vc + off);
-              } else {
-                std::memcpy(&vt[(i + k) * dp], vc + off, d * sizeof(float));
-                vrow[i + k] = &vt[(i + k) * dp];
-              }
-            } else {
-              if (dot_bf16) {  // key pairs as 32-bit words, straight from the cache row
-                const uint32_t* kw = reinterpret_cast<const uint32_t*>(kc + off);
-                for (int64_t c = 0; c < d / 2; ++c) kt2[c * ss + i + k] = kw[c];
-              } else {
-                to_float(kc + off, p.dtype, d, &kstage[k * d]);
-              }
-              krow[k] = &kstage[k * d];
-              to_float(vc + off, p.dtype, d, &vt[(i + k) * dp]);
-              vrow[i + k] = &vt[(i + k) * dp];
-            }
-          }
-          for (int64_t k = nc; k < kNW; ++k) krow[k] = krow[0];  // lanes masked later
-          if (dot_bf16) continue;
-          for (int64_t c = 0; c < d; ++c) {
-            float* dst = &kt[c * ss + i];
-            for (int64_t k = 0; k < kNW; ++k) dst[k] = krow[k][c];
-          }
-        }
+        int64_t b;
+        const int64_t i0 = static_cast<int64_t>(w.sel[a].first) * bsz, nk_max = block_run(a, &b);
         const int64_t m_n = (b - a) * g, ncols = (nk_max + kNW - 1) / kNW * kNW;
-        // Panels of near-equal size (16 vectors: 8 + 8, not 12 + 4): a short last panel would
-        // run with few FMA chains per load.
-        const int64_t n_pan = (m_n + kMR - 1) / kMR, pan_base = m_n / n_pan, pan_extra = m_n % n_pan;
-        auto pan_start = [&](int64_t pn) { return pn * pan_base + std::min(pn, pan_extra); };
-        auto pan_of = [&](int64_t m) {
-          return m < pan_extra * (pan_base + 1) ? m / (pan_base + 1) : pan_extra + (m - pan_extra * (pan_base + 1)) / pan_base;
-        };
-        for (int64_t m = 0; m < m_n; ++m) {
-          const int64_t pn = pan_of(m), lane_m = m - pan_start(pn);
-          const int64_t r = sel[a + m / g].second, gm = r * g + m % g;
-          const float* src = &qg[gm * d];
-          float* dst = &qp[pn * d * kMR + lane_m];
-          if (!dot_bf16)
-            for (int64_t c = 0; c < d; ++c) dst[c * kMR] = src[c];
-          if (dot_bf16) {
-            const uint32_t* qw = reinterpret_cast<const uint32_t*>(static_cast<const char*>(p.q) +
-                                                                   (((t0 + r) * p.h_q) + kh * g + m % g) * d * es);
-            uint32_t* dw = &qp2[pn * (d / 2) * kMR + lane_m];
-            for (int64_t c = 0; c < d / 2; ++c) dw[c * kMR] = qw[c];
-          }
-          nk[m] = std::min<int64_t>(p.pos[t0 + r] + 1, i0 + bsz) - i0;
-        }
+        auto row_of = [&](int64_t m) { return static_cast<int64_t>(w.sel[a + m / g].second); };
+        for (int64_t m = 0; m < m_n; ++m) w.nk[m] = std::min<int64_t>(p.pos[t0 + row_of(m)] + 1, i0 + bsz) - i0;
+        panel_starts(m_n, dot_bf16 ? 16 : std::max<int64_t>(m_n, 1), w.pst);  // bf16: kQChunk
+        const int64_t n_pan = static_cast<int64_t>(w.pst.size()) - 1;
 #if defined(IC_BF16_DOT)
         if (dot_bf16) {
-          for (int64_t pn = 0; pn < n_pan; ++pn)
-            panel_scores_bf16_n(static_cast<int>(pan_start(pn + 1) - pan_start(pn)), &qp2[pn * (d / 2) * kMR], d / 2,
-                                kt2.data(), ss, ncols, &s[pan_start(pn) * ss], ss);
+          const int64_t d2 = d / 2;
+          const char* kc = static_cast<const char*>(p.k_cache);
+          const char* vc = static_cast<const char*>(p.v_cache);
+          auto row = [&](const char* base) {
+            return [&, base](int64_t i) { return base + (slot_of(i0 + i) * p.h_kv + kh) * d * es; };
+          };
+          pack_keys_bf16(row(kc), nk_max, d2, w.zero.data(), w.kt2.data(), ss);
+          pack_values_bf16(row(vc), nk_max, d, dp, w.vt2.data());
+          prefetch_block(b);
+          const uint32_t* qrows[kQChunk];
+          for (int64_t c0 = 0; c0 < m_n; c0 += kQChunk) {
+            for (int64_t j = 0; j < kQChunk; ++j)
+              qrows[j] = c0 + j < m_n ? reinterpret_cast<const uint32_t*>(q_of(row_of(c0 + j), (c0 + j) % g))
+                                      : w.zero.data();
+            pack_t16(qrows, d2, &w.qp2[c0 * d2], kQChunk);
+          }
+          for (int64_t pn = 0; pn < n_pan; ++pn) {
+            const int64_t m0 = w.pst[pn];
+            panel_scores_bf16_n(static_cast<int>(w.pst[pn + 1] - m0), &w.qp2[m0 / kQChunk * kQChunk * d2 + m0 % kQChunk],
+                                kQChunk, d2, w.kt2.data(), ss, ncols, &w.s[m0 * ss], ss);
+          }
         } else
 #endif
-        for (int64_t pn = 0; pn < n_pan; ++pn)
-          panel_scores_n(static_cast<int>(pan_start(pn + 1) - pan_start(pn)), &qp[pn * d * kMR], d, kt.data(), ss, ncols,
-                         &s[pan_start(pn) * ss], ss);
-        for (int64_t m = 0; m < m_n; ++m) {
-          const int64_t gm = sel[a + m / g].second * g + m % g;
-          bool bm = bad[gm];
-          const float sum = block_softmax(&s[m * ss], nk[m], ncols, p.scale, &run_max[gm], &alpha[m], &bm);
-          bad[gm] = bm;
-          run_sum[gm] = run_sum[gm] * alpha[m] + sum;
-        }
-        for (int64_t pn = 0; pn < n_pan; ++pn) {
-          const int64_t m0 = pan_start(pn), mr = pan_start(pn + 1) - m0;
-          bool same = true;
-          for (int64_t m = m0 + 1; m < m0 + mr; ++m) same = same && nk[m] == nk[m0];
-          if (same) {
-            panel_pv_n(static_cast<int>(mr), &s[m0 * ss], ss, vrow.data(), dp, nk[m0], &ob[m0 * dp]);
-          } else {  // rows whose position ends inside this block: each reads only its own keys
-            for (int64_t m = m0; m < m0 + mr; ++m) panel_pv<1>(&s[m * ss], ss, vrow.data(), dp, nk[m], &ob[m * dp]);
+        {
+          load_block_f32(p, kh, i0, nk_max, dp, ss, slot_of, w);
+          prefetch_block(b);
+          for (int64_t pn = 0; pn < n_pan; ++pn) {
+            const int64_t m0 = w.pst[pn];
+            for (int64_t m = m0; m < w.pst[pn + 1]; ++m) {
+              const float* src = &w.qg[(row_of(m) * g + m % g) * d];
+              float* dst = &w.qp[pn * d * kMR + m - m0];
+              for (int64_t c = 0; c < d; ++c) dst[c * kMR] = src[c];
+            }
+            panel_scores_n(static_cast<int>(w.pst[pn + 1] - m0), &w.qp[pn * d * kMR], d, w.kt.data(), ss, ncols,
+                           &w.s[m0 * ss], ss);
           }
         }
         for (int64_t m = 0; m < m_n; ++m) {
-          float* acc = &o[(sel[a + m / g].second * g + m % g) * dp];
-          const float* add = &ob[m * dp];
-          const vnf al = vnf{} + alpha[m];
+          const int64_t gm = row_of(m) * g + m % g;
+          bool bm = w.bad[gm];
+          const float sum = block_softmax(&w.s[m * ss], w.nk[m], ncols, p.scale, &w.run_max[gm], &w.alpha[m], &bm);
+          w.bad[gm] = bm;
+          w.run_sum[gm] = w.run_sum[gm] * w.alpha[m] + sum;
+#if defined(IC_BF16_DOT)
+          if (dot_bf16) split_p_bf16(&w.s[m * ss], ncols, &w.ph[m * ss], &w.pl[m * ss]);
+#endif
+        }
+        for (int64_t pn = 0; pn < n_pan; ++pn) {
+          const int64_t m0 = w.pst[pn], mr = w.pst[pn + 1] - m0;
+          int64_t nk_min = w.nk[m0], nk_top = w.nk[m0];
+          for (int64_t m = m0 + 1; m < m0 + mr; ++m) {
+            nk_min = std::min(nk_min, w.nk[m]);
+            nk_top = std::max(nk_top, w.nk[m]);
+          }
+          // Keys every vector of the panel reads go through the panel; the keys a vector reads past
+          // those (a row whose position ends inside this block) it adds alone, in the same order.
+          const int64_t k_common = nk_min == nk_top ? nk_min : (dot_bf16 ? nk_min & ~int64_t{1} : nk_min);
+          pv_keys(static_cast<int>(mr), m0, 0, k_common, false);
+          if (k_common < nk_top)
+            for (int64_t m = m0; m < m0 + mr; ++m) pv_keys(1, m, k_common, w.nk[m], true);
+        }
+        for (int64_t m = 0; m < m_n; ++m) {
+          float* acc = &w.o[(row_of(m) * g + m % g) * dp];
+          const float* add = &w.ob[m * dp];
+          const vnf al = vnf{} + w.alpha[m];
           for (int64_t c = 0; c < dp; c += kVecLanes) store_v(acc + c, fma_v(load_v(acc + c), al, load_v(add + c)));
         }
         a = b;
@@ -588,10 +666,10 @@ inline void attention(const BlockSparseAttnParams& p) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t hh = 0; hh < g; ++hh) {
           const int64_t gm = r * g + hh, hq = (t0 + r) * p.h_q + kh * g + hh;
-          const bool empty = !has[r];
-          p.lse[hq] = bad[gm] ? nan : (empty ? ninf : run_max[gm] + std::log(run_sum[gm]));
-          const float inv = bad[gm] ? nan : (empty ? 0.0f : 1.0f / run_sum[gm]);
-          const float* acc = &o[gm * dp];
+          const bool empty = !w.has[r];
+          p.lse[hq] = w.bad[gm] ? nan : (empty ? ninf : w.run_max[gm] + std::log(w.run_sum[gm]));
+          const float inv = w.bad[gm] ? nan : (empty ? 0.0f : 1.0f / w.run_sum[gm]);
+          const float* acc = &w.o[gm * dp];
           if (p.dtype == DType::kFloat32) {
             float* out = static_cast<float*>(p.out) + hq * d;
             for (int64_t c = 0; c < d; ++c) out[c] = acc[c] * inv;
