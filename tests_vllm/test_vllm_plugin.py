@@ -67,7 +67,8 @@ def prompts(n_list, seed=3):
 
 
 def run_vllm(path, token_prompts, overrides=None, new_tokens=NEW_TOKENS, **engine_kw):
-    """(prompt log-probs, generated tokens, generated log-probs) per prompt, greedy, fp32."""
+    """(prompt log-probs, generated tokens, generated log-probs) per prompt, greedy, fp32; ``new_tokens``
+    one count for all or one per prompt."""
     kw = dict(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, max_num_seqs=8)
     kw.update(engine_kw)
@@ -75,8 +76,9 @@ def run_vllm(path, token_prompts, overrides=None, new_tokens=NEW_TOKENS, **engin
         kw["hf_overrides"] = overrides
     llm = LLM(**kw)
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=0, prompt_logprobs=0,
-                            detokenize=False, ignore_eos=True)
+        counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(token_prompts)
+        sp = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, prompt_logprobs=0, detokenize=False,
+                             ignore_eos=True) for n in counts]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sp, use_tqdm=False)
         results = []
         for p, out in zip(token_prompts, outs):
@@ -250,6 +252,7 @@ def check_against_generate(path, token_prompts, results, overrides, new_tokens=R
     worst = far = 0.0
     one = {k: v for k, v in overrides.items() if k not in ("index_reuse_steps", "index_reuse_min_recall")}
     for p, (plp, gen, glp), want, want_lp in zip(token_prompts, results, tokens, logprobs):
+        want, want_lp = want[:len(gen)], want_lp[:len(gen)]  # a request vLLM ran for fewer tokens
         assert gen == want, (gen, want)
         prompt_ref, _ = ours_logprobs(path, p, model=model)
         got = torch.tensor(glp)
@@ -277,6 +280,19 @@ def test_glm5_step_reuse_matches_generate(glm_path, reuse, engine_kw):
     toks = prompts([49, 41], seed=5)
     overrides = {"use_index_cache": True, "index_topk_freq": 2, **reuse}
     results = run_vllm(glm_path, toks, overrides, new_tokens=REUSE_TOKENS, **engine_kw)
+    check_against_generate(glm_path, toks, results, overrides)
+
+
+def test_glm5_step_reuse_follows_requests_through_the_batch(glm_path):
+    """Three requests, the first done after 4 tokens: vLLM removes it from its persistent batch and moves
+    the last request into its slot (condense), so a request's rows change place mid-decode; the saved
+    selections follow the request ids, and every request still equals ``generate`` (the first, its first
+    4 tokens). The first and last prompts are of one length, so the moved request sits where the first
+    request's saved selections would look valid to a key by batch slot."""
+    toks = prompts([41, 49, 41], seed=6)
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 3}
+    results = run_vllm(glm_path, toks, overrides, new_tokens=[4, REUSE_TOKENS, REUSE_TOKENS])
+    assert [len(g) for _, g, _ in results] == [4, REUSE_TOKENS, REUSE_TOKENS]
     check_against_generate(glm_path, toks, results, overrides)
 
 
