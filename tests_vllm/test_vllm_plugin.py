@@ -296,12 +296,20 @@ def test_glm5_step_reuse_follows_requests_through_the_batch(glm_path):
     check_against_generate(glm_path, toks, results, overrides)
 
 
-def test_deepseek_v32_step_reuse_matches_generate(v32_path):
+def test_deepseek_v32_yarn_step_reuse_matches_generate(tmp_path):
+    """DeepSeek-V3.2 with its released YaRN RoPE (vLLM's DeepseekScalingRotaryEmbedding, which rotates q
+    and k in one call), R 2."""
+    path = write_checkpoint(tmp_path, "deepseek_v32", seed=1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 128}
+    (path / "config.json").write_text(json.dumps(cfg))
     toks = prompts([53, 30], seed=4)
     overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1,
                  "index_reuse_steps": 2}
-    results = run_vllm(v32_path, toks, overrides, new_tokens=REUSE_TOKENS)
-    check_against_generate(v32_path, toks, results, overrides)
+    results = run_vllm(path, toks, overrides, new_tokens=REUSE_TOKENS)
+    check_against_generate(path, toks, results, overrides)
 
 
 # ---------------------------------------------------------------------- end to end, DeepSeek-V3.2

@@ -284,16 +284,19 @@ def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positio
     kw, _ = self.wk_weights_proj(hidden_states)
     k = self.k_norm(kw[:, : self.head_dim])
     r = self.rope_dim
-    k_pe, _ = rotary_emb(positions, k[..., :r].unsqueeze(1).contiguous())
-    k = torch.cat([k_pe.reshape(-1, r), k[..., r:]], dim=-1)
+    k_rot = k[..., :r].unsqueeze(1).contiguous()
+    every = plan is None or plan.rows is None
     q = weights = None
-    if plan is None or plan.meta is not None:  # some rows compute
-        sub = slice(None) if plan is None or plan.rows is None else plan.rows
+    if every or plan.meta is not None:  # some rows compute (vLLM's rotary modules take q and k together)
+        sub = slice(None) if every else plan.rows
         q, _ = self.wq_b(qr[sub])
         q = q.view(-1, self.n_head, self.head_dim)
-        q_pe, _ = rotary_emb(positions[sub], q[..., :r].contiguous())
+        q_pe, k_pe = rotary_emb(positions[sub], q[..., :r].contiguous(), k_rot[sub])
         q = torch.cat([q_pe.reshape(-1, self.n_head, r), q[..., r:]], dim=-1)
         weights = kw[sub, self.head_dim:]
+    if not every:  # every row's key enters the cache, the reusing rows' too
+        _, k_pe = rotary_emb(positions, k_rot.clone(), k_rot)
+    k = torch.cat([k_pe.reshape(-1, r), k[..., r:]], dim=-1)
     return indexer_topk(self, meta, q, k, weights, plan)
 
 
