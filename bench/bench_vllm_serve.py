@@ -58,13 +58,21 @@ def write_tokenizer(path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
 
 
-def settings(freqs: list[int]) -> list[tuple[str, dict | None]]:
+def settings(freqs: list[int], reuse: list[int]) -> list[tuple[str, dict | None]]:
+    """(name, --hf-overrides) per IndexCache frequency and ``index_reuse_steps``: freq 1 with R 1 is all-F
+    (no overrides)."""
     out = []
     for f in freqs:
-        if f < 1:
-            raise ValueError(f"--freqs: every frequency must be >= 1, got {f}")
-        out.append(("all-F", None) if f == 1 else
-                   (f"freq {f}", {"use_index_cache": True, "index_topk_freq": f}))
+        for r in reuse:
+            if f < 1 or r < 1:
+                raise ValueError(f"--freqs / --reuse: every value must be >= 1, got freq {f}, reuse {r}")
+            if f == 1 and r == 1:
+                out.append(("all-F", None))
+                continue
+            over = {"use_index_cache": True, "index_topk_freq": f}
+            if r > 1:
+                over["index_reuse_steps"] = r
+            out.append(((f"freq {f}" if f > 1 else "all-F") + (f" R{r}" if r > 1 else ""), over))
     return out
 
 
@@ -169,6 +177,8 @@ def main(argv=None):
                     help="requests in flight at once (0: all at once)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--freqs", type=int, nargs="+", default=[1, 4], help="1 is all-F (no overrides)")
+    ap.add_argument("--reuse", type=int, nargs="+", default=[1],
+                    help="index_reuse_steps per frequency (1: every decode step computes)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -189,7 +199,7 @@ def main(argv=None):
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     longest = int(args.input_len * (1 + args.range_ratio)) + args.output_len
     args.max_model_len = longest + 64
-    todo = settings(args.freqs)
+    todo = settings(args.freqs, args.reuse)
     names = [n for n, _ in todo]
     import torch
     import vllm
