@@ -25,20 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vllm import cpu_model, write_checkpoint  # noqa: E402
+
+from indexcache.integrations.vllm_server import free_port, http, start, stop, wait_ready  # noqa: E402
 
 VLLM_BIN = Path(sys.executable).with_name("vllm")
 VOCAB = 512  # write_checkpoint's vocab_size
@@ -46,7 +44,6 @@ FIRST_CHAR = 0x4E00  # CJK ideographs: word characters, one each
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
            "p99_tpot_ms", "median_e2el_ms")
 START_TIMEOUT_S = 600
-STOP_TIMEOUT_S = 30
 
 
 def write_tokenizer(path: Path) -> None:
@@ -61,20 +58,22 @@ def write_tokenizer(path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
 
 
-def settings(freqs: list[int]) -> list[tuple[str, dict | None]]:
+def settings(freqs: list[int], reuse: list[int]) -> list[tuple[str, dict | None]]:
+    """(name, --hf-overrides) per IndexCache frequency and ``index_reuse_steps``: freq 1 with R 1 is all-F
+    (no overrides)."""
     out = []
     for f in freqs:
-        if f < 1:
-            raise ValueError(f"--freqs: every frequency must be >= 1, got {f}")
-        out.append(("all-F", None) if f == 1 else
-                   (f"freq {f}", {"use_index_cache": True, "index_topk_freq": f}))
+        for r in reuse:
+            if f < 1 or r < 1:
+                raise ValueError(f"--freqs / --reuse: every value must be >= 1, got freq {f}, reuse {r}")
+            if f == 1 and r == 1:
+                out.append(("all-F", None))
+                continue
+            over = {"use_index_cache": True, "index_topk_freq": f}
+            if r > 1:
+                over["index_reuse_steps"] = r
+            out.append(((f"freq {f}" if f > 1 else "all-F") + (f" R{r}" if r > 1 else ""), over))
     return out
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loadavg() -> list[float]:
@@ -104,49 +103,16 @@ def client_command(args, ckpt: Path, port: int, result_dir: Path, filename: str)
     return cmd
 
 
-def http(url: str, body=None, timeout: float = 600):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
-
-
-def wait_ready(proc, base: str, log: Path) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < START_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}; log tail:\n{log.read_text()[-3000:]}")
-        try:
-            http(base + "/health", timeout=5)
-            return time.monotonic() - t0
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            time.sleep(2)
-    raise RuntimeError(f"vllm serve not ready after {START_TIMEOUT_S} s; log tail:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc) -> None:
-    """SIGTERM to the server's process group (API server + engine core), SIGKILL if it lingers."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=STOP_TIMEOUT_S)
-
-
 def one_run(args, ckpt: Path, name: str, overrides: dict | None, rnd: int, result_dir: Path, logs: Path) -> dict:
     port = free_port()
     tag = name.replace(" ", "")
     log = logs / f"serve_{tag}_r{rnd}.log"
     env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(serve_command(args, ckpt, port, overrides), stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+    proc = start(serve_command(args, ckpt, port, overrides), log)
     try:
         base = f"http://127.0.0.1:{port}"
-        start_s = wait_ready(proc, base, log)
+        start_s = wait_ready(proc, base, log, START_TIMEOUT_S)
         http(base + "/v1/completions", {"model": "glm5-shaped", "prompt": [1, 2, 3, 4], "max_tokens": 2,
                                         "ignore_eos": True, "temperature": 0.0})
         filename = f"vllm_bench_serve_{tag}_r{rnd}.json"
@@ -211,6 +177,8 @@ def main(argv=None):
                     help="requests in flight at once (0: all at once)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--freqs", type=int, nargs="+", default=[1, 4], help="1 is all-F (no overrides)")
+    ap.add_argument("--reuse", type=int, nargs="+", default=[1],
+                    help="index_reuse_steps per frequency (1: every decode step computes)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -231,7 +199,7 @@ def main(argv=None):
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     longest = int(args.input_len * (1 + args.range_ratio)) + args.output_len
     args.max_model_len = longest + 64
-    todo = settings(args.freqs)
+    todo = settings(args.freqs, args.reuse)
     names = [n for n, _ in todo]
     import torch
     import vllm

@@ -263,20 +263,29 @@ def test_generate_short_prompts_match_reuse_1(rng):
         generate(four, prompts, max_new_tokens=2, decode_step="static")
 
 
-def test_the_vllm_plugin_refuses_it(tmp_path):
-    """Not in the vLLM plugin yet: a clear error, not a plan that silently ignores the key."""
+def test_the_vllm_plugin_writes_it_into_the_config(tmp_path):
+    """The vLLM plugin's plan for vLLM's own DSA model: step reuse resolved as DESIGN §2 says (in force
+    with use_index_cache only) and written into the config beside the pattern; a family whose indexer
+    does not reuse across steps is refused with the package's line."""
     from types import SimpleNamespace
     import indexcache.integrations.vllm_models as plugin  # (a from-import asks the module for __path__,
     # which its lazy __getattr__ answers by importing vllm)
     apply_index_cache_plan = plugin.apply_index_cache_plan
-    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v32", "num_hidden_layers": 4}')
     hf = SimpleNamespace(num_hidden_layers=4, num_nextn_predict_layers=0)
     mc = SimpleNamespace(model=str(tmp_path), hf_text_config=hf,
-                         hf_overrides={"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 2})
-    with pytest.raises(ValueError, match="index_reuse_steps 2 is not in the vLLM plugin"):
-        apply_index_cache_plan(SimpleNamespace(model_config=mc))
-    mc.hf_overrides = {"use_index_cache": True, "index_topk_freq": 2}
+                         hf_overrides={"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 2,
+                                       "index_reuse_min_recall": 0.5})
     assert apply_index_cache_plan(SimpleNamespace(model_config=mc)).pattern == "FFSF"
+    assert (hf.index_topk_pattern, hf.index_reuse_steps, hf.index_reuse_min_recall) == ("FFSF", 2, 0.5)
+    mc.hf_overrides = {"index_topk_freq": 2, "index_reuse_steps": 2}  # without the switch: not in force
+    with pytest.warns(UserWarning, match="index_reuse_steps 2 ignored"):
+        apply_index_cache_plan(SimpleNamespace(model_config=mc))
+    assert (hf.index_reuse_steps, hf.index_reuse_min_recall) == (1, None)
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4", "num_hidden_layers": 4}')
+    mc.hf_overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 2}
+    with pytest.raises(ValueError, match="index_reuse_steps 2: DeepseekV4ForCausalLM .* across layers only"):
+        apply_index_cache_plan(SimpleNamespace(model_config=mc))
 
 
 def test_mtp_rounds_run_and_match_reuse_1_on_short_prompts(rng):

@@ -21,7 +21,7 @@ from references import greedy_gap, load_ours, ours_logprobs, transformers_logpro
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from test_vllm_plugin import LOGPROB_TOL, NEW_TOKENS, run_vllm  # noqa: E402
+from test_vllm_plugin import LOGPROB_TOL, NEW_TOKENS, REUSE_TOKENS, check_against_generate, run_vllm  # noqa: E402
 
 HY_V4 = dict(vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=5,
              num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -182,6 +182,17 @@ def test_hy_v4_fp8_kv_cache(hy_shipped, hy_prompts):
         assert float(d.mean()) < 0.2 and float(d.max()) < 3.0 and float(d.max()) > 0
 
 
+@pytest.mark.parametrize("engine_kw", [{}, dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=2)],
+                         ids=["one-step-prefill", "chunked"])
+def test_hy_v4_step_reuse_matches_generate(hy_full, hy_prompts, engine_kw):
+    """``index_reuse_steps`` 3 on this package's model over vLLM's batches (keyed by vLLM's request ids):
+    tokens and per-step log-probs as this package's ``generate`` with R 3; chunked, the two requests
+    decode at different points of their schedules, beside the other's prompt chunks."""
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1, "index_reuse_steps": 3}
+    results = run_vllm(hy_full, hy_prompts, overrides, new_tokens=REUSE_TOKENS, **engine_kw)
+    check_against_generate(hy_full, hy_prompts, results, overrides)
+
+
 # ------------------------------------------------------------------------------------- MiniMax-M3
 
 
@@ -232,6 +243,17 @@ def test_minimax_m3_vl_checkpoint_chunked(tmp_path, mm_prompts):
 
 
 # --------------------------------------------------------------------------------- refused in one line
+
+
+@pytest.mark.parametrize("family", ["minimax_m3", "deepseek_v4"])
+def test_step_reuse_refused_for_families_without_it(family, request):
+    """MiniMax-M3's block indexer and DeepSeek-V4's CSA indexer reuse across layers only: asking for
+    ``index_reuse_steps`` 2 stops the engine at model construction with the package's line."""
+    path = request.getfixturevalue({"minimax_m3": "mm_path", "deepseek_v4": "v4_path"}[family])
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 2}
+    with pytest.raises(ValueError, match="index_reuse_steps 2: .* reuses selections across layers only"):
+        run_vllm(path, [[3, 4, 5]], overrides)
+
 
 
 def test_pipeline_parallel_refused_in_one_line():
@@ -357,10 +379,10 @@ def test_deepseek_v4_behind_vllm_serve(v4_path, v4_prompts, tmp_path):
     in both), IndexCache on, 16-token prefill chunks, two concurrent token-id completions: greedy tokens
     and their log-probs as this package's model's."""
     import concurrent.futures
-    import os
-    import subprocess
 
-    from test_vllm_serve import VLLM_BIN, free_port, http, stop, wait_ready
+    from test_vllm_serve import START_TIMEOUT_S, VLLM_BIN
+
+    from indexcache.integrations.vllm_server import free_port, http, start, stop, wait_ready
 
     overrides = {"use_index_cache": True, "index_topk_pattern": "FSS"}
     port, log = free_port(), tmp_path / "serve.log"
@@ -369,13 +391,10 @@ def test_deepseek_v4_behind_vllm_serve(v4_path, v4_prompts, tmp_path):
            "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--enable-chunked-prefill",
            "--kv-cache-memory-bytes", str(32 << 20), "--enforce-eager", "--seed", "0",
            "--hf-overrides", json.dumps(overrides)]
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = start(cmd, log)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(proc, base, log)
+        wait_ready(proc, base, log, START_TIMEOUT_S)
         body = lambda p: {"model": "v4", "prompt": p, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,  # noqa: E731
                           "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 from indexcache.tools.random_weights import randomize_
-from references import greedy_gap, load_ours, ours_logprobs, transformers_logprobs
+from references import (ReuseRuleCheck, generate_logprobs, greedy_gap, load_ours, ours_logprobs,
+                        transformers_logprobs)
 
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -65,8 +66,9 @@ def prompts(n_list, seed=3):
     return [torch.randint(0, WIDTHS["vocab_size"], (n,), generator=g).tolist() for n in n_list]
 
 
-def run_vllm(path, token_prompts, overrides=None, **engine_kw):
-    """(prompt log-probs, generated tokens, generated log-probs) per prompt, greedy, fp32."""
+def run_vllm(path, token_prompts, overrides=None, new_tokens=NEW_TOKENS, **engine_kw):
+    """(prompt log-probs, generated tokens, generated log-probs) per prompt, greedy, fp32; ``new_tokens``
+    one count for all or one per prompt."""
     kw = dict(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, max_num_seqs=8)
     kw.update(engine_kw)
@@ -74,8 +76,9 @@ def run_vllm(path, token_prompts, overrides=None, **engine_kw):
         kw["hf_overrides"] = overrides
     llm = LLM(**kw)
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0,
-                            detokenize=False, ignore_eos=True)
+        counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(token_prompts)
+        sp = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, prompt_logprobs=0, detokenize=False,
+                             ignore_eos=True) for n in counts]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sp, use_tqdm=False)
         results = []
         for p, out in zip(token_prompts, outs):
@@ -223,6 +226,90 @@ def test_glm5_fp8_kv_cache(glm_path, glm_prompts):
         d = (x - y).abs()
         assert float(d.mean()) < 0.2 and float(d.max()) < 3.0
         assert float(d.max()) > 0  # the fp8 cache was really used
+
+
+# ----------------------------------------------------------------- across decode steps (step reuse)
+
+REUSE_TOKENS = 12  # decode steps enough for several recomputations at R 3 / 4
+
+
+def check_against_generate(path, token_prompts, results, overrides, new_tokens=REUSE_TOKENS):
+    """Under ``index_reuse_steps`` R > 1: vLLM's greedy tokens and the log-prob of each at its step equal
+    this package's own ``generate`` with the same overrides (within LOGPROB_TOL), whose reused rows follow
+    the reuse rule written out in references.py; prompt log-probs (prefill computes every row)
+    as this package's forward; and the generated log-probs far from R 1's on the same tokens (reuse
+    changed the selections). Returns the largest log-prob difference from ``generate``."""
+    model = load_ours(path, overrides)
+    steps = overrides["index_reuse_steps"]
+    rule = ReuseRuleCheck(model, steps)
+    try:
+        tokens, logprobs = generate_logprobs(model, token_prompts, new_tokens)
+    finally:
+        rule.remove()
+    # decode rows both reused and recomputed in the reference: on schedule, or (adaptive) by the probe
+    again = rule.recomputed if overrides.get("index_reuse_min_recall") is None else rule.forced
+    assert rule.reused > 0 and again > 0, (rule.reused, rule.recomputed, rule.forced)
+    worst = far = 0.0
+    one = {k: v for k, v in overrides.items() if k not in ("index_reuse_steps", "index_reuse_min_recall")}
+    for p, (plp, gen, glp), want, want_lp in zip(token_prompts, results, tokens, logprobs):
+        want, want_lp = want[:len(gen)], want_lp[:len(gen)]  # a request vLLM ran for fewer tokens
+        assert gen == want, (gen, want)
+        prompt_ref, _ = ours_logprobs(path, p, model=model)
+        got = torch.tensor(glp)
+        assert torch.isfinite(got).all()
+        worst = max(worst, float((got - torch.tensor(want_lp)).abs().max()),
+                    float((torch.tensor(plp[1:]) - prompt_ref).abs().max()))
+        every_step, _ = ours_logprobs(path, p + gen, one)  # R 1: every row computes
+        far = max(far, float((got - every_step[len(p) - 1:]).abs().max()))
+    print(f"step reuse {overrides}: max |log-prob - generate's| {worst:.2g}, max |log-prob - R 1's| {far:.2g}; "
+          f"reference decode rows: {rule.reused} reused, {rule.recomputed} recomputed, {rule.forced} forced")
+    assert worst < LOGPROB_TOL, f"max |log-prob difference| from generate {worst:.3g}"
+    assert far > 10 * LOGPROB_TOL, f"step reuse changed no log-prob by more than {far:.3g} (R 1's)"
+    return worst
+
+
+@pytest.mark.parametrize("reuse,engine_kw", [
+    ({"index_reuse_steps": 4}, {}),
+    # 24-token steps: the 49-token prompt ends in a one-token chunk beside the other's first chunk (a
+    # prompt row, which computes), then decodes while the other still prefills: mixed steps, and the two
+    # requests at different points of their R-step schedules
+    ({"index_reuse_steps": 3}, dict(enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=2)),
+    ({"index_reuse_steps": 4, "index_reuse_min_recall": 0.7}, {}),
+], ids=["R4", "R3-chunked", "R4-adaptive"])
+def test_glm5_step_reuse_matches_generate(glm_path, reuse, engine_kw):
+    toks = prompts([49, 41], seed=5)
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, **reuse}
+    results = run_vllm(glm_path, toks, overrides, new_tokens=REUSE_TOKENS, **engine_kw)
+    check_against_generate(glm_path, toks, results, overrides)
+
+
+def test_glm5_step_reuse_follows_requests_through_the_batch(glm_path):
+    """Three requests, the first done after 4 tokens: vLLM removes it from its persistent batch and moves
+    the last request into its slot (condense), so a request's rows change place mid-decode; the saved
+    selections follow the request ids, and every request still equals ``generate`` (the first, its first
+    4 tokens). The first and last prompts are of one length, so the moved request sits where the first
+    request's saved selections would look valid to a key by batch slot."""
+    toks = prompts([41, 49, 41], seed=6)
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 3}
+    results = run_vllm(glm_path, toks, overrides, new_tokens=[4, REUSE_TOKENS, REUSE_TOKENS])
+    assert [len(g) for _, g, _ in results] == [4, REUSE_TOKENS, REUSE_TOKENS]
+    check_against_generate(glm_path, toks, results, overrides)
+
+
+def test_deepseek_v32_yarn_step_reuse_matches_generate(tmp_path):
+    """DeepSeek-V3.2 with its released YaRN RoPE (vLLM's DeepseekScalingRotaryEmbedding, which rotates q
+    and k in one call), R 2."""
+    path = write_checkpoint(tmp_path, "deepseek_v32", seed=1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 128}
+    (path / "config.json").write_text(json.dumps(cfg))
+    toks = prompts([53, 30], seed=4)
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1,
+                 "index_reuse_steps": 2}
+    results = run_vllm(path, toks, overrides, new_tokens=REUSE_TOKENS)
+    check_against_generate(path, toks, results, overrides)
 
 
 # ---------------------------------------------------------------------- end to end, DeepSeek-V3.2

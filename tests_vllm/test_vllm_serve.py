@@ -21,20 +21,14 @@ whatever happens.
 import concurrent.futures
 import importlib.metadata as md
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from references import greedy_gap, load_ours, ours_logprobs
 
+from indexcache.integrations.vllm_server import free_port, http, start, stop, wait_ready
 from indexcache.models.tiny import SHIPPED_MODEL
 
 VLLM_BIN = Path(sys.executable).with_name("vllm")
@@ -42,16 +36,9 @@ OVERRIDES = {"use_index_cache": True, "index_topk_freq": 2}
 STEP_TOKENS = 64  # --max-num-batched-tokens: prompts above it are prefilled in chunks
 START_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 180
-STOP_TIMEOUT_S = 30
 NEW_TOKENS = 8
 LOGPROB_TOL = 2e-3
 PREFIX = 200
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(port: int) -> list:
@@ -63,51 +50,14 @@ def serve_command(port: int) -> list:
             "--hf-overrides", json.dumps(OVERRIDES)]
 
 
-def http(url: str, body=None, timeout=REQUEST_TIMEOUT_S):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read().decode()
-    return json.loads(raw) if body is not None else raw
-
-
-def wait_ready(proc, base: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            http(base + "/health", timeout=5)
-            return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            time.sleep(2)
-    pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
-def stop(proc) -> None:
-    """SIGTERM to the server's own process group (API server + engine core), SIGKILL if it lingers."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=STOP_TIMEOUT_S)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "vllm-serve.log"
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # conftest's in-process engine: not how users serve
-    env["VLLM_LOGGING_LEVEL"] = "INFO"
     port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(serve_command(port), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    proc = start(serve_command(port), log)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(proc, base, log)
+        wait_ready(proc, base, log, START_TIMEOUT_S)
         yield base, log
     finally:
         stop(proc)
@@ -118,7 +68,7 @@ def complete(base: str, prompt: list, prompt_logprobs: bool = True) -> dict:
             "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
     if prompt_logprobs:  # vLLM computes such a prompt in full: no prefix-cache hit for it
         body["prompt_logprobs"] = 0
-    return http(base + "/v1/completions", body)
+    return http(base + "/v1/completions", body, timeout=REQUEST_TIMEOUT_S)
 
 
 def token_prompts(seed=5):

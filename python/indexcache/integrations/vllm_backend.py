@@ -26,6 +26,7 @@ import torch
 
 from indexcache import ops
 from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, MLA_LATENT, MLA_ROPE
+from indexcache.models import step_reuse
 from indexcache.models.blocks.indexer import fp8_query_inputs, paged_fp8_topk
 
 from vllm.forward_context import get_forward_context
@@ -40,6 +41,8 @@ from vllm.v1.attention.backend import (
     MLAAttentionImpl,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+from . import vllm_step_reuse
 
 logger = logging.getLogger("indexcache.vllm")
 
@@ -271,28 +274,49 @@ def _indexer_hadamard(indexer) -> bool:
 def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
     """Replaces vLLM's ``Indexer.forward``: q/k/weights as vLLM computes them, then this package's fp8
     quantization (Hadamard as in DeepSeek's reference), index-K cache insert and fused top-k into the
-    shared buffer."""
-    q, _ = self.wq_b(qr)
-    q = q.view(-1, self.n_head, self.head_dim)
+    shared buffer. Under ``index_reuse_steps`` > 1 (``vllm_step_reuse``) only the rows that recompute
+    project queries and score keys; every row's key enters the cache."""
+    buf = self.topk_indices_buffer
+    meta = _indexer_metadata(self)
+    if meta is None:  # profiling / dummy run: nothing to index
+        return buf
+    plan = vllm_step_reuse.plan_layer(self, meta, positions, buf)
     kw, _ = self.wk_weights_proj(hidden_states)
     k = self.k_norm(kw[:, : self.head_dim])
-    weights = kw[:, self.head_dim:]
     r = self.rope_dim
-    q_pe, k_pe = rotary_emb(positions, q[..., :r].contiguous(), k[..., :r].unsqueeze(1).contiguous())
-    q = torch.cat([q_pe.reshape(-1, self.n_head, r), q[..., r:]], dim=-1)
+    k_rot = k[..., :r].unsqueeze(1).contiguous()
+    every = plan is None or plan.rows is None
+    q = weights = None
+    if every or plan.meta is not None:  # some rows compute (vLLM's rotary modules take q and k together)
+        sub = slice(None) if every else plan.rows
+        q, _ = self.wq_b(qr[sub])
+        q = q.view(-1, self.n_head, self.head_dim)
+        q_pe, k_pe = rotary_emb(positions[sub], q[..., :r].contiguous(), k_rot[sub])
+        q = torch.cat([q_pe.reshape(-1, self.n_head, r), q[..., r:]], dim=-1)
+        weights = kw[sub, self.head_dim:]
+    if not every:  # every row's key enters the cache, the reusing rows' too
+        _, k_pe = rotary_emb(positions, k_rot.clone(), k_rot)
     k = torch.cat([k_pe.reshape(-1, r), k[..., r:]], dim=-1)
-    return indexer_topk(self, q, k, weights)
+    return indexer_topk(self, meta, q, k, weights, plan)
 
 
-def indexer_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    buf = self.topk_indices_buffer
+def _indexer_metadata(self) -> Optional[IndexCacheIndexerMetadata]:
     attn_metadata = get_forward_context().attn_metadata
-    if not isinstance(attn_metadata, dict):  # profiling / dummy run: nothing to index
-        return buf
+    if not isinstance(attn_metadata, dict):
+        return None
     meta = attn_metadata.get(self.k_cache.prefix)
     if not isinstance(meta, IndexCacheIndexerMetadata):
         raise RuntimeError(f"indexcache: layer {self.k_cache.prefix} has metadata {type(meta).__name__}, "
                            "expected the plugin's indexer metadata")
+    return meta
+
+
+def indexer_topk(self, meta: IndexCacheIndexerMetadata, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                 plan=None) -> torch.Tensor:
+    """Keys of every row into the index-K cache; the top-k rows of the step into the shared buffer (the
+    rows of ``plan.rows`` scored, the others by the reuse rule; every row without a plan). ``q`` None:
+    no row computes."""
+    buf = self.topk_indices_buffer
     n = meta.num_actual_tokens
     if n > buf.shape[0]:
         raise ValueError(f"indexcache: {n} tokens in one step exceed the shared top-k buffer's "
@@ -300,11 +324,26 @@ def indexer_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) 
     if self.head_dim != 128:
         raise NotImplementedError(f"indexcache: index_head_dim {self.head_dim}: the fp8 indexer takes 128")
     hadamard = _indexer_hadamard(self)
-    q_fp8, w = fp8_query_inputs(q[:n].float(), weights[:n].float(), hadamard)
+    every = plan is None or plan.rows is None
+    if q is not None:  # q and weights: every row's (``every``) or those of plan.rows
+        rows_q = slice(None, n) if every else slice(None)
+        q_fp8, w = fp8_query_inputs(q[rows_q].float(), weights[rows_q].float(), hadamard)
     cache = self.k_cache.kv_cache
     cache = cache.reshape(cache.shape[0], -1)
     ops.index_k_cache_insert(k[:n].float().contiguous(), meta.slot_mapping[:n].to(torch.int64), cache, hadamard)
     ops.fill_topk_buffer_(buf, n)
-    paged_fp8_topk(q_fp8, w, cache, meta.block_table, meta.seq_lens, meta.q_lens_cpu, meta.seq_lens_cpu,
-                   self.topk_tokens, buf)
+    if every:
+        paged_fp8_topk(q_fp8, w, cache, meta.block_table, meta.seq_lens, meta.q_lens_cpu, meta.seq_lens_cpu,
+                       self.topk_tokens, buf)
+    else:
+        if plan.meta is not None:  # the requests that compute, as a batch of their own
+            sub = plan.meta
+            out = torch.full((plan.rows.numel(), self.topk_tokens), -1, dtype=buf.dtype, device=buf.device)
+            paged_fp8_topk(q_fp8, w, cache, sub.block_table, sub.seq_lens, sub.q_lens,
+                           vllm_step_reuse.host_seq_lens(sub), self.topk_tokens, out)
+            buf[plan.rows] = out
+        step_reuse.write_reused(plan, buf[:n])
+    if plan is not None:
+        step_reuse.check(plan, buf[:n])
+        step_reuse.save(plan, buf[:n])
     return buf

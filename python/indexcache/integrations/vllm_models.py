@@ -6,7 +6,8 @@ small module running this package's model over vLLM's caches (:mod:`.vllm_native
 architecture to a subclass of vLLM's own model whose constructor first checks the
 widths the kernels take, fills the family's config defaults a checkpoint may leave out
 (:data:`FAMILY_DEFAULTS`), writes the IndexCache plan into the config as the ``index_topk_pattern``
-vLLM applies, and after vLLM's constructor corrects the RoPE kernel and the latent norms' epsilon;
+vLLM applies, and after vLLM's constructor corrects the RoPE kernel and the latent norms' epsilon and
+gives the indexers their step-reuse state (:mod:`.vllm_step_reuse`, ``index_reuse_steps`` > 1);
 each :data:`REFUSED` architecture to a class whose constructor raises one line naming what is served.
 The model classes are made lazily (module ``__getattr__``): vLLM's registry imports them by name.
 """
@@ -21,6 +22,7 @@ import torch
 
 from indexcache.config import IndexCacheConfig
 from indexcache.formats import LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE
+from indexcache.models import step_reuse
 
 logger = logging.getLogger("indexcache.vllm")
 
@@ -47,13 +49,18 @@ def apply_index_cache_plan(vllm_config) -> "object":
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
     overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
-    cfg = IndexCacheConfig.from_config(_checkpoint_config(model_config), overrides)
+    shipped = _checkpoint_config(model_config)
+    cfg = IndexCacheConfig.from_config(shipped, overrides)
     if cfg.index_reuse_steps > 1:
-        raise ValueError(f"indexcache: index_reuse_steps {cfg.index_reuse_steps} is not in the vLLM plugin yet "
-                         "(it runs in this package's own model and generate); use 1 with vLLM")
+        from indexcache.models.registry import model_class
+
+        step_reuse.check_family(model_class(shipped), cfg.index_reuse_steps)
     plan = cfg.plan(hf.num_hidden_layers, int(getattr(hf, "num_nextn_predict_layers", 0) or 0))
     hf.index_topk_pattern = plan.pattern
     hf.index_topk_freq = 1
+    # step reuse as resolved (an override without use_index_cache: true is not in force), read by
+    # vllm_step_reuse.attach once vLLM has built the model
+    hf.index_reuse_steps, hf.index_reuse_min_recall = cfg.index_reuse_steps, cfg.index_reuse_min_recall
     key = (str(model_config.model), plan.pattern)
     if key not in _plan_logged:
         _plan_logged.add(key)
@@ -190,6 +197,10 @@ def _served_class(base, name: str):
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         use_native_rope(self)
         use_reference_latent_norm_eps(self)
+        from .vllm_step_reuse import attach
+
+        hf = vllm_config.model_config.hf_text_config
+        attach(self, hf, hf.index_topk_pattern, vllm_config.cache_config.block_size)
 
     return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
 

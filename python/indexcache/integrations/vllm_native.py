@@ -24,7 +24,9 @@ fp8 blocks, S-layer indexer tensors passed over), not from vLLM's iterator. Tens
 (``--tensor-parallel-size``) is the package model's own (``indexcache.parallel``: heads and experts split
 by rank, its all-reduces and the logits' all-gather) over vLLM's tensor-parallel process group: each of
 vLLM's workers builds its rank's shard, reads its slice of the weights and declares its shard's caches.
-No pipeline parallelism (refused in one line), ``index_reuse_steps`` 1.
+No pipeline parallelism (refused in one line). ``index_reuse_steps`` > 1 for the families whose indexer
+reuses across steps (HY-V4; ``DSAForCausalLM.reuses_across_steps``, the others refused at construction by
+the package's own check), keyed by vLLM's request ids (:mod:`.vllm_step_reuse`).
 
 A family is one small module: a subclass naming the package class (``family``), the architecture it
 serves and, if its config needs it, what to read from vLLM's config (see ``vllm_hy_v4.py``).
@@ -48,6 +50,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 
 from indexcache.models.state import BatchMeta
 
+from . import vllm_step_reuse
 from .vllm_backend import IndexCacheIndexerBackend, IndexCacheIndexerMetadata
 
 logger = logging.getLogger("indexcache.vllm")
@@ -175,9 +178,6 @@ class NativeForCausalLM(nn.Module):
                     raise
                 raise ValueError(f"indexcache: {self.architecture} with --tensor-parallel-size {par.tp_size}: {e}") \
                     from None
-        if self.ic.index_reuse_steps > 1:
-            raise ValueError(f"indexcache: index_reuse_steps {self.ic.index_reuse_steps} is not in the vLLM plugin "
-                             "yet (it runs in this package's own model and generate); use 1 with vLLM")
         self.path = str(mc.model)
         key = (self.path, self.ic.plan.pattern)
         if key not in _plans_logged:
@@ -245,10 +245,26 @@ class NativeForCausalLM(nn.Module):
             q_lens=q_lens, ctx_lens=[s - q for s, q in zip(seq_lens, q_lens)],
             seq_lens=meta.seq_lens.to(torch.int32), block_table=meta.block_table, block_size=self.block_size,
             slot_mapping=meta.slot_mapping[:n].to(torch.int64))
-        h = self.ic.forward_tokens(input_ids[:n], batch, self._cache())
+        h = self._forward_tokens(input_ids[:n], batch, self._cache())
         if n < n_in:  # rows vLLM padded the step with
             h = torch.cat((h, h.new_zeros(n_in - n, hidden)))
         return h
+
+    @torch.no_grad()
+    def _forward_tokens(self, input_ids: torch.Tensor, batch: BatchMeta, cache) -> torch.Tensor:
+        """The package model's forward over vLLM's batch; under ``index_reuse_steps`` > 1 keyed by vLLM's
+        request ids, with the step-reuse rules of ``vllm_step_reuse`` (prompt rows compute, the selections
+        of finished requests dropped). A forward without the runner's requests computes every row."""
+        if self.ic.index_reuse_steps <= 1:
+            return self.ic.forward_tokens(input_ids, batch, cache)
+        step = vllm_step_reuse.current()
+        if step is not None:
+            batch = dataclasses.replace(batch, rids=step.rids)
+            vllm_step_reuse.prune(cache.selections, step)
+        ctx = self.ic.forward_context(batch, cache)  # step reuse off (every row computes) unless begun here
+        if step is not None:
+            vllm_step_reuse.begin(ctx, self.ic.index_reuse_steps, self.ic.min_recall, step)
+        return self.ic.hidden_states(input_ids, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.ic.compute_logits(hidden_states)

