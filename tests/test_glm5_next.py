@@ -107,8 +107,9 @@ def hf_logits(model, ids):
 
 def test_logits_equal_transformers_all_full(ckpt, ids, monkeypatch):
     path, hf = ckpt
-    from indexcache.models.blocks import kpool_indexer  # width 16 too: the fused op, no [rows, pools] scores
-    monkeypatch.setattr(kpool_indexer.reference, "indexer_logits", None)
+    from indexcache import ops, reference  # width 16 too: the fused op, no [rows, pools] scores
+    monkeypatch.setattr(reference, "indexer_logits", None)
+    monkeypatch.setattr(ops, "topk_indices", None)
     model = from_pretrained(path, dtype=torch.float32)
     assert isinstance(model, Glm5NextForCausalLM) and model.indexed == INDEXED
     assert model.plan.pattern == "FFFFF"

@@ -157,9 +157,18 @@ def test_opcheck_and_fake_kernel_at_other_widths():
 
 
 @NO_CUDA
-def test_cuda_refuses_other_widths():
-    q, k, w = torch.randn(2, 2, 24, device="cuda"), torch.randn(5, 24, device="cuda"), torch.randn(2, 2, device="cuda")
-    ks = torch.zeros(2, dtype=torch.int32, device="cuda")
-    ke = torch.full((2,), 5, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="CUDA indexer kernels take head width d = 128"):
-        ops.indexer_topk(q, k, None, w, ks, ke, 2)
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
+def test_cuda_other_widths_equal_the_reference(dtype):
+    """csrc/cuda/indexer_any_impl.cuh on the device: the scores at width 24 to the reference's bar,
+    the fused selection exactly the top-k of the device's own scores."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    ks, ke = request_windows([30, 300], [3, 5])
+    q, k, kscale, w = inputs(8, 330, 6, 24, dtype, gen)
+    dev = [None if t is None else t.cuda() for t in (q, k, kscale, w, ks, ke)]
+    logits = ops.indexer_logits(*dev).cpu()
+    expect = ref.indexer_logits(q, k, kscale, w, ks, ke)
+    fin = torch.isfinite(expect)
+    assert torch.equal(torch.isinf(logits), torch.isinf(expect))
+    assert ((logits[fin].double() - expect[fin].double()).norm() / expect[fin].double().norm()).item() < 1e-5
+    got = ops.indexer_topk(*dev, 17).cpu()
+    assert torch.equal(got, ref.topk_indices(logits, ks, ke, 17))

@@ -62,7 +62,7 @@ def indexer_logits(q, k, k_scale, weights, ks, ke, out=None) -> torch.Tensor:
 
     q ``[s_q, h, d]`` and k ``[s_kv, d]``: both float8_e4m3fn (k_scale fp32 ``[s_kv]``
     required) or both bf16/fp32 (k_scale optional). d: the lightning indexer's 128, or any even
-    width up to 256 (the key-pooled and QSA indexers) on CPU; the CUDA kernels take d = 128. weights fp32 ``[s_q, h]`` with q's scales
+    width up to 256 (the key-pooled and QSA indexers; on CUDA a plain kernel, docs/ops.md). weights fp32 ``[s_q, h]`` with q's scales
     and the softmax constants folded in (:func:`indexer_weights`). ks, ke int32 ``[s_q]``.
     out: fp32 ``[s_q, >= s_kv]``, allocated when None; written in place and returned.
     """

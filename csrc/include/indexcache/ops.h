@@ -44,7 +44,8 @@ struct IndexKInsertParams {
 
 // Head widths the dense indexer ops take (d even, 2..256): the DSA lightning indexer's 128 and the
 // key-pooled (GLM-5.3-Flash) and QSA (Qwen3.8-Flash-Next) indexers' configurable widths. The CPU
-// kernels run every such width; the CUDA kernels run d = 128 only (their tile shapes are fixed).
+// tile kernels run every such width; on CUDA the tiled kernels are 128-wide and the other widths
+// run the plain kernel of csrc/cuda/indexer_any_impl.cuh.
 constexpr int kMaxIndexerHeadDim = 256;
 
 // Prefill indexer scoring over a contiguous key range per row.

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from indexcache import ops, reference
-from indexcache.formats import INDEX_HEAD_DIM
+from indexcache import ops
 
 from ..state import ForwardContext
 from .norms import LayerNorm
@@ -48,16 +47,6 @@ def request_offsets(keys_per_request: list, rows_per_request: list, device) -> t
     """int32 ``[rows]``: for each row, where its request's keys begin in the requests' concatenated keys."""
     starts = torch.tensor([0, *keys_per_request[:-1]], dtype=torch.int64).cumsum(0)
     return starts.repeat_interleave(torch.tensor(rows_per_request, dtype=torch.int64)).to(device, torch.int32)
-
-
-def indexer_topk_any_width(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
-                           topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``ops.indexer_topk`` (fused, never ``[rows, keys]`` scores) wherever its kernels take the head
-    width: every even width up to 256 on CPU, 128 on CUDA; elsewhere (CUDA at another width) its
-    definition, the scores ``[rows, keys]`` then ``ops.topk_indices``."""
-    if not q.is_cuda or q.shape[-1] == INDEX_HEAD_DIM:
-        return ops.indexer_topk(q, k, None, w, ks, ke, topk, out=out)
-    return ops.topk_indices(reference.indexer_logits(q, k, None, w, ks, ke), ks, ke, topk, out=out)
 
 
 class PooledIndexer(nn.Module):
@@ -103,7 +92,7 @@ class PooledIndexer(nn.Module):
             if keys.shape[0]:
                 ks = request_offsets([pk.shape[0] for pk in pools_of], meta.q_lens, x.device)
                 ke = ks + ((pos + 1) // P).int()
-                picked = indexer_topk_any_width(q.contiguous(), keys, w.contiguous(), ks, ke, self.topk_pools)
+                picked = ops.indexer_topk(q.contiguous(), keys, None, w.contiguous(), ks, ke, self.topk_pools)
                 tok = picked.long().unsqueeze(-1) * P + torch.arange(P, device=x.device)
                 tok = torch.where(picked.unsqueeze(-1) >= 0, tok, torch.full_like(tok, -1)).flatten(1)
                 rows[:n, :tok.shape[1]] = tok.int()

@@ -17,8 +17,7 @@ QSA (one key head, keys averaged over blocks):
 
 Scoring and top-k are one fused ``ops.indexer_topk`` call for the batch (every request's block
 keys concatenated, per-row windows over them): neither ``[s_q, s_kv]`` nor per-block
-``[s_q, s_kv / r]`` scores are stored (on CUDA at ``indexer_head_dim != 128`` the op's
-definition runs instead, scoring per block). A selection row of the shared top-k buffer holds **block ids**: ``budget / r`` columns of selected
+``[s_q, s_kv / r]`` scores are stored. A selection row of the shared top-k buffer holds **block ids**: ``budget / r`` columns of selected
 complete blocks (ascending, then -1) and a last column with the query's incomplete block or -1.
 Attention (``ops.block_sparse_attention``, the MiniMax-M3 op, block size r, causal inside a
 block) reads exactly those tokens; every query head shares the one selection.
@@ -36,7 +35,7 @@ from indexcache import ops
 
 from ..state import ForwardContext
 from .gqa import OffsetRMSNorm, partial_rope
-from .kpool_indexer import indexer_topk_any_width, request_offsets
+from .kpool_indexer import request_offsets
 
 
 def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +85,7 @@ class QSAIndexer(nn.Module):
         ks = request_offsets([kb.shape[0] for kb in block_keys], q_lens, q.device)
         ke = ks + ((pos + 1) // self.ratio).to(torch.int32)
         ones = torch.ones(n, self.n_heads, dtype=torch.float32, device=q.device)
-        indexer_topk_any_width(q.float().contiguous(), keys, ones, ks, ke, self.topk_blocks, out=out[:n])
+        ops.indexer_topk(q.float().contiguous(), keys, None, ones, ks, ke, self.topk_blocks, out=out[:n])
         tail = (pos + 1) % self.ratio != 0
         out[:n, -1] = torch.where(tail, pos // self.ratio, -1).to(torch.int32)
 
