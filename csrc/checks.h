@@ -231,8 +231,10 @@ inline IndexerParams make_indexer_params(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(qt == at::kFloat8_e4m3fn || qt == at::kBFloat16 || qt == at::kFloat,
               "q must be float8_e4m3fn, bfloat16 or float32, got ", qt);
   TORCH_CHECK(k.scalar_type() == qt, "k must have q's dtype ", qt, ", got ", k.scalar_type());
-  TORCH_CHECK(q.size(2) == kIndexHeadDim && k.size(1) == kIndexHeadDim, "q [s_q, h, d] and k [s_kv, d] need d = ",
-              kIndexHeadDim, ", got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.size(2) == k.size(1), "q [s_q, h, d] and k [s_kv, d] need one head width d, got ", q.sizes(),
+              " and ", k.sizes());
+  TORCH_CHECK(q.size(2) % 2 == 0 && q.size(2) >= 2 && q.size(2) <= kMaxIndexerHeadDim,
+              "the indexer head width d must be even and in [2, ", kMaxIndexerHeadDim, "], got ", q.size(2));
   IC_CHECK_SAME_DEVICE(q, k, "q", "k");
   if (qt == at::kFloat8_e4m3fn) {
     TORCH_CHECK(k_scale.has_value(), "fp8 k needs k_scale [s_kv]");

@@ -50,7 +50,7 @@ def _indexer_cases():
          [(0, torch.randn(3, 40).double(), "logits must be torch.float32"), (3, 5, "topk=5 exceeds"),
           (4, torch.empty(2, 4, dtype=I32), "3 tokens exceed the topk buffer's 2 rows")]),
         (o.indexer_topk, (qf, kf, ksf, wf, ks, ke, 4, topk_buf),
-         [(0, qf[..., :64].contiguous(), "need d = 128"), (6, 0, "topk must be >= 1")]),
+         [(0, qf[..., :64].contiguous(), "need one head width d"), (6, 0, "topk must be >= 1")]),
         (o.indexer_logits_paged, (qp, wp, cache, table, lens, 2, torch.empty(2, 70)),
          [(0, qp.float(), "q must be torch.float8_e4m3fn"), (5, 3, "expected batch \\* next_n = 1 \\* 3"),
           (4, _i32(70, 3), "seq_lens has 2 entries for 1 rows")]),

@@ -357,10 +357,12 @@ def test_fuzz_topk_indices_256k(data, seed):
 # ------------------------------------------------------------------ indexer scoring
 
 def indexer_inputs(draw, s_q, s_kv, h, dtype, seed, nonfinite=True):
-    """q, k, k_scale, weights with magnitudes 2^e (products stay inside fp32)."""
+    """q, k, k_scale, weights with magnitudes 2^e (products stay inside fp32), at a head width
+    drawn from DSA's 128 and the key-pooled / QSA indexers' others (fp8: whole 128-value groups)."""
     mq, mk = magnitude(draw, -30, 30), magnitude(draw, -30, 30)
-    q = rand((s_q, h, 128), seed, mq) + 0.1 * mq
-    k = rand((s_kv, 128), seed + 1, mk) + 0.05 * mk
+    d = draw(st.sampled_from([128, 256] if dtype == "fp8" else [128, 2, 16, 24, 96, 256]))
+    q = rand((s_q, h, d), seed, mq) + 0.1 * mq
+    k = rand((s_kv, d), seed + 1, mk) + 0.05 * mk
     w = rand((s_q, h), seed + 2)
     if nonfinite:
         sprinkle(draw, q)

@@ -105,8 +105,11 @@ def hf_logits(model, ids):
         return model(input_ids=ids).logits.float()
 
 
-def test_logits_equal_transformers_all_full(ckpt, ids):
+def test_logits_equal_transformers_all_full(ckpt, ids, monkeypatch):
     path, hf = ckpt
+    from indexcache import ops, reference  # width 16 too: the fused op, no [rows, pools] scores
+    monkeypatch.setattr(reference, "indexer_logits", None)
+    monkeypatch.setattr(ops, "topk_indices", None)
     model = from_pretrained(path, dtype=torch.float32)
     assert isinstance(model, Glm5NextForCausalLM) and model.indexed == INDEXED
     assert model.plan.pattern == "FFFFF"
@@ -155,7 +158,7 @@ def test_shared_layers_reuse_the_nearest_earlier_full_layer(ckpt, ids):
 
 
 def test_native_width_indexer_equals_transformers(tmp_path, ids):
-    """index_head_dim 128: the pooled scores and top-k run through the fused ``ops.indexer_topk``."""
+    """index_head_dim 128 (the released width; the other tests' is 16): the same fused ``ops.indexer_topk``."""
     hf = hf_model(seed=int(torch.randint(0, 1 << 30, ())), index_head_dim=128)
     hf.save_pretrained(tmp_path)
     model = from_pretrained(tmp_path, dtype=torch.float32)

@@ -71,7 +71,7 @@ inline uint16_t elem_bf16(const void* row, DType dt, int64_t i) {
 
 // A packed tile of up to 32 keys starting at s0; missing keys are zero.
 struct KeyTile {
-  alignas(64) uint32_t pairs[kIndexHeadDim / 2 * kTile];  // bf16 path, [d/2][32]
+  alignas(64) uint32_t pairs[kMaxIndexerHeadDim / 2 * kTile];  // bf16 path, [d/2][32]
   std::vector<float> f32;                                  // portable path, [d][32]
   float scale[kTile];
   int n = 0;
@@ -110,8 +110,8 @@ __attribute__((target("avx512f"))) inline void transpose16(const uint32_t* const
 template <typename Keys>
 __attribute__((target("avx512f"))) void pack_tile_avx512(const Keys& keys, DType dt, int64_t d, int64_t s0, int n,
                                                         Tiles kind, KeyTile& t) {
-  alignas(64) static const uint32_t zeros[kIndexHeadDim] = {};
-  alignas(64) uint32_t conv[kTile][kIndexHeadDim / 2];
+  alignas(64) static const uint32_t zeros[kMaxIndexerHeadDim] = {};
+  alignas(64) uint32_t conv[kTile][kMaxIndexerHeadDim / 2];
   const int64_t cols = kind == Tiles::kBf16 ? d / 2 : d;
   const uint32_t* rows[kTile];
   for (int j = 0; j < kTile; ++j) {
@@ -138,7 +138,7 @@ template <typename Keys>
 void pack_tile(const Keys& keys, DType dt, int64_t d, int64_t s0, int n, Tiles kind, KeyTile& t) {
   t.n = n;
   for (int j = 0; j < kTile; ++j) t.scale[j] = j < n ? keys.scale_of(s0 + j) : 0.f;
-  if (kind != Tiles::kF32 && d % 32 == 0 && d <= kIndexHeadDim) {
+  if (kind != Tiles::kF32 && d % 32 == 0 && d <= kMaxIndexerHeadDim) {
     if (kind == Tiles::kF32Avx512) t.f32.resize(d * kTile);
     pack_tile_avx512(keys, dt, d, s0, n, kind, t);
     return;

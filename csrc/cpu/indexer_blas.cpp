@@ -134,7 +134,7 @@ const uint8_t* dense_q(const IndexerParams& p, int64_t r) {
 }  // namespace
 
 bool indexer_logits_blas(const IndexerParams& p, const LogitsOut& o) {
-  if (p.qk_dtype == DType::kFloat32) return false;
+  if (p.qk_dtype == DType::kFloat32 || p.d != kIndexHeadDim) return false;
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);
@@ -193,7 +193,7 @@ bool indexer_logits_paged_blas(const PagedIndexerParams& p, const LogitsOut& o) 
 }
 
 bool indexer_topk_blas(const IndexerParams& p, const TopkOut& o) {
-  if (p.qk_dtype == DType::kFloat32) return false;
+  if (p.qk_dtype == DType::kFloat32 || p.d != kIndexHeadDim) return false;
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);

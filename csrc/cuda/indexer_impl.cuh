@@ -20,6 +20,7 @@
 // appends keys above its running k-th best, compacts with the exact radix select when
 // full, and a merge kernel (topk.cu) selects the final k over the key-range splits.
 // The fused and plain ops compute every score with the same code, so they select alike.
+// Other head widths (d != 128) run indexer_any_impl.cuh's plain kernels.
 #pragma once
 
 #include <algorithm>
@@ -28,6 +29,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "indexer_any_impl.cuh"
 #include "kernels.h"
 
 namespace indexcache {
@@ -1353,6 +1355,7 @@ Problem sanitized(Problem pr, const PagedIndexerParams& p, const DeviceEnv& env)
 
 void indexer_logits_cuda(const IndexerParams& p, const LogitsOut& o, const DeviceEnv& env) {
   using namespace idx_detail;
+  if (p.d != kD) return indexer_logits_any_cuda(p, o, env);  // indexer_any_impl.cuh
   launch_logits(sanitized(dense_problem(p), env), o, env);
 }
 
@@ -1363,6 +1366,7 @@ void indexer_logits_paged_cuda(const PagedIndexerParams& p, int64_t max_len, con
 
 void indexer_topk_cuda(const IndexerParams& p, const TopkOut& o, const DeviceEnv& env) {
   using namespace idx_detail;
+  if (p.d != kD) return indexer_topk_any_cuda(p, o, env);
   run_fused(sanitized(dense_problem(p), env), o, env);
 }
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_BYTES, MLA_KV_WIDTH, MLA_LATENT, MLA_ROPE, QUANT_GROUP
+from .formats import (FP8_DS_MLA_BYTES, INDEX_HEAD_DIM, INDEX_K_BYTES, MAX_INDEXER_HEAD_DIM, MLA_KV_WIDTH, MLA_LATENT,
+                      MLA_ROPE, QUANT_GROUP)
 
 FLOATS = (torch.float32, torch.bfloat16)
 
@@ -61,13 +62,15 @@ def _index_cache(cache) -> None:
 
 
 def _indexer(q, k, k_scale, weights, ks, ke) -> None:
-    """make_indexer_params: q [s_q, h, 128], k [s_kv, 128] of one dtype, k_scale, weights, windows."""
+    """make_indexer_params: q [s_q, h, d], k [s_kv, d] of one dtype (d even, <= 256), k_scale, weights, windows."""
     _dim(q, 3, "q")
     _dim(k, 2, "k")
     _dtype(q, (torch.float8_e4m3fn, *FLOATS), "q")
     _dtype(k, q.dtype, "k")
-    torch._check(q.shape[2] == INDEX_HEAD_DIM and k.shape[1] == INDEX_HEAD_DIM,
-                 lambda: f"q [s_q, h, d] and k [s_kv, d] need d = 128, got {tuple(q.shape)} and {tuple(k.shape)}")
+    torch._check(q.shape[2] == k.shape[1],
+                 lambda: f"q [s_q, h, d] and k [s_kv, d] need one head width d, got {tuple(q.shape)} and {tuple(k.shape)}")
+    torch._check(q.shape[2] % 2 == 0 and 2 <= q.shape[2] <= MAX_INDEXER_HEAD_DIM,
+                 lambda: f"the indexer head width d must be even and in [2, {MAX_INDEXER_HEAD_DIM}], got {q.shape[2]}")
     torch._check(q.dtype != torch.float8_e4m3fn or k_scale is not None, lambda: "fp8 k needs k_scale [s_kv]")
     if k_scale is not None:
         _dtype(k_scale, torch.float32, "k_scale")

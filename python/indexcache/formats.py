@@ -12,6 +12,7 @@ FP8_WEIGHT_AMAX_FLOOR = 1e-12    # floor on a weight block's (and an activation 
 # ---------------------------------------------------------------- the indexer (DESIGN.md §4)
 INDEX_HEAD_DIM = 128                                 # one fp8 scale group per indexer key
 INDEX_K_BYTES = INDEX_HEAD_DIM + 4                   # 132: fp8 key + its fp32 scale, per token per F layer
+MAX_INDEXER_HEAD_DIM = 256                           # widest head the dense indexer ops take (even widths)
 INDEX_Q_EPS, INDEX_K_EPS = 1e-10, 1e-4               # floors on the amax of a query head / a key
 INDEX_K_NORM_EPS = 1e-6                              # the indexer's key LayerNorm
 

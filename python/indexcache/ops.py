@@ -60,8 +60,9 @@ def indexer_logits(q, k, k_scale, weights, ks, ke, out=None) -> torch.Tensor:
     """Prefill indexer logits: ``out[t, s] = k_scale[s] * Σ_h weights[t, h] * ReLU(q[t, h] · k[s])``
     for ``ks[t] <= s < ke[t]``, -inf elsewhere.
 
-    q ``[s_q, h, 128]`` and k ``[s_kv, 128]``: both float8_e4m3fn (k_scale fp32 ``[s_kv]``
-    required) or both bf16/fp32 (k_scale optional). weights fp32 ``[s_q, h]`` with q's scales
+    q ``[s_q, h, d]`` and k ``[s_kv, d]``: both float8_e4m3fn (k_scale fp32 ``[s_kv]``
+    required) or both bf16/fp32 (k_scale optional). d: the lightning indexer's 128, or any even
+    width up to 256 (the key-pooled and QSA indexers; on CUDA a plain kernel, docs/ops.md). weights fp32 ``[s_q, h]`` with q's scales
     and the softmax constants folded in (:func:`indexer_weights`). ks, ke int32 ``[s_q]``.
     out: fp32 ``[s_q, >= s_kv]``, allocated when None; written in place and returned.
     """

@@ -119,8 +119,8 @@ def indexer_weights(weights: torch.Tensor, q_scale: Optional[torch.Tensor] = Non
 def indexer_logits(q, k, k_scale, weights, ks, ke) -> torch.Tensor:
     """``logit[t, s] = k_scale[s] * Σ_h weights[t, h] * ReLU(q[t, h] · k[s])`` for ks[t] <= s < ke[t].
 
-    q ``[s_q, h, d]`` and k ``[s_kv, d]`` in e4m3 (with k_scale fp32 ``[s_kv]``) or both
-    bf16/fp32 (k_scale None); weights fp32 ``[s_q, h]`` (see :func:`indexer_weights`);
+    q ``[s_q, h, d]`` and k ``[s_kv, d]`` (d even, <= 256; the DSA indexer's is 128) in e4m3 (with
+    k_scale fp32 ``[s_kv]``) or both bf16/fp32 (k_scale None); weights fp32 ``[s_q, h]`` (see :func:`indexer_weights`);
     ks, ke int32 ``[s_q]``. Returns fp32 ``[s_q, s_kv]``, -inf outside each row's window.
     """
     dots = torch.einsum("thd,sd->ths", q.float(), k.float())

@@ -42,9 +42,15 @@ struct IndexKInsertParams {
   DType k_dtype;
 };
 
+// Head widths the dense indexer ops take (d even, 2..256): the DSA lightning indexer's 128 and the
+// key-pooled (GLM-5.3-Flash) and QSA (Qwen3.8-Flash-Next) indexers' configurable widths. The CPU
+// tile kernels run every such width; on CUDA the tiled kernels are 128-wide and the other widths
+// run the plain kernel of csrc/cuda/indexer_any_impl.cuh.
+constexpr int kMaxIndexerHeadDim = 256;
+
 // Prefill indexer scoring over a contiguous key range per row.
 struct IndexerParams {
-  const void* q;         // [s_q, h, d] qk_dtype
+  const void* q;         // [s_q, h, d] qk_dtype, d even in [2, kMaxIndexerHeadDim]
   const void* k;         // [s_kv, d] qk_dtype
   const float* k_scale;  // [s_kv] or nullptr (unquantized k)
   const float* weights;  // [s_q, h], softmax constants and q scales folded in

@@ -142,6 +142,27 @@ int emu_indexer_topk(const void* q, const void* k, const float* k_scale, const f
   });
 }
 
+// The dense indexer ops at any head width d (even, <= 256; d != 128 runs indexer_any_impl.cuh).
+int emu_indexer_logits_d(const void* q, const void* k, const float* k_scale, const float* w, const int32_t* ks,
+                         const int32_t* ke, int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int dtype, float* logits,
+                         int64_t stride, int64_t cols) {
+  return guarded([&] {
+    Scratch s;
+    indexer_logits_cuda(IndexerParams{q, k, k_scale, w, ks, ke, s_q, s_kv, h, d, static_cast<DType>(dtype)},
+                        LogitsOut{logits, stride, cols}, env(s));
+  });
+}
+
+int emu_indexer_topk_d(const void* q, const void* k, const float* k_scale, const float* w, const int32_t* ks,
+                       const int32_t* ke, int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int dtype, int32_t* out,
+                       int64_t out_stride, int64_t width, int64_t topk) {
+  return guarded([&] {
+    Scratch s;
+    indexer_topk_cuda(IndexerParams{q, k, k_scale, w, ks, ke, s_q, s_kv, h, d, static_cast<DType>(dtype)},
+                      TopkOut{out, out_stride, width, topk}, env(s));
+  });
+}
+
 static PagedIndexerParams paged(const uint8_t* q, const float* w, const uint8_t* cache, const int32_t* table,
                                 const int32_t* lens, int64_t batch, int64_t next_n, int64_t h, int64_t block_size,
                                 int64_t max_blocks, int64_t num_blocks) {

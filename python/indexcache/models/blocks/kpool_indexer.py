@@ -9,10 +9,12 @@ pool it sees (the ``(p + 1) // P`` pools ending at or before ``p``) by
 ``index_topk / P`` best (ties toward the lower pool), expands them to their ``P`` positions each and,
 with ``index_kpool_always_select_tail``, adds the positions of its own unfinished pool
 (``[(p + 1) - (p + 1) mod P, p]``). The row it writes into the shared top-k buffer holds
-``index_topk + P - 1`` request positions (-1 padded); scores are ``[s_q, s_kv / P]``, never
-``[s_q, s_kv]``, through the lightning indexer's own fused top-k op (``ops.indexer_topk``: the
-same ReLU-weighted sum over the pooled keys, the constants folded into the head weights since
-``ReLU(a x) = a ReLU(x)`` for ``a > 0``).
+``index_topk + P - 1`` request positions (-1 padded). Scoring and top-k are the lightning
+indexer's own fused op (``ops.indexer_topk`` at the config's ``index_head_dim``: the same
+ReLU-weighted sum over the pooled keys, the constants folded into the head weights since
+``ReLU(a x) = a ReLU(x)`` for ``a > 0``), one call for the batch: every request's pools
+concatenated, each row's window ``[ks, ke)`` the pools its request has complete at its position.
+Neither ``[s_q, s_kv]`` nor ``[s_q, s_kv / P]`` scores are stored.
 
 Caches (``Glm5NextPagedCache``): per F layer each token's ``k | gate`` (``index_raw``, what a pool
 is built from once it completes) and the pooled keys (``index_pool``, one row per ``P`` slots of
@@ -25,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from indexcache import ops, reference
-from indexcache.formats import INDEX_HEAD_DIM
+from indexcache import ops
 
 from ..state import ForwardContext
 from .norms import LayerNorm
@@ -40,6 +41,12 @@ def pooled_keys(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch
     p, d = ape.shape
     logits = gate.float().view(-1, p, d) + ape.float()
     return (logits.softmax(dim=1) * k.float().view(-1, p, d)).sum(dim=1)
+
+
+def request_offsets(keys_per_request: list, rows_per_request: list, device) -> torch.Tensor:
+    """int32 ``[rows]``: for each row, where its request's keys begin in the requests' concatenated keys."""
+    starts = torch.tensor([0, *keys_per_request[:-1]], dtype=torch.int64).cumsum(0)
+    return starts.repeat_interleave(torch.tensor(rows_per_request, dtype=torch.int64)).to(device, torch.int32)
 
 
 class PooledIndexer(nn.Module):
@@ -77,42 +84,34 @@ class PooledIndexer(nn.Module):
             q = self.wq_b(qr).view(n, self.n_heads, self.head_dim).float()
             w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads * self.head_dim) ** -0.5
             raw = self.key_inputs(x)
-            pools_of = self._paged_pools(raw, ctx) if meta.paged else None
+            pools_of = self._paged_pools(raw, ctx) if meta.paged else self._fresh_pools(raw, meta)
         with ctx.stage(self.layer_id, "topk"):
-            rows = ctx.topk_rows
+            rows, pos = ctx.topk_rows, meta.positions[:n].long()
             rows.fill_(-1)
-            r0 = 0
-            for b, (c, m) in enumerate(zip(meta.ctx_lens, meta.q_lens)):
-                if pools_of is not None:
-                    pk = pools_of[b]
-                else:  # no cache: the request is this forward's rows r0:r0 + m, from position 0
-                    if c:
-                        raise ValueError("a forward without a cache starts every request at position 0")
-                    complete = m // P * P
-                    pk = self._pools(raw[r0:r0 + complete])
-                pos = meta.positions[r0:r0 + m].long()
-                seen = ((pos + 1) // P).int()
-                zeros = torch.zeros(m, dtype=torch.int32, device=x.device)
-                if pk.shape[0]:
-                    picked = self._top_pools(q[r0:r0 + m].contiguous(), pk.contiguous(), w[r0:r0 + m].contiguous(),
-                                             zeros, seen)  # [m, topk_pools] pool ids, -1 padded
-                    tok = picked.long().unsqueeze(-1) * P + torch.arange(P, device=x.device)
-                    tok = torch.where(picked.unsqueeze(-1) >= 0, tok, torch.full_like(tok, -1)).flatten(1)
-                    rows[r0:r0 + m, :tok.shape[1]] = tok.int()
-                if self.tail and P > 1:
-                    start = (pos + 1) // P * P
-                    tail = start.unsqueeze(1) + torch.arange(P - 1, device=x.device)
-                    tail = torch.where(tail <= pos.unsqueeze(1), tail, torch.full_like(tail, -1))
-                    rows[r0:r0 + m, self.topk_pools * P:self.row_width] = tail.int()
-                r0 += m
+            keys = torch.cat(pools_of).contiguous()  # every request's pools, request after request
+            if keys.shape[0]:
+                ks = request_offsets([pk.shape[0] for pk in pools_of], meta.q_lens, x.device)
+                ke = ks + ((pos + 1) // P).int()
+                picked = ops.indexer_topk(q.contiguous(), keys, None, w.contiguous(), ks, ke, self.topk_pools)
+                tok = picked.long().unsqueeze(-1) * P + torch.arange(P, device=x.device)
+                tok = torch.where(picked.unsqueeze(-1) >= 0, tok, torch.full_like(tok, -1)).flatten(1)
+                rows[:n, :tok.shape[1]] = tok.int()
+            if self.tail and P > 1:
+                start = (pos + 1) // P * P
+                tail = start.unsqueeze(1) + torch.arange(P - 1, device=x.device)
+                tail = torch.where(tail <= pos.unsqueeze(1), tail, torch.full_like(tail, -1))
+                rows[:n, self.topk_pools * P:self.row_width] = tail.int()
         ctx.topk_valid = True
 
-    def _top_pools(self, q, pk, w, ks, ke) -> torch.Tensor:
-        """The lightning indexer's scoring + top-k over the pooled keys: fused for the native 128-wide
-        keys; other widths score by the op's definition (``[rows, pools]``) then run the top-k op."""
-        if self.head_dim == INDEX_HEAD_DIM:
-            return ops.indexer_topk(q, pk, None, w, ks, ke, self.topk_pools)
-        return ops.topk_indices(reference.indexer_logits(q, pk, None, w, ks, ke), ks, ke, self.topk_pools)
+    def _fresh_pools(self, raw: torch.Tensor, meta) -> list:
+        """No cache: each request is this forward's rows from position 0; its complete pools' keys."""
+        out, r0 = [], 0
+        for c, m in zip(meta.ctx_lens, meta.q_lens):
+            if c:
+                raise ValueError("a forward without a cache starts every request at position 0")
+            out.append(self._pools(raw[r0:r0 + m // self.kpool * self.kpool]))
+            r0 += m
+        return out
 
     def _paged_pools(self, raw: torch.Tensor, ctx: ForwardContext) -> list:
         """Write this step's ``k | gate`` rows, pool the pools that completed in it, and return each

@@ -11,12 +11,13 @@ QSA (one key head, keys averaged over blocks):
   (cast back), RMS-normed (``k_layernorm``) and rotated at the block's first position;
 - a query at position p scores only the blocks it sees **complete** (``(j + 1) r <= p + 1``):
   ``score = Σ_h ReLU(q_h · k_block) / sqrt(indexer_head_dim)``; the top
-  ``indexer_budget / r`` blocks are kept (ties toward the lower block, ``ops.topk_indices``, the
-  DSA indexer's top-k), and the query's own incomplete block (the ``(p + 1) mod r`` newest
+  ``indexer_budget / r`` blocks are kept (ties toward the lower block, as the DSA indexer's
+  top-k), and the query's own incomplete block (the ``(p + 1) mod r`` newest
   tokens, when not 0) is always read.
 
-The scores are per block (``[s_q, s_kv / r]`` per request, in row chunks), never per token. A
-selection row of the shared top-k buffer holds **block ids**: ``budget / r`` columns of selected
+Scoring and top-k are one fused ``ops.indexer_topk`` call for the batch (every request's block
+keys concatenated, per-row windows over them): neither ``[s_q, s_kv]`` nor per-block
+``[s_q, s_kv / r]`` scores are stored. A selection row of the shared top-k buffer holds **block ids**: ``budget / r`` columns of selected
 complete blocks (ascending, then -1) and a last column with the query's incomplete block or -1.
 Attention (``ops.block_sparse_attention``, the MiniMax-M3 op, block size r, causal inside a
 block) reads exactly those tokens; every query head shares the one selection.
@@ -34,9 +35,7 @@ from indexcache import ops
 
 from ..state import ForwardContext
 from .gqa import OffsetRMSNorm, partial_rope
-
-# per-call working set of block scoring: rows x heads x blocks (fp32 elements)
-_SCORE_CHUNK_ELEMS = 1 << 24
+from .kpool_indexer import request_offsets
 
 
 def rope_angles(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,24 +74,20 @@ class QSAIndexer(nn.Module):
         cos, sin = rope_angles(starts, self.rope_dim, self.rope_theta)
         return partial_rope(self.k_layernorm(pooled), cos, sin)
 
-    def select(self, q: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
-        """One request's rows: queries ``q [n, H, D]`` at positions ``pos [n]`` against its raw keys
-        ``keys [S, D]``; writes the selection rows ``out [n, topk_blocks + 1]``."""
-        kb = self.block_keys(keys).float()
-        nb = kb.shape[0]
-        ke = ((pos + 1) // self.ratio).to(torch.int32)
-        ks = torch.zeros_like(ke)
-        step = max(1, _SCORE_CHUNK_ELEMS // max(1, self.n_heads * nb))
-        for r0 in range(0, q.shape[0], step):
-            r1 = min(q.shape[0], r0 + step)
-            if nb:
-                dots = torch.einsum("thd,sd->ths", q[r0:r1].float(), kb)
-                logits = dots.relu().sum(dim=1) / self.head_dim ** 0.5
-            else:
-                logits = torch.empty(r1 - r0, 0, device=q.device)
-            ops.topk_indices(logits.contiguous(), ks[r0:r1], ke[r0:r1], self.topk_blocks, out=out[r0:r1])
+    def select(self, q: torch.Tensor, block_keys: list, q_lens: list, pos: torch.Tensor, out: torch.Tensor) -> None:
+        """All rows of the batch (request after request, ``q_lens`` rows each): queries ``q [N, H, D]``
+        at positions ``pos [N]``, each request's complete blocks' keys ``block_keys[b] [S_b // r, D]``;
+        writes the selection rows ``out [N, topk_blocks + 1]``. One fused scoring + top-k call
+        (``ops.indexer_topk`` with unit head weights: the score's ``1 / sqrt(D)`` is a positive
+        constant, so the same blocks win), each row's window the blocks its request has complete."""
+        n = q.shape[0]
+        keys = torch.cat(block_keys).float().contiguous()
+        ks = request_offsets([kb.shape[0] for kb in block_keys], q_lens, q.device)
+        ke = ks + ((pos + 1) // self.ratio).to(torch.int32)
+        ones = torch.ones(n, self.n_heads, dtype=torch.float32, device=q.device)
+        ops.indexer_topk(q.float().contiguous(), keys, None, ones, ks, ke, self.topk_blocks, out=out[:n])
         tail = (pos + 1) % self.ratio != 0
-        out[:, -1] = torch.where(tail, pos // self.ratio, -1).to(torch.int32)
+        out[:n, -1] = torch.where(tail, pos // self.ratio, -1).to(torch.int32)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, index_k: torch.Tensor | None) -> torch.Tensor:
         """Write this forward's selections into the shared rows; returns them ``[N, topk_blocks + 1]``.
@@ -104,6 +99,7 @@ class QSAIndexer(nn.Module):
             if index_k is not None:
                 index_k.view(-1, self.head_dim)[meta.slot_mapping] = k.to(index_k.dtype)
             page = meta.block_size if index_k is None else index_k.shape[1]
+            block_keys = []
             for b, off in enumerate(meta.row_offsets()):
                 qn, seq = meta.q_lens[b], meta.ctx_lens[b] + meta.q_lens[b]
                 if index_k is None:
@@ -112,7 +108,8 @@ class QSAIndexer(nn.Module):
                     p = torch.arange(seq, device=x.device)
                     slots = meta.block_table[b, p // page].long() * page + p % page
                     keys = index_k.view(-1, self.head_dim)[slots].to(k.dtype)
-                self.select(q[off:off + qn], keys, meta.positions[off:off + qn], rows[off:off + qn])
+                block_keys.append(self.block_keys(keys))
+            self.select(q, block_keys, list(meta.q_lens), meta.positions[:x.shape[0]], rows)
         ctx.topk_valid = True
         return rows
 
