@@ -478,21 +478,38 @@ def matrix_record(records, op, dtype, heads, shape, flops, ours, fp32_rate):
                auto_path=auto[3] if auto else "", fp32_matmul_fraction=gf / fp32_rate if fp32_rate else 0.0)
 
 
-def bench_matrix(records, device, quick, fp32_rate):
+MATRIX_OPS = ("sparse_mla", "indexer_topk", "block_sparse_attention")
+
+
+def mla_selection(rows, n, topk, how):
+    """[rows, topk] slots of an n-slot cache: 'random' (rows share ~topk/n of their keys) or
+    'request' (the rows of one request, as an indexer picks them: each keeps 7/8 of a common
+    top-k and draws the rest at random)."""
+    if how == "random":
+        return torch.randint(0, n, (rows, topk), dtype=torch.int32)
+    idx = torch.randperm(n)[:topk].int().repeat(rows, 1)
+    own = torch.rand(rows, topk).argsort(dim=1)[:, : topk // 8]
+    idx.scatter_(1, own, torch.randint(0, n, (rows, topk // 8), dtype=torch.int32))
+    return idx
+
+
+def bench_matrix(records, device, quick, fp32_rate, ops_run=MATRIX_OPS, select="random"):
     """sparse_mla (64 rows x top-512 of 8192, 576/512), indexer_topk (64 rows x 8192 keys, top-2048)
     and block_sparse_attention (64 rows, 4 KV heads x 128, 16 blocks of 128) in fp32 and bf16 (the
-    indexer also fp8), at 8, 16 and 128 (indexer 64, block-sparse 64 query) heads, on every path."""
+    indexer also fp8), at 8, 16 and 128 (indexer 64, block-sparse 64 query) heads, on every path.
+    ops_run: which of MATRIX_OPS; select: sparse_mla's key selection (mla_selection)."""
     rows, n = (16 if quick else 64), 8192
-    for dtype, dt in MATRIX_DTYPES.items():
+    for dtype, dt in MATRIX_DTYPES.items() if "sparse_mla" in ops_run else ():
         for h in (8, 16, 128):
             cache = torch.randn(n, 1, 576).to(dt)
             q = torch.randn(rows, h, 576).to(dt)
-            idx = torch.randint(0, n, (rows, 512), dtype=torch.int32)
+            idx = mla_selection(rows, n, 512, select)
             out, lse = torch.empty(rows, h, 512, dtype=dt), torch.empty(rows, h)
             ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse), device, "sparse_mla", dtype,
                              min_time=0.3, max_iters=5)
-            matrix_record(records, "sparse_mla", dtype, h, f"{rows}q k512", 2 * rows * h * 512 * 1088, ours, fp32_rate)
-    for dtype in ("fp32", "bf16", "fp8"):
+            shape = f"{rows}q k512" + ("" if select == "random" else f" {select}")
+            matrix_record(records, "sparse_mla", dtype, h, shape, 2 * rows * h * 512 * 1088, ours, fp32_rate)
+    for dtype in ("fp32", "bf16", "fp8") if "indexer_topk" in ops_run else ():
         for h in (8, 16, 64):
             q, k, w, qv, kv, ksc, wq, ks, ke = indexer_inputs(rows, n, h, device)
             args = (qv, kv, ksc, wq) if dtype == "fp8" else (q.to(MATRIX_DTYPES[dtype]), k.to(MATRIX_DTYPES[dtype]),
@@ -502,7 +519,7 @@ def bench_matrix(records, device, quick, fp32_rate):
                              min_time=0.3, max_iters=5)
             matrix_record(records, "indexer_topk", dtype, h, f"{rows}q x {n}", 2 * rows * h * n * 128, ours, fp32_rate)
     h_kv, bsz, topk, page, n_ctx = 4, 128, 16, 64, 8192
-    for dtype, dt in MATRIX_DTYPES.items():
+    for dtype, dt in MATRIX_DTYPES.items() if "block_sparse_attention" in ops_run else ():
         for h_q in (8, 16, 64):
             kc = torch.randn(n_ctx // page, page, h_kv, 128).to(dt)
             vc = torch.randn_like(kc)
@@ -530,6 +547,11 @@ def main():
     ap.add_argument("--ops", default="topk,k_cache,indexer,mla,block_sparse,mla_v4,delta_rule",
                     help="which groups to run; 'matrix' (CPU only, not in the default): op x dtype x heads "
                          "{8, 16, 64/128} on every --isa path, with the path each took and auto's")
+    ap.add_argument("--matrix-ops", default=",".join(MATRIX_OPS),
+                    help="with --ops matrix: which of its ops to run, comma-separated")
+    ap.add_argument("--mla-select", default="random", choices=["random", "request"],
+                    help="the matrix's sparse_mla key selection: random rows, or the rows of one request "
+                         "sharing 7/8 of their keys as an indexer's picks do")
     ap.add_argument("--sinks", action="store_true",
                     help="sparse MLA also with attention sinks, interleaved with the sink-free call")
     ap.add_argument("--cpu-time", action="store_true",
@@ -570,7 +592,8 @@ def main():
     if "delta_rule" in groups:
         bench_delta_rule(records, args.device, args.quick)
     if "matrix" in groups and args.device == "cpu":
-        bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"])
+        bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"],
+                     [o.strip() for o in args.matrix_ops.split(",")], args.mla_select)
     if any("gflop_per_s" in r for r in records):
         ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
     for r in records:
