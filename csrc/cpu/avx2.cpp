@@ -141,20 +141,20 @@ inline void qk_block(const float* k, const float* qp, float scale, float* st, in
   }
 }
 
-// Kernel 1 for 8 heads or fewer: st[r][h0 + i] = scale · Σ_c k[r][c] · q[h0 + i][c] for 3 rows of
-// k and 4 heads (q rows of D, heads padded to 8 with zero rows), channels across the lanes: each
+// Kernel 1 for 8 heads or fewer: st[r][h0 + i] = scale · Σ_c k[r][c] · q[h0 + i][c] for 3 rows
+// k[0:3] and 4 heads (q rows of D, heads padded to 8 with zero rows), channels across the lanes: each
 // loaded vector of k serves 4 heads and each of q 3 keys (7 loads per 12 FMAs, where a head-
 // across-lanes block of 8 heads pays a broadcast per FMA); the 8 lane sums of each (key, head)
 // are added once at the end.
 template <int D>
-inline void qk_dot(const float* k, const float* q, float scale, float* st, int64_t ld) {
+inline void qk_dot(const float* const* k, const float* q, float scale, float* st, int64_t ld) {
   constexpr int R = 3, H = 4;
   __m256 a[R][H];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < H; ++i) a[r][i] = _mm256_setzero_ps();
   for (int c = 0; c < D; c += 8) {
     __m256 kv[R];
-    for (int r = 0; r < R; ++r) kv[r] = _mm256_loadu_ps(k + r * D + c);
+    for (int r = 0; r < R; ++r) kv[r] = _mm256_loadu_ps(k[r] + c);
     for (int i = 0; i < H; ++i) {
       const __m256 qv = _mm256_loadu_ps(q + i * D + c);
       for (int r = 0; r < R; ++r) a[r][i] = _mm256_fmadd_ps(kv[r], qv, a[r][i]);
@@ -197,9 +197,8 @@ inline void pv_block(const float* k, const float* pt, int64_t ld, const float* a
 // Kernel 2 for 8 heads or fewer: o[h0 + i][c0 : c0 + 16] = α[h0 + i] · o[..] + Σ_j pt[j][h0 + i] ·
 // k[j][c0 : c0 + 16] for 4 heads (o [8][ldo], value columns across the lanes): each loaded value
 // vector serves 4 heads and each broadcast probability 2 vectors (6 loads per 8 FMAs).
-template <int D>
-inline void pv_rows(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* o,
-                    int64_t ldo) {
+inline void pv_rows(const float* const* k, int64_t c0, const float* pt, int64_t ld, const float* alpha, int64_t nkeys,
+                    float* o, int64_t ldo) {
   constexpr int H = 4, CB = 2;
   __m256 a[H][CB];
   for (int i = 0; i < H; ++i) {
@@ -208,7 +207,7 @@ inline void pv_rows(const float* k, const float* pt, int64_t ld, const float* al
   }
   for (int64_t j = 0; j < nkeys; ++j) {
     __m256 v[CB];
-    for (int c = 0; c < CB; ++c) v[c] = _mm256_loadu_ps(k + j * D + 8 * c);
+    for (int c = 0; c < CB; ++c) v[c] = _mm256_loadu_ps(k[j] + c0 + 8 * c);
     for (int i = 0; i < H; ++i) {
       const __m256 pb = _mm256_broadcast_ss(pt + j * ld + i);
       for (int c = 0; c < CB; ++c) a[i][c] = _mm256_fmadd_ps(pb, v[c], a[i][c]);
@@ -284,7 +283,18 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
   for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
     const int64_t nk = std::min<int64_t>(kKeyTile, n - j0);
     const int64_t groups = (nk + kKeys - 1) / kKeys;
-    for (int64_t j = 0; j < nk; ++j) load_row<D>(p, slots[j0 + j], kb + j * D);
+    // 8 heads or fewer read fp32 rows in place (the rows' fetch, not the FMAs, bounds them);
+    // other rows are gathered into kb, converted.
+    const bool in_place = NV == 1 && p.kv_dtype == DType::kFloat32;
+    const float* kr[kKeyTile];
+    for (int64_t j = 0; j < kKeyTile; ++j) kr[j] = kb + j * D;
+    for (int64_t j = 0; j < nk; ++j) {
+      if (in_place) {
+        kr[j] = static_cast<const float*>(p.kv) + static_cast<int64_t>(slots[j0 + j]) * D;
+      } else {
+        load_row<D>(p, slots[j0 + j], kb + j * D);
+      }
+    }
     mla_prefetch_rows(p, slots + j0 + nk, std::min<int64_t>(kKeyTile, n - j0 - nk));  // the next tile's rows
     std::fill(kb + nk * D, kb + groups * kKeys * D, 0.f);
     // Scores: each 6-row (NV = 1: 12-row) group of the tile against every head panel.
@@ -292,7 +302,7 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
       for (int64_t pn = 0; pn < panels; ++pn)
         if constexpr (NV == 1) {
           for (int64_t r = g * kKeys; r < (g + 1) * kKeys; r += 3)
-            for (int64_t h = 0; h < 8; h += 4) qk_dot<D>(kb + r * D, s.qT.data() + h * D, p.sm_scale, st + r * hp + h, hp);
+            for (int64_t h = 0; h < 8; h += 4) qk_dot<D>(kr + r, s.qT.data() + h * D, p.sm_scale, st + r * hp + h, hp);
         } else {
           qk_block<D>(kb + g * kKeys * D, s.qT.data() + pn * D * kPanel, p.sm_scale, st + g * kKeys * hp + pn * kPanel,
                       hp);
@@ -324,7 +334,7 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
     if constexpr (NV == 1) {
       for (int64_t c0 = 0; c0 < p.d_v; c0 += 16)
         for (int64_t h = 0; h < 8; h += 4)
-          pv_rows<D>(kb + c0, st + h, hp, s.alpha.data() + h, nk, s.ot.data() + h * p.d_v + c0, p.d_v);
+          pv_rows(kr, c0, st + h, hp, s.alpha.data() + h, nk, s.ot.data() + h * p.d_v + c0, p.d_v);
       continue;
     }
     for (int64_t c0 = 0; c0 < p.d_v; c0 += kCols) {
