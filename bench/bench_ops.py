@@ -478,20 +478,33 @@ def matrix_record(records, op, dtype, heads, shape, flops, ours, fp32_rate):
                auto_path=auto[3] if auto else "", fp32_matmul_fraction=gf / fp32_rate if fp32_rate else 0.0)
 
 
-def matrix_sparse_mla(records, device, rows, fp32_rate):
+def mla_selection(rows, n, topk, how):
+    """[rows, topk] slots of an n-slot cache: 'random' (rows share ~topk/n of their keys) or
+    'request' (the rows of one request, as an indexer picks them: each keeps 7/8 of a common
+    top-k and draws the rest at random)."""
+    if how == "random":
+        return torch.randint(0, n, (rows, topk), dtype=torch.int32)
+    idx = torch.randperm(n)[:topk].int().repeat(rows, 1)
+    own = torch.rand(rows, topk).argsort(dim=1)[:, : topk // 8]
+    idx.scatter_(1, own, torch.randint(0, n, (rows, topk // 8), dtype=torch.int32))
+    return idx
+
+
+def matrix_sparse_mla(records, device, rows, fp32_rate, select="random"):
     n = 8192
     for dtype, dt in MATRIX_DTYPES.items():
         for h in (8, 16, 128):
             cache = torch.randn(n, 1, 576).to(dt)
             q = torch.randn(rows, h, 576).to(dt)
-            idx = torch.randint(0, n, (rows, 512), dtype=torch.int32)
+            idx = mla_selection(rows, n, 512, select)
             out, lse = torch.empty(rows, h, 512, dtype=dt), torch.empty(rows, h)
             ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse), device, "sparse_mla", dtype,
                              min_time=0.3, max_iters=5)
-            matrix_record(records, "sparse_mla", dtype, h, f"{rows}q k512", 2 * rows * h * 512 * 1088, ours, fp32_rate)
+            shape = f"{rows}q k512" + ("" if select == "random" else f" {select}")
+            matrix_record(records, "sparse_mla", dtype, h, shape, 2 * rows * h * 512 * 1088, ours, fp32_rate)
 
 
-def matrix_indexer(records, device, rows, fp32_rate):
+def matrix_indexer(records, device, rows, fp32_rate, select=None):
     n = 8192
     for dtype in ("fp32", "bf16", "fp8"):
         for h in (8, 16, 64):
@@ -504,7 +517,7 @@ def matrix_indexer(records, device, rows, fp32_rate):
             matrix_record(records, "indexer_topk", dtype, h, f"{rows}q x {n}", 2 * rows * h * n * 128, ours, fp32_rate)
 
 
-def matrix_block_sparse(records, device, rows, fp32_rate):
+def matrix_block_sparse(records, device, rows, fp32_rate, select=None):
     h_kv, bsz, topk, page, n_ctx = 4, 128, 16, 64, 8192
     for dtype, dt in MATRIX_DTYPES.items():
         for h_q in (8, 16, 64):
@@ -527,16 +540,16 @@ MATRIX_OPS = {"sparse_mla": matrix_sparse_mla, "indexer_topk": matrix_indexer,
               "block_sparse_attention": matrix_block_sparse}
 
 
-def bench_matrix(records, device, quick, fp32_rate, which=tuple(MATRIX_OPS)):
+def bench_matrix(records, device, quick, fp32_rate, which=tuple(MATRIX_OPS), mla_select="random"):
     """sparse_mla (64 rows x top-512 of 8192, 576/512), indexer_topk (64 rows x 8192 keys, top-2048)
     and block_sparse_attention (64 rows, 4 KV heads x 128, 16 blocks of 128) in fp32 and bf16 (the
     indexer also fp8), at 8, 16 and 128 (indexer 64, block-sparse 64 query) heads, on every path;
-    which: the ops to run (MATRIX_OPS keys)."""
+    which: the ops to run (MATRIX_OPS keys); mla_select: sparse_mla's key selection (mla_selection)."""
     unknown = [w for w in which if w not in MATRIX_OPS]
     if unknown:
         raise ValueError(f"--matrix-ops: unknown {unknown}; choose from {sorted(MATRIX_OPS)}")
     for name in which:
-        MATRIX_OPS[name](records, device, 16 if quick else 64, fp32_rate)
+        MATRIX_OPS[name](records, device, 16 if quick else 64, fp32_rate, mla_select)
 
 
 def main():
@@ -553,6 +566,9 @@ def main():
                          "{8, 16, 64/128} on every --isa path, with the path each took and auto's")
     ap.add_argument("--matrix-ops", default=",".join(MATRIX_OPS),
                     help="with --ops matrix: which ops' rows to run, comma-separated")
+    ap.add_argument("--mla-select", default="random", choices=["random", "request"],
+                    help="the matrix's sparse_mla key selection: random rows, or the rows of one request "
+                         "sharing 7/8 of their keys as an indexer's picks do")
     ap.add_argument("--sinks", action="store_true",
                     help="sparse MLA also with attention sinks, interleaved with the sink-free call")
     ap.add_argument("--cpu-time", action="store_true",
@@ -594,7 +610,7 @@ def main():
         bench_delta_rule(records, args.device, args.quick)
     if "matrix" in groups and args.device == "cpu":
         bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"],
-                     [s.strip() for s in args.matrix_ops.split(",") if s.strip()])
+                     [s.strip() for s in args.matrix_ops.split(",") if s.strip()], args.mla_select)
     if any("gflop_per_s" in r for r in records):
         ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
     for r in records:

@@ -429,6 +429,31 @@ def test_sparse_mla_fp32_heads_splits_threads(cpu_isa, d_qk, h, q_dtype, cache_d
         assert torch.equal(a[1].view(torch.int32), lse.view(torch.int32))
 
 
+@pytest.mark.parametrize("h", [8, 16, 40])
+def test_sparse_mla_bf16_keeps_probabilities_precise(cpu_isa, h):
+    """bf16 q and cache: the output is the fp32 reference rounded to bf16, to within rare one-ulp
+    flips (rel 5e-4; measured 2e-5 .. 8e-5), on the paths that keep P in fp32 (docs/ops.md);
+    rounding P to bf16 puts ~2.2e-3 on every output (what the avx512bf16 path did before
+    issue 31, and what the blas path's brgemm does: its bar is the §8 one). 8 / 16 / 40 heads:
+    the quad-lane scores, one 16-head block, two 32-head blocks; -1 holes, an odd key count,
+    sinks."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    s_q, n = 3, 900
+    cache = torch.randn(n, 1, 576, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, n, (s_q, 301), generator=g, dtype=torch.int32)
+    idx[:, ::4] = -1
+    q = torch.randn(s_q, h, 576, generator=g).to(torch.bfloat16)
+    sinks = make_sinks(h, "cpu")
+    out = torch.full((s_q, h, 512), POISON_F, dtype=torch.bfloat16)
+    lse = torch.full((s_q, h), POISON_F)
+    ops.sparse_mla(q, cache, idx, 576 ** -0.5, out=out, lse=lse, sinks=sinks)
+    ro, rl = ref.sparse_mla(q, cache, idx, 576 ** -0.5, sinks=sinks)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    bar = 1e-2 if _C._cpu_isa("sparse_mla", "bf16") == "blas" else 5e-4
+    assert rel_err(out.float(), ro.float()) < bar
+    assert (lse - rl).abs().max() < 1e-4
+
+
 # ------------------------------------------------------------------ sparse MLA with attention sinks
 
 def make_sinks(h, device, seed=None):

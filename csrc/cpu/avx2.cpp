@@ -5,14 +5,16 @@
 // heads and one range of its selected keys. It walks its keys in tiles of 48: the tile's cache
 // rows are gathered and converted to fp32 once (bf16 by a shift, fp8_ds_mla by exponent
 // arithmetic and the group scale), then two register-blocked FMA kernels run on it with heads
-// across the lanes (16 heads = two vectors; a block of 8 heads or fewer, a tensor-parallel rank's
-// share, one vector with 12 keys / 8 columns per block instead of half-empty 16-head panels):
+// across the lanes (16 heads = two vectors):
 //   S^T[key][h] = Σ_c K[key][c] · qT[c][h]          6 keys x 16 heads per block
 //   O^T[v][h]  = α[h]·O^T[v][h] + Σ_key K[key][v] · P[key][h]   6 value columns x 16 heads
-// with an online softmax between them (running max and sum per head, α the rescale). Each
-// gathered row is read from the cache once per tile for the whole head block. With few query
-// rows the selected keys are split across threads and the partial (max, sum, O) merged in
-// split order (by whichever task finishes a row's last split, in the same parallel region); the
+// A block of 8 heads or fewer (a tensor-parallel rank's share: GLM-5 at TP 8) would fill one
+// vector and pay a broadcast per FMA; it runs with channels (scores, 3 keys x 4 heads, lane sums
+// added per key) and value columns (P·V, 4 heads x 16 columns, O[h][c]) across the lanes instead,
+// so each loaded vector serves several FMAs. An online softmax runs between the two kernels
+// (running max and sum per head, α the rescale). Each gathered row is read from the cache once
+// per tile for the whole head block. With few query rows the selected keys are split across
+// threads and the partial (max, sum, O) merged in split order (by whichever task finishes a row's last split, in the same parallel region); the
 // split count depends on the shape alone, so results are bit-identical on any thread count.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -139,18 +141,32 @@ inline void qk_block(const float* k, const float* qp, float scale, float* st, in
   }
 }
 
-// Kernel 1 for one-vector panels (8 heads): 12 rows of k.
+// Kernel 1 for 8 heads or fewer: st[r][h0 + i] = scale · Σ_c k[r][c] · q[h0 + i][c] for 3 rows
+// k[0:3] and 4 heads (q rows of D, heads padded to 8 with zero rows), channels across the lanes: each
+// loaded vector of k serves 4 heads and each of q 3 keys (7 loads per 12 FMAs, where a head-
+// across-lanes block of 8 heads pays a broadcast per FMA); the 8 lane sums of each (key, head)
+// are added once at the end.
 template <int D>
-inline void qk_block8(const float* k, const float* qp, float scale, float* st, int64_t ld) {
-  constexpr int G = 12;
-  __m256 a[G];
-  for (int r = 0; r < G; ++r) a[r] = _mm256_setzero_ps();
-  for (int c = 0; c < D; ++c) {
-    const __m256 b = _mm256_loadu_ps(qp + c * 8);
-    for (int r = 0; r < G; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(k + r * D + c), b, a[r]);
+inline void qk_dot(const float* const* k, const float* q, float scale, float* st, int64_t ld) {
+  constexpr int R = 3, H = 4;
+  __m256 a[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < H; ++i) a[r][i] = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += 8) {
+    __m256 kv[R];
+    for (int r = 0; r < R; ++r) kv[r] = _mm256_loadu_ps(k[r] + c);
+    for (int i = 0; i < H; ++i) {
+      const __m256 qv = _mm256_loadu_ps(q + i * D + c);
+      for (int r = 0; r < R; ++r) a[r][i] = _mm256_fmadd_ps(kv[r], qv, a[r][i]);
+    }
   }
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (int r = 0; r < G; ++r) _mm256_storeu_ps(st + r * ld, _mm256_mul_ps(a[r], sc));
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    // lanes [s0, s1, s2, s3 | s0', s1', s2', s3']: head i's sums over lanes 0-3 and 4-7
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    _mm_storeu_ps(st + r * ld, _mm_mul_ps(sum, sc));
+  }
 }
 
 // Kernel 2: ot[v][0:16] = α · ot[v][0:16] + Σ_j k[j][v] · pt[j][0:16] for R value columns v
@@ -178,29 +194,33 @@ inline void pv_block(const float* k, const float* pt, int64_t ld, const float* a
   }
 }
 
-// Kernel 2 for one-vector panels (8 heads): 8 value columns (d_v is a multiple of 64).
-template <int D>
-inline void pv_block8(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot,
-                      int64_t ldo) {
-  constexpr int R = 8;
-  __m256 a[R];
-  const __m256 al = _mm256_loadu_ps(alpha);
-  for (int r = 0; r < R; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(ot + r * ldo), al);
-  for (int64_t j = 0; j < nkeys; ++j) {
-    const __m256 b = _mm256_loadu_ps(pt + j * ld);
-    for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(k + j * D + r), b, a[r]);
+// Kernel 2 for 8 heads or fewer: o[h0 + i][c0 : c0 + 16] = α[h0 + i] · o[..] + Σ_j pt[j][h0 + i] ·
+// k[j][c0 : c0 + 16] for 4 heads (o [8][ldo], value columns across the lanes): each loaded value
+// vector serves 4 heads and each broadcast probability 2 vectors (6 loads per 8 FMAs).
+inline void pv_rows(const float* const* k, int64_t c0, const float* pt, int64_t ld, const float* alpha, int64_t nkeys,
+                    float* o, int64_t ldo) {
+  constexpr int H = 4, CB = 2;
+  __m256 a[H][CB];
+  for (int i = 0; i < H; ++i) {
+    const __m256 al = _mm256_set1_ps(alpha[i]);
+    for (int c = 0; c < CB; ++c) a[i][c] = _mm256_mul_ps(_mm256_loadu_ps(o + i * ldo + 8 * c), al);
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(ot + r * ldo, a[r]);
+  for (int64_t j = 0; j < nkeys; ++j) {
+    __m256 v[CB];
+    for (int c = 0; c < CB; ++c) v[c] = _mm256_loadu_ps(k[j] + c0 + 8 * c);
+    for (int i = 0; i < H; ++i) {
+      const __m256 pb = _mm256_broadcast_ss(pt + j * ld + i);
+      for (int c = 0; c < CB; ++c) a[i][c] = _mm256_fmadd_ps(pb, v[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < H; ++i)
+    for (int c = 0; c < CB; ++c) _mm256_storeu_ps(o + i * ldo + 8 * c, a[i][c]);
 }
 
-// R = rem value columns; one-vector panels (NV = 1) take 8 at a time.
-template <int D, int NV>
+// R = rem value columns.
+template <int D>
 void pv_cols(const float* k, const float* pt, int64_t ld, const float* alpha, int64_t nkeys, float* ot, int64_t ldo,
              int rem) {
-  if constexpr (NV == 1) {
-    pv_block8<D>(k, pt, ld, alpha, nkeys, ot, ldo);
-    return;
-  }
   switch (rem) {
     case 1: pv_block<D, 1>(k, pt, ld, alpha, nkeys, ot, ldo); break;
     case 2: pv_block<D, 2>(k, pt, ld, alpha, nkeys, ot, ldo); break;
@@ -217,11 +237,16 @@ inline int64_t panel_width(int64_t nh) { return nh <= 8 ? 8 : 16; }
 // One task's running state for heads [h0, h0 + nh), padded to hp (a multiple of panel_width).
 struct MlaState {
   std::vector<float> kbuf;  // [kKeyTile][d_qk] gathered fp32 rows
-  std::vector<float> qT;    // [hp / 16][d_qk][16] query, heads across lanes
+  std::vector<float> qT;    // [hp / 16][d_qk][16] query, heads across lanes (9+ heads) or [8][d_qk] rows
   std::vector<float> st;    // [kKeyTile][hp] scores, then probabilities
-  std::vector<float> ot;    // [d_v][hp] unnormalised output
+  std::vector<float> ot;    // unnormalised output, O^T [d_v][hp] (9+ heads) or O [8][d_v] (ot_at)
   std::vector<float> m, l, z, alpha;  // [hp] running max, sum, NaN flag (0 or NaN), rescale
 };
+
+// Where O[h][c] of a task with nh heads (padded to hp) is in MlaState::ot.
+inline int64_t ot_at(int64_t nh, int64_t hp, int64_t d_v, int64_t h, int64_t c) {
+  return nh <= 8 ? h * d_v + c : c * hp + h;
+}
 
 float q_value(const SparseMlaParams& p, int64_t i) {
   return p.q_dtype == DType::kFloat32 ? static_cast<const float*>(p.q)[i]
@@ -233,7 +258,7 @@ float q_value(const SparseMlaParams& p, int64_t i) {
 template <int D, int NV>
 void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const int32_t* slots, int64_t n,
               MlaState& s) {
-  constexpr int kPanel = 8 * NV, kKeys = NV == 1 ? 12 : kGroup, kCols = NV == 1 ? 8 : kGroup;
+  constexpr int kPanel = 8 * NV, kKeys = NV == 1 ? 12 : kGroup, kCols = kGroup;
   static_assert(kKeyTile % kKeys == 0, "a tile is whole key groups");
   const int64_t hp = (nh + kPanel - 1) / kPanel * kPanel, panels = hp / kPanel;
   s.kbuf.resize(kKeyTile * D);
@@ -247,26 +272,37 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
   for (int64_t pn = 0; pn < panels; ++pn)
     for (int64_t hh = 0; hh < kPanel; ++hh) {
       const int64_t h = pn * kPanel + hh;
-      float* dst = s.qT.data() + pn * D * kPanel + hh;
-      if (h >= nh) {
-        for (int c = 0; c < D; ++c) dst[c * kPanel] = 0.f;
-        continue;
-      }
+      // 8 heads or fewer: q rows (qk_dot); else heads across the lanes
+      float* dst = NV == 1 ? s.qT.data() + h * D : s.qT.data() + pn * D * kPanel + hh;
+      const int64_t step = NV == 1 ? 1 : kPanel;
       const int64_t base = (t * p.h_q + h0 + h) * D;
-      for (int c = 0; c < D; ++c) dst[c * kPanel] = q_value(p, base + c);
+      for (int c = 0; c < D; ++c) dst[c * step] = h < nh ? q_value(p, base + c) : 0.f;
     }
   float* kb = s.kbuf.data();
   float* st = s.st.data();
   for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
     const int64_t nk = std::min<int64_t>(kKeyTile, n - j0);
     const int64_t groups = (nk + kKeys - 1) / kKeys;
-    for (int64_t j = 0; j < nk; ++j) load_row<D>(p, slots[j0 + j], kb + j * D);
+    // 8 heads or fewer read fp32 rows in place (the rows' fetch, not the FMAs, bounds them);
+    // other rows are gathered into kb, converted.
+    const bool in_place = NV == 1 && p.kv_dtype == DType::kFloat32;
+    const float* kr[kKeyTile];
+    for (int64_t j = 0; j < kKeyTile; ++j) kr[j] = kb + j * D;
+    for (int64_t j = 0; j < nk; ++j) {
+      if (in_place) {
+        kr[j] = static_cast<const float*>(p.kv) + static_cast<int64_t>(slots[j0 + j]) * D;
+      } else {
+        load_row<D>(p, slots[j0 + j], kb + j * D);
+      }
+    }
+    mla_prefetch_rows(p, slots + j0 + nk, std::min<int64_t>(kKeyTile, n - j0 - nk));  // the next tile's rows
     std::fill(kb + nk * D, kb + groups * kKeys * D, 0.f);
     // Scores: each 6-row (NV = 1: 12-row) group of the tile against every head panel.
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t pn = 0; pn < panels; ++pn)
         if constexpr (NV == 1) {
-          qk_block8<D>(kb + g * kKeys * D, s.qT.data(), p.sm_scale, st + g * kKeys * hp, hp);
+          for (int64_t r = g * kKeys; r < (g + 1) * kKeys; r += 3)
+            for (int64_t h = 0; h < 8; h += 4) qk_dot<D>(kr + r, s.qT.data() + h * D, p.sm_scale, st + r * hp + h, hp);
         } else {
           qk_block<D>(kb + g * kKeys * D, s.qT.data() + pn * D * kPanel, p.sm_scale, st + g * kKeys * hp + pn * kPanel,
                       hp);
@@ -294,11 +330,17 @@ void mla_task(const SparseMlaParams& p, int64_t t, int64_t h0, int64_t nh, const
       _mm256_storeu_ps(s.m.data() + v, mt);
       _mm256_storeu_ps(s.z.data() + v, zt);
     }
-    // P·V: 6 value columns x 16 heads (NV = 1: 8 x 8) per block, over the tile's keys.
+    // P·V: 6 value columns x 16 heads (NV = 1: 4 heads x 16 columns) per block, over the tile's keys.
+    if constexpr (NV == 1) {
+      for (int64_t c0 = 0; c0 < p.d_v; c0 += 16)
+        for (int64_t h = 0; h < 8; h += 4)
+          pv_rows(kr, c0, st + h, hp, s.alpha.data() + h, nk, s.ot.data() + h * p.d_v + c0, p.d_v);
+      continue;
+    }
     for (int64_t c0 = 0; c0 < p.d_v; c0 += kCols) {
       const int rem = static_cast<int>(std::min<int64_t>(kCols, p.d_v - c0));
       for (int64_t pn = 0; pn < panels; ++pn)
-        pv_cols<D, NV>(kb + c0, st + pn * kPanel, hp, s.alpha.data() + pn * kPanel, nk,
+        pv_cols<D>(kb + c0, st + pn * kPanel, hp, s.alpha.data() + pn * kPanel, nk,
                        s.ot.data() + c0 * hp + pn * kPanel, hp, rem);
     }
   }
@@ -403,13 +445,14 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
           pm[part] = s.m[hh];
           pl[part] = s.l[hh];
           pz[part] = s.z[hh];
-          for (int64_t c = 0; c < p.d_v; ++c) po[part * p.d_v + c] = s.ot[c * hp + hh];
+          for (int64_t c = 0; c < p.d_v; ++c) po[part * p.d_v + c] = s.ot[ot_at(nh, hp, p.d_v, hh, c)];
           continue;
         }
         // The sink only changes this normalisation (mla_finish; bit-identical without one).
         const MlaFinish f = mla_finish(s.m[hh], s.l[hh], s.z[hh] != s.z[hh], mla_sink(p, h));
         p.lse[t * p.h_q + h] = f.lse;
-        for (int64_t c = 0; c < p.d_v; ++c) store_out(p, (t * p.h_q + h) * p.d_v + c, s.ot[c * hp + hh] * f.scale);
+        for (int64_t c = 0; c < p.d_v; ++c)
+          store_out(p, (t * p.h_q + h) * p.d_v + c, s.ot[ot_at(nh, hp, p.d_v, hh, c)] * f.scale);
       }
       if (splits > 1 && left[t * hblocks + hb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         s.alpha.resize(std::max<size_t>(s.alpha.size(), p.d_v));  // scratch for the merge
