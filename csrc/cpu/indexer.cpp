@@ -77,34 +77,6 @@ struct KeyTile {
   int n = 0;
 };
 
-// dst[c * ld + i] = rows[i][c0 + c] for i, c < 16: a 16 x 16 transpose of 32-bit values (in 128-bit
-// lanes: rows interleaved in 32-bit, then 64-bit steps; then the lanes regrouped across vectors).
-__attribute__((target("avx512f"))) inline void transpose16(const uint32_t* const* rows, int64_t c0, uint32_t* dst,
-                                                          int64_t ld) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + c0);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // r[4g + k], lane m: column 4m + k of rows 4g .. 4g + 3.
-  for (int g = 0; g < 16; g += 4) {
-    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
-    _mm512_storeu_si512(dst + k * ld, _mm512_shuffle_i32x4(v0, w0, 0x88));
-    _mm512_storeu_si512(dst + (4 + k) * ld, _mm512_shuffle_i32x4(v0, w0, 0xDD));
-    _mm512_storeu_si512(dst + (8 + k) * ld, _mm512_shuffle_i32x4(v1, w1, 0x88));
-    _mm512_storeu_si512(dst + (12 + k) * ld, _mm512_shuffle_i32x4(v1, w1, 0xDD));
-  }
-}
-
 // The avx512bf16 path's tiles (kind kBf16 or kF32Avx512) by 16 x 16 transposes of whole rows of
 // 32-bit elements: bf16 pairs (bf16 keys in place; fp8 rows converted to pairs first) or fp32.
 template <typename Keys>
@@ -131,7 +103,7 @@ __attribute__((target("avx512f"))) void pack_tile_avx512(const Keys& keys, DType
   }
   uint32_t* dst = kind == Tiles::kBf16 ? t.pairs : reinterpret_cast<uint32_t*>(t.f32.data());
   for (int j = 0; j < kTile; j += 16)
-    for (int64_t c = 0; c < cols; c += 16) transpose16(rows + j, c, dst + c * kTile + j, kTile);
+    for (int64_t c = 0; c < cols; c += 16) cpu::transpose16x16_epi32(rows + j, c, dst + c * kTile + j, kTile);
 }
 
 template <typename Keys>
