@@ -106,6 +106,13 @@ def test_paths_and_threads_bit_identical():
         assert all(torch.equal(a, b) for a, b in zip(res, first)), key
 
 
+def test_empty_rows():
+    """No rows (a rank or a batch with nothing to do): empty results, not a refusal."""
+    for interleaved in (True, False):
+        assert ops.rope(torch.empty(0, 4, 64), torch.empty(0, 32), torch.empty(0, 32), interleaved).shape == (0, 4, 64)
+    assert ops.rms_norm(torch.empty(0, 16).bfloat16(), torch.ones(16), 1e-6).shape == (0, 16)
+
+
 def test_refusals():
     x, w = torch.randn(3, 8), torch.randn(8)
     o = torch.ops.indexcache

@@ -246,7 +246,7 @@ void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
   TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape ", x.sizes(), ", got ", out.sizes());
   check_unit_last(x, "x");
   check_unit_last(out, "out");
-  const bool same = out.data_ptr() == x.data_ptr();
+  const bool same = x.numel() > 0 && out.data_ptr() == x.data_ptr();  // empty tensors share no memory
   TORCH_CHECK(!same || (out.strides() == x.strides() && out.scalar_type() == x.scalar_type()),
               "out may be x itself (same strides and dtype) but not another view of its memory");
   RopeParams p{};
