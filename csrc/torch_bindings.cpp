@@ -67,4 +67,9 @@ TORCH_LIBRARY(indexcache, m) {
   // w[g, n, k] (w_nk, a linear layer's weight) or x[g, m, k] * w[g, k, n]; 2-D or 3-D (G first),
   // fp32 or bf16 each, last dims contiguous, summed in fp32.
   m.def("rows_matmul(Tensor x, Tensor w, bool w_nk, Tensor(a!) out) -> ()");
+  // A decode step's small ops (CPU only), fp32 inside, one rounding to out's dtype: RMSNorm of rows
+  // x [N, D] with weight w [D] -> out [N, D]; rotary embedding of x [N, H, R] by cos / sin fp32
+  // [N, R / 2] (interleaved or split-half pairs) -> out [N, H, R], which may be x itself.
+  m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor(a!) out) -> ()");
 }

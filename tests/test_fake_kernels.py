@@ -124,7 +124,21 @@ def _rows_matmul_cases():
     ]
 
 
-CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases(), *_rows_matmul_cases()]
+def _norm_rope_cases():
+    x, w = torch.randn(3, 8).bfloat16(), torch.randn(8)
+    q, c = torch.randn(3, 2, 8), torch.randn(3, 4)
+    return [
+        (o.rms_norm, (x, w, 1e-6, torch.empty(3, 8).bfloat16()),
+         [(0, x.half(), "x must be"), (0, torch.randn(8), "x must have 2 dims"),
+          (1, torch.randn(7), "w must have x's last dim"), (3, torch.empty(3, 7), "out must have x's shape")]),
+        (o.rope, (q, c, c, True, torch.empty(3, 2, 8)),
+         [(0, torch.randn(3, 8), "x must have 3 dims"), (0, torch.randn(3, 2, 7), "must be even"),
+          (1, c.double(), "cos must be"), (2, torch.randn(3, 3), r"cos and sin must be \[N, R / 2\]"),
+          (4, torch.empty(3, 2, 6), "out must have x's shape")]),
+    ]
+
+
+CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases(), *_rows_matmul_cases(), *_norm_rope_cases()]
 
 
 def _fake_call(op, args):

@@ -266,8 +266,8 @@ def test_fp8_resident_single_process(setup):
 
 def _config_key_bytes(c: dict, tp: int, pp: int, skip: list, fp8: bool) -> list:
     """Per-stage weight bytes counted by hand from config.json keys (an independent count of what
-    the model holds: FP8 linears + 4 B per 128x128 block, bf16 norms / embedding / router, fp32 LM
-    head, indexer head weights and router bias; S layers without an indexer)."""
+    the model holds: FP8 linears + 4 B per 128x128 block, bf16 norms / embedding / router / LM
+    heads (a bf16 model without a checkpoint), fp32 indexer head weights and router bias; S layers without an indexer)."""
     import math
 
     from indexcache.parallel import stage_bounds
@@ -298,7 +298,7 @@ def _config_key_bytes(c: dict, tp: int, pp: int, skip: list, fp8: bool) -> list:
         b = sum(layer(i, not skip[i]) for i in range(bounds[s], bounds[s + 1]))
         b += vshard * h * 2 if s == 0 else 0
         if s == pp - 1:
-            b += vshard * h * 4 + 2 * h + mtp * (layer(L, True) + 2 * 3 * h + 2 * h * 2 * h + vshard * h * 4)
+            b += vshard * h * 2 + 2 * h + mtp * (layer(L, True) + 2 * 3 * h + 2 * h * 2 * h + vshard * h * 2)
         out.append(b)
     return out
 

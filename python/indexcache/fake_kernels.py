@@ -356,3 +356,28 @@ def _rows_matmul(x, w, w_nk, out):
     torch._check(k == x.shape[-1], lambda: f"w {tuple(w.shape)} does not take x's K = {x.shape[-1]}")
     torch._check(tuple(out.shape[-2:]) == (x.shape[-2], n),
                  lambda: f"out must be [.., {x.shape[-2]}, {n}], got {tuple(out.shape)}")
+
+
+@torch.library.register_fake("indexcache::rms_norm")
+def _rms_norm(x, w, eps, out):
+    for t, name in ((x, "x"), (w, "w"), (out, "out")):
+        _dtype(t, FLOATS, name)
+    _dim(x, 2, "x")
+    _dim(w, 1, "w")
+    torch._check(w.shape[0] == x.shape[1], lambda: f"w must have x's last dim {x.shape[1]} values, got {tuple(w.shape)}")
+    torch._check(out.shape == x.shape, lambda: f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
+
+
+@torch.library.register_fake("indexcache::rope")
+def _rope(x, cos, sin, interleaved, out):
+    for t, name in ((x, "x"), (out, "out")):
+        _dtype(t, FLOATS, name)
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        _dtype(t, (torch.float32,), name)
+        _dim(t, 2, name)
+    _dim(x, 3, "x")
+    torch._check(x.shape[2] % 2 == 0, lambda: f"x's last dim (the rotated width) must be even, got {x.shape[2]}")
+    torch._check(tuple(cos.shape) == (x.shape[0], x.shape[2] // 2) and sin.shape == cos.shape,
+                 lambda: f"cos and sin must be [N, R / 2] for x {tuple(x.shape)}, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    torch._check(out.shape == x.shape, lambda: f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")

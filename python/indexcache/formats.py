@@ -30,10 +30,12 @@ BLOCK_SIZE = 64                  # tokens per block (MLA and index-K caches shar
 
 # ---------------------------------------------------------------- checkpoint storage
 # Kept in fp32 whatever the model dtype: the indexer's head weights and the router bias (as the
-# checkpoints store them), and the LM heads, whose logits DeepSeek's reference computes in fp32.
-FP32_PARAMS = ("weights_proj.weight", "e_score_correction_bias", "lm_head.weight", "shared_head.head.weight")
-# The LM heads: fp32 parameters in the model, written in the model's dtype like every other weight
-# of the official checkpoints.
+# checkpoints store them).
+FP32_PARAMS = ("weights_proj.weight", "e_score_correction_bias")
+# The LM heads: logits are always fp32 sums (DeepSeek's reference computes them in fp32). A bf16
+# model holds its heads in bf16 when the checkpoint stores them so (the official ones do: the values
+# are exactly bf16, and half the bytes a decode step reads); any other model, or a checkpoint
+# storing them wider, holds them fp32 (parallel.vocab.head_dtype). Written in the model's dtype.
 FP32_HEADS = ("lm_head.weight", "shared_head.head.weight")
 # Linear layers that the official checkpoints store in block FP8.
 FP8_LINEAR_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",

@@ -24,6 +24,7 @@ import torch
 from indexcache.formats import FP32_HEADS, FP32_PARAMS
 from indexcache.formats import FP8_WEIGHT_BLOCK as FP8_BLOCK
 from indexcache.fp8_blocks import FP8_WEIGHTS, dequantize_fp8_blocks, is_fp8_checkpoint, quantize_fp8_blocks  # noqa: F401
+from indexcache.parallel.vocab import head_dtype
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -193,8 +194,10 @@ def _copy_param(reader: _Reader, ckpt: str, mod, attr: str, used: set) -> None:
         t = dequantize_fp8_blocks(t, s, ckpt, reader.block, off)
     if fp8_param:
         mod.set_dense(t)  # a bf16 checkpoint held FP8 (weights="fp8"): quantized in aligned blocks
-    else:
-        p.copy_(t)
+        return
+    if ckpt.endswith(FP32_HEADS) and p.dtype != head_dtype(p.dtype, t.dtype):
+        p.data = torch.empty_like(p, dtype=head_dtype(p.dtype, t.dtype))  # a head stored wider than bf16
+    p.copy_(t)
 
 
 def _dequantize_stacked(reader: _Reader, ckpt: str, t: torch.Tensor, dim, lo: int, hi: int, used: set) -> torch.Tensor:
@@ -264,8 +267,7 @@ def storage_dtypes(model, like: Optional[Union[str, Path]] = None, default: torc
     for name, p in model.named_parameters():
         if p.dtype not in _ST_DTYPES.values() or name.endswith("weight_scale_inv"):
             continue
-        keep32 = name.endswith(FP32_PARAMS) and not name.endswith(FP32_HEADS)
-        out[name] = stored.get(name, torch.float32 if keep32 else default)
+        out[name] = stored.get(name, torch.float32 if name.endswith(FP32_PARAMS) else default)
     return out
 
 

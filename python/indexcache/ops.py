@@ -383,3 +383,36 @@ def reset_cuda_error_count(device=None) -> None:
     if word is not None:
         word.zero_()
 
+
+
+# ----------------------------------------------------------------------------- a decode step's small ops (CPU)
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of ``x [..., D]`` (fp32 or bf16, last dim contiguous) with ``weight [D]``
+    (fp32 or bf16), CPU only: ``x / sqrt(mean(x^2) + eps) * weight`` in fp32, rounded once to
+    ``out``'s dtype (default x's). Each row's sum of squares has a fixed order (thread-count and
+    ISA independent). :func:`indexcache.reference.rms_norm` is the definition."""
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm takes x [..., D] and weight [D], got x {tuple(x.shape)} and weight "
+                         f"{tuple(weight.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    o = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if out is None else out.view(x2.shape)
+    _ops.rms_norm(x2, weight, float(eps), o)
+    return o.view(x.shape) if out is None else out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary embedding of ``x [N, R]`` or ``[N, H, R]`` (fp32 or bf16, last dim contiguous) by
+    per-row angles, CPU only: cos / sin fp32 ``[N, R / 2]``; pairs (x[2i], x[2i + 1]) when
+    ``interleaved``, else (x[i], x[i + R/2]); each pair (a, b) -> (a c - b s, a s + b c) in fp32,
+    rounded once to ``out``'s dtype (default x's). ``out`` may be ``x`` itself (in place).
+    :func:`indexcache.reference.rope` is the definition."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"rope takes x [N, R] or [N, H, R], got shape {tuple(x.shape)}")
+    o = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if o.shape != x.shape:
+        raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(o.shape)}")
+    x3, o3 = (x, o) if x.dim() == 3 else (x.unsqueeze(1), o.unsqueeze(1))
+    _ops.rope(x3, cos, sin, bool(interleaved), o3)
+    return o

@@ -374,3 +374,25 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             out[t] = scale * torch.einsum("hkv,hk->hv", s, qf[t])
         state[slot] = s
     return out.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------- a decode step's small ops
+# ops.rms_norm and ops.rope (the models' RMSNorm and apply_rope take them on the CPU).
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x [..., D] / sqrt(mean(x^2) + eps) * weight [D]`` in fp32, rounded once to ``out_dtype`` (default x's)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(out_dtype or x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Pairs (a, b) of ``x [N, R]`` / ``[N, H, R]`` -> (a c - b s, a s + b c), c, s = cos / sin ``[N, R/2]``
+    of the row; pairs (x[2i], x[2i+1]) when ``interleaved``, else (x[i], x[i + R/2]); fp32, rounded once."""
+    xf = x.float()
+    c = cos.float().view((x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],))
+    s = sin.float().view(c.shape)
+    a, b = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, dim=-1)
+    ra, rb = a * c - b * s, a * s + b * c
+    out = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), dim=-1)
+    return out.to(out_dtype or x.dtype)

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from indexcache.config import IndexCacheConfig
-from indexcache.formats import FP32_PARAMS
-from indexcache.parallel import (WEIGHTS_CHOICES, ParallelContext, ShardedLinear, head_logits, make_embedding,
-                                 make_lm_head, stage_bounds, stage_start_full_pattern)
+from indexcache.formats import FP32_HEADS, FP32_PARAMS
+from indexcache.parallel import (WEIGHTS_CHOICES, ParallelContext, ShardedLinear, head_dtype, head_logits,
+                                 make_embedding, make_lm_head, stage_bounds, stage_start_full_pattern)
 from indexcache.plan import LayerPlan, build_layer_plan
 
 from .args import BLOCK_SIZE, ModelArgs, _dtype, split_overrides
@@ -42,8 +42,7 @@ class DSAModel(nn.Module):
     def __init__(self, args: ModelArgs, build_indexer: list, indexer_fp8: bool, par: Optional[ParallelContext] = None,
                  make_layer=None):
         super().__init__()
-        par = par or ParallelContext()
-        L = args.num_hidden_layers
+        par, L = par or ParallelContext(), args.num_hidden_layers
         self.embed_tokens = make_embedding(args.vocab_size, args.hidden_size, par) if par.first_stage else None
         make_layer = make_layer or (HyperDecoderLayer if args.hc_mult else DecoderLayer)
         layers = [make_layer(args, i, build_indexer[i], indexer_fp8, par) if par.owns_layer(i, L)
@@ -239,7 +238,8 @@ class DSAForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             if p.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv"):
                 continue  # FP8 weights and their fp32 block scales stay as they are
-            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAMS + self.fp32_params) else dtype)
+            keep32 = name.endswith(FP32_PARAMS + self.fp32_params)
+            p.data = p.data.to(torch.float32 if keep32 else head_dtype(dtype) if name.endswith(FP32_HEADS) else dtype)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> "DSAForCausalLM":
@@ -268,8 +268,8 @@ class DSAForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the model was built in (activations, "auto" KV cache); the LM heads, the indexer's
-        head weights and the router bias are fp32 parameters whatever it is."""
+        """The dtype the model was built in (activations, "auto" KV cache); the indexer's head weights
+        and the router bias are fp32 parameters whatever it is, the LM heads fp32 or bf16 (``head_dtype``)."""
         return self.compute_dtype
 
     @property

@@ -16,7 +16,7 @@ def weight_bytes_per_gpu(config: dict, tp: int, pp: int, plan_skip: list, fp8: b
     """Resident weight bytes of each pipeline stage's first tensor-parallel rank, counted from the
     model's own modules: the family class of ``config`` built on the meta device for that rank
     with this plan (``plan_skip``: main layers then MTP, as ``LayerPlan.skip_topk``), bf16 with
-    FP8 linears + their 128x128 block scales when ``fp8``, the fp32 heads, indexer head weights and
+    FP8 linears + their 128x128 block scales when ``fp8``, the heads (bf16), indexer head weights and
     router bias as the model holds them. S layers hold no indexer."""
     L = config["num_hidden_layers"]
     pattern = "".join("S" if s else "F" for s in plan_skip[:L])

@@ -33,12 +33,12 @@ from indexcache.fp8_blocks import quantize_fp8_blocks  # noqa: F401
 
 from .groups import ParallelContext, init_from_env, stage_bounds, stage_start_full_pattern
 from .linear import FP8_BLOCK, ShardedLinear, dense_weight
-from .vocab import VocabParallelEmbedding, head_logits, make_embedding, make_lm_head
+from .vocab import VocabParallelEmbedding, head_dtype, head_logits, make_embedding, make_lm_head
 
 WEIGHTS_CHOICES = ("auto", "fp8", "bf16")
 
 MLA_KV_BYTES = {"fp8_ds_mla": FP8_DS_MLA_BYTES, "bf16": 2 * MLA_KV_WIDTH}  # per token per layer (DESIGN §5)
 
 __all__ = ["FP8_BLOCK", "MLA_KV_BYTES", "ParallelContext", "ShardedLinear", "VocabParallelEmbedding", "WEIGHTS_CHOICES",
-           "dense_weight", "head_logits", "init_from_env", "make_embedding", "make_lm_head", "stage_bounds",
+           "dense_weight", "head_dtype", "head_logits", "init_from_env", "make_embedding", "make_lm_head", "stage_bounds",
            "stage_start_full_pattern"]

@@ -19,6 +19,9 @@ FP8_BLOCK = FP8_WEIGHT_BLOCK[0]  # rows (and columns) per weight scale
 # ops.rows_matmul where the CPU has its vectorised kernel: torch's bf16 matmul at one row spends
 # most of its time on set-up (docs/profiling.md). More rows: torch's GEMM.
 FEW_ROWS = 8
+# A weight read in a wider dtype than it is held in (a bf16 LM head's fp32 logits) is widened this
+# many bytes at a time (a block of its rows stays in cache), never as a whole copy.
+WIDEN_BLOCK_BYTES = 4 << 20
 
 
 def few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -36,11 +39,36 @@ def few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x W^T`` in fp32 sums, rounded to ``out_dtype`` (default x's): a few rows on the CPU through
     ``ops.rows_matmul`` (any mix of fp32 / bf16), otherwise ``F.linear`` on the inputs cast to
-    ``out_dtype`` (x's dtype when None)."""
+    ``out_dtype`` (x's dtype when None); a weight held narrower than that is widened a block of
+    ``WIDEN_BLOCK_BYTES`` at a time (no gradient to record) or whole (for autograd). On CUDA, 16-bit
+    x and weight with fp32 out: one ``torch.mm(..., out_dtype=float32)`` where torch has it."""
     if x.dim() == 2 and weight.is_contiguous() and few_rows(x, weight):
         return ops.rows_matmul(x, weight, True, out_dtype=out_dtype)
     dt = out_dtype or x.dtype
-    return F.linear(x.to(dt), weight if weight.dtype == dt else weight.to(dt))
+    if weight.dtype == dt:
+        return F.linear(x.to(dt), weight)
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x.is_cuda and x.dtype == weight.dtype != dt == torch.float32 and not grad:
+        y = _mm_fp32(x.reshape(-1, x.shape[-1]), weight)  # cuBLAS: bf16 / fp16 inputs, fp32 sums and output
+        if y is not None:
+            return y.view(*x.shape[:-1], weight.shape[0])
+    x = x.to(dt)
+    rows = max(WIDEN_BLOCK_BYTES // (weight.shape[1] * torch.finfo(dt).bits // 8), 1)
+    if weight.shape[0] <= rows or grad:
+        return F.linear(x, weight.to(dt))
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for r0 in range(0, weight.shape[0], rows):
+        out[..., r0:r0 + rows] = F.linear(x, weight[r0:r0 + rows].to(dt))
+    return out
+
+
+def _mm_fp32(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x W^T`` with fp32 output from 16-bit inputs (``torch.mm``'s ``out_dtype``, CUDA), or None
+    where this torch has no such kernel (the caller widens the weight block by block instead)."""
+    try:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
 
 
 class Linear(nn.Linear):

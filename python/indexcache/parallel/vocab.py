@@ -3,6 +3,8 @@ range of vocabulary rows; the embedding all-reduces, the head all-gathers fp32 l
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,13 +39,21 @@ def make_embedding(vocab: int, dim: int, par: ParallelContext) -> nn.Module:
     return nn.Embedding(vocab, dim) if par.tp_size == 1 else VocabParallelEmbedding(vocab, dim, par)
 
 
+def head_dtype(model_dtype: torch.dtype, stored: Optional[torch.dtype] = None) -> torch.dtype:
+    """The dtype an LM head is held in (formats.FP32_HEADS): bf16 in a bf16 model whose checkpoint
+    stores it in bf16 (or that has no checkpoint), else fp32. Its logits are fp32 sums either way."""
+    bf16 = model_dtype == torch.bfloat16 and stored in (None, torch.bfloat16)
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def make_lm_head(dim: int, vocab: int, par: ParallelContext) -> nn.Module:
-    """The LM head (kept fp32, never FP8): this rank's vocabulary rows."""
+    """The LM head (in ``head_dtype``, never FP8): this rank's vocabulary rows."""
     if par.tp_size == 1:
         return Linear(dim, vocab)
     return ShardedLinear(dim, vocab, 0, par.vocab_range(vocab), False)
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, vocab: int, par: ParallelContext) -> torch.Tensor:
-    """fp32 full-vocabulary logits on every tensor-parallel rank of this stage."""
+    """fp32 full-vocabulary logits (fp32 sums, whatever the head's dtype) on every tensor-parallel
+    rank of this stage."""
     return par.all_gather_last(linear(hidden, head.weight, out_dtype=torch.float32), vocab)
