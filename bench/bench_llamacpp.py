@@ -7,8 +7,9 @@ source) turns each into BF16 (and f32) GGUF; llama.cpp is built CPU-only once in
 folder. Then, the two engines alternating, every (context, threads, config) is timed ``--repeat``
 times: prefill of a ``context``-token prompt and ``--gen`` decode steps after it (``llama-bench
 -p -n`` there; ``indexcache.runtime.generate`` here). A correctness line compares greedy tokens
-(``llama-completion --temp 0`` against our greedy generate on the same token ids) and a memory line
-the KV + index-K cache bytes per token of context.
+(``llama-completion --temp 0`` against our greedy generate on the same token ids; in f32 both also
+against transformers' own ``GlmMoeDsaForCausalLM``) and a memory line the KV + index-K cache bytes
+per token of context.
 
 The tokenizer: llama.cpp's converter accepts only BPE tokenizers whose hash it knows, so the
 checkpoint ships GPT-2's byte-level BPE rebuilt from llama.cpp's own ``models/ggml-vocab-gpt-2.gguf``
@@ -247,9 +248,23 @@ def llama_greedy(bins: Path, gguf: Path, prompt: str, n: int, threads: int) -> t
     return ids, run.stdout.removesuffix(b"\n\n"), run.stderr.decode("utf-8", "replace")
 
 
-def correctness(bins: Path, gguf: Path, model, tok, n_prompt: int, n: int, threads: int, seed: int) -> dict:
+def transformers_greedy(ckpt: Path, ids: list, n: int) -> list:
+    """transformers' own ``GlmMoeDsaForCausalLM`` (fp32, its ``indexer_types`` from the checkpoint)
+    greedy ids after ``ids``: the independent reference for both engines' IndexCache."""
+    import torch
+    import transformers
+
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def correctness(bins: Path, gguf: Path, model, tok, n_prompt: int, n: int, threads: int, seed: int,
+                hf_ckpt: Path | None = None) -> dict:
     """Greedy tokens over one prompt: llama.cpp's text against our greedy ids on the token ids
-    llama.cpp itself tokenized the prompt to (compared as text, and as the longest equal prefix)."""
+    llama.cpp itself tokenized the prompt to (compared as text, and as the longest equal prefix);
+    with ``hf_ckpt``, also both against transformers' greedy ids on the same token ids."""
     import torch
 
     from indexcache.runtime import generate
@@ -260,8 +275,14 @@ def correctness(bins: Path, gguf: Path, model, tok, n_prompt: int, n: int, threa
     with torch.inference_mode():
         ours = generate(model, [ids], max_new_tokens=n, stop_tokens=[], decode_threads=threads).tokens[0]
     equal = max(k for k in range(n + 1) if text.startswith(token_bytes(tok, ours[:k])))
-    return {"prompt_tokens": len(ids), "new_tokens": n, "equal_prefix_tokens": equal,
-            "bytes_equal": token_bytes(tok, ours) == text, "memory": llama_cache_bytes(log_text)}
+    res = {"prompt_tokens": len(ids), "new_tokens": n, "equal_prefix_tokens": equal,
+           "bytes_equal": token_bytes(tok, ours) == text, "memory": llama_cache_bytes(log_text)}
+    if hf_ckpt is not None:
+        ref = transformers_greedy(hf_ckpt, ids, n)
+        res["ours_equal_prefix_vs_transformers"] = next((k for k in range(n) if ours[k] != ref[k]), n)
+        res["llama_equal_prefix_vs_transformers"] = max(k for k in range(n + 1)
+                                                        if text.startswith(token_bytes(tok, ref[:k])))
+    return res
 
 
 def ints(text: str) -> list:
@@ -408,7 +429,7 @@ def checks(args, bins, src: Path, ckpts: dict, tok) -> dict:
                 out["memory_ours"][config] = ours_cache_bytes(fp8)
             if args.check_prompt:
                 res = correctness(bins, gguf, m, tok, args.check_prompt, args.check_tokens, max(args.threads),
-                                  args.seed + 100)
+                                  args.seed + 100, ckpts[config] if dt == "f32" else None)
                 out["memory_llama"][config] = res.pop("memory")
                 out["greedy"][f"{dt} {config}"] = res
     return out
