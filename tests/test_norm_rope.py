@@ -18,13 +18,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 ISAS = ["auto"] + [name for name, why in _C._cpu_paths().items() if not why]
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    _C._set_cpu_isa(request.param)
-    yield request.param
-    _C._set_cpu_isa("auto")
-
-
 def within(got, exact, out_dtype, scale):
     """fp32 arithmetic: a few ulps of ``scale`` (the size of the terms), plus one bf16 rounding."""
     tol = scale * 2.0 ** -20 + 1e-30
@@ -42,7 +35,7 @@ def rms_exact(x, w, eps):
 @pytest.mark.parametrize("n,d", [(1, 1), (1, 15), (3, 16), (2, 17), (5, 512), (37, 100), (300, 512)])
 @pytest.mark.parametrize("xd", DTYPES)
 @pytest.mark.parametrize("wd", DTYPES)
-def test_rms_norm_matches_definition(isa, n, d, xd, wd):
+def test_rms_norm_matches_definition(cpu_isa, n, d, xd, wd):
     g = torch.Generator().manual_seed(n * 1000 + d)
     wide = torch.randn(n, d + 5, generator=g).to(xd)
     x = wide[:, 2:2 + d]  # rows d + 5 apart
@@ -61,7 +54,7 @@ def test_rms_norm_matches_definition(isa, n, d, xd, wd):
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("h,r", [(1, 2), (3, 6), (16, 64), (2, 34), (4, 128), (1, 30)])
 @pytest.mark.parametrize("xd", DTYPES)
-def test_rope_matches_definition(isa, interleaved, h, r, xd):
+def test_rope_matches_definition(cpu_isa, interleaved, h, r, xd):
     n = 7
     g = torch.Generator().manual_seed(h * 100 + r)
     wide = torch.randn(n, h, r + 64, generator=g).to(xd)

@@ -15,14 +15,6 @@ from indexcache.parallel import linear as plinear
 from indexcache.runtime import generate
 
 DTYPES = [torch.float32, torch.bfloat16]
-ISAS = ["auto"] + [name for name, why in _C._cpu_paths().items() if not why]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    _C._set_cpu_isa(request.param)
-    yield request.param
-    _C._set_cpu_isa("auto")
 
 
 def exact(x, w, w_nk):
@@ -45,7 +37,7 @@ def bar(out_dtype, x, w, w_nk):
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("w_dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", [(1, 512, 256), (3, 70, 67), (8, 33, 129), (13, 1, 5), (1, 256, 4096)])
-def test_matches_definition(isa, w_nk, x_dtype, w_dtype, m, k, n):
+def test_matches_definition(cpu_isa, w_nk, x_dtype, w_dtype, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g).to(x_dtype)
     w = torch.randn(*((n, k) if w_nk else (k, n)), generator=g).to(w_dtype)
@@ -61,7 +53,7 @@ def test_matches_definition(isa, w_nk, x_dtype, w_dtype, m, k, n):
 
 @pytest.mark.parametrize("w_nk", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_per_head_views(isa, w_nk, dtype):
+def test_per_head_views(cpu_isa, w_nk, dtype):
     """The absorbed-MLA forms: x a transposed view [H, N, K] of [N, H, K] rows, w a slice of a
     wider per-head weight, out a transposed view into a wider buffer (the rest left alone)."""
     g = torch.Generator().manual_seed(7)
