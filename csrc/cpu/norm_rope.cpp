@@ -22,6 +22,7 @@
 #endif
 
 #include "../checks.h"
+#include "elem_io.h"
 #include "indexcache/norm_rope.h"
 #include "isa.h"
 #include "registry.h"
@@ -33,23 +34,10 @@ constexpr int64_t kSerialWork = int64_t{1} << 16;  // values below which one thr
 constexpr int64_t kChunkValues = int64_t{1} << 14;  // at least this many values per parallel chunk
 constexpr int kLanes = 16;
 
-inline int64_t esize(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
-
-inline float load_f(const void* p, int64_t i, DType dt) {
-  return dt == DType::kFloat32 ? static_cast<const float*>(p)[i]
-                               : static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
-}
-
-inline void store_f(void* p, int64_t i, float v, DType dt) {
-  if (dt == DType::kFloat32)
-    static_cast<float*>(p)[i] = v;
-  else
-    static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v);
-}
-
-inline const char* row(const void* base, int64_t elems, DType dt) {
-  return static_cast<const char*>(base) + elems * esize(dt);
-}
+using cpu::elem_ptr;
+using cpu::esize;
+using cpu::load_f;
+using cpu::store_f;
 
 // The 16 lane sums -> one: lanes i and i + w added for w = 8, 4, 2, 1.
 inline float lane_tree(float* acc) {
@@ -66,8 +54,8 @@ inline float rms_scale(float sum_sq, const RmsNormParams& p) {
 
 void rms_rows_portable(const RmsNormParams& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const char* x = row(p.x, n * p.x_sn, p.x_dtype);
-    char* out = const_cast<char*>(row(p.out, n * p.o_sn, p.out_dtype));
+    const char* x = elem_ptr(p.x, n * p.x_sn, p.x_dtype);
+    char* out = const_cast<char*>(elem_ptr(p.out, n * p.o_sn, p.out_dtype));
     float acc[kLanes] = {};
     for (int64_t k = 0; k < p.D; ++k) {
       const float v = load_f(x, k, p.x_dtype);
@@ -83,8 +71,8 @@ void rope_heads_portable(const RopeParams& p, int64_t t0, int64_t t1) {
   const int64_t m = p.R / 2;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n = t / p.H, h = t % p.H;
-    const char* x = row(p.x, n * p.x_sn + h * p.x_sh, p.x_dtype);
-    char* out = const_cast<char*>(row(p.out, n * p.o_sn + h * p.o_sh, p.out_dtype));
+    const char* x = elem_ptr(p.x, n * p.x_sn + h * p.x_sh, p.x_dtype);
+    char* out = const_cast<char*>(elem_ptr(p.out, n * p.o_sn + h * p.o_sh, p.out_dtype));
     const float* c = p.cos + n * m;
     const float* s = p.sin + n * m;
     for (int64_t i = 0; i < m; ++i) {
@@ -118,8 +106,8 @@ IC_AVX512 inline void store16(char* p, __m512 v, DType dt, __mmask16 mask) {
 IC_AVX512 void rms_rows_avx512(const RmsNormParams& p, int64_t n0, int64_t n1) {
   const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype), oe = esize(p.out_dtype);
   for (int64_t n = n0; n < n1; ++n) {
-    const char* x = row(p.x, n * p.x_sn, p.x_dtype);
-    char* out = const_cast<char*>(row(p.out, n * p.o_sn, p.out_dtype));
+    const char* x = elem_ptr(p.x, n * p.x_sn, p.x_dtype);
+    char* out = const_cast<char*>(elem_ptr(p.out, n * p.o_sn, p.out_dtype));
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < p.D; k += kLanes) {
       const __m512 v = load16(x + k * xe, p.x_dtype, tail16(p.D - k));
@@ -173,8 +161,8 @@ IC_AVX512 void rope_heads_avx512(const RopeParams& p, int64_t t0, int64_t t1) {
   const int64_t m = p.R / 2;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n = t / p.H, h = t % p.H;
-    const char* x = row(p.x, n * p.x_sn + h * p.x_sh, p.x_dtype);
-    char* out = const_cast<char*>(row(p.out, n * p.o_sn + h * p.o_sh, p.out_dtype));
+    const char* x = elem_ptr(p.x, n * p.x_sn + h * p.x_sh, p.x_dtype);
+    char* out = const_cast<char*>(elem_ptr(p.out, n * p.o_sn + h * p.o_sh, p.out_dtype));
     if (p.interleaved)
       rope_interleaved_avx512(p, x, out, p.cos + n * m, p.sin + n * m);
     else

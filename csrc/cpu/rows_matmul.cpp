@@ -25,6 +25,7 @@
 #endif
 
 #include "../checks.h"
+#include "elem_io.h"
 #include "indexcache/rows_matmul.h"
 #include "isa.h"
 #include "registry.h"
@@ -39,36 +40,23 @@ constexpr int64_t kParallelWork = int64_t{1} << 22;
 constexpr int64_t kChunkWork = int64_t{1} << 19;     // at least this much work per parallel chunk
 constexpr int64_t kBlock = 64;                        // output columns per task
 
-inline float to_f(const void* p, int64_t i, DType dt) {
-  return dt == DType::kFloat32 ? static_cast<const float*>(p)[i]
-                               : static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
-}
-
-inline void store_f(void* p, int64_t i, float v, DType dt) {
-  if (dt == DType::kFloat32)
-    static_cast<float*>(p)[i] = v;
-  else
-    static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v);
-}
-
-inline int64_t esize(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
-
-inline const char* at_elem(const void* base, int64_t i, DType dt) {
-  return static_cast<const char*>(base) + i * esize(dt);
-}
+using cpu::elem_ptr;
+using cpu::esize;
+using cpu::load_f;
+using cpu::store_f;
 
 // ---------------------------------------------------------------------------------- portable
 
 void portable_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
-  const void* x = at_elem(p.x, g * p.x_sg, p.x_dtype);
-  const void* w = at_elem(p.w, g * p.w_sg, p.w_dtype);
-  void* out = const_cast<char*>(at_elem(p.out, g * p.o_sg, p.out_dtype));
+  const void* x = elem_ptr(p.x, g * p.x_sg, p.x_dtype);
+  const void* w = elem_ptr(p.w, g * p.w_sg, p.w_dtype);
+  void* out = const_cast<char*>(elem_ptr(p.out, g * p.o_sg, p.out_dtype));
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t n = n0; n < n1; ++n) {
       float acc = 0.0f;
       for (int64_t k = 0; k < p.K; ++k) {
         const int64_t wi = p.w_nk ? n * p.w_sr + k : k * p.w_sr + n;
-        acc += to_f(x, m * p.x_sm + k, p.x_dtype) * to_f(w, wi, p.w_dtype);
+        acc += load_f(x, m * p.x_sm + k, p.x_dtype) * load_f(w, wi, p.w_dtype);
       }
       store_f(out, m * p.o_sm + n, acc, p.out_dtype);
     }
@@ -115,7 +103,7 @@ IC_AVX512 inline void dot_rows(const void* x, const char* w, int64_t w_row_bytes
   } else {
     for (int64_t k = 0; k < K; k += 16) {
       const __mmask16 mk = tail16(K - k);
-      const __m512 xv = load16(at_elem(x, k, xd), xd, mk);
+      const __m512 xv = load16(elem_ptr(x, k, xd), xd, mk);
       for (int j = 0; j < R; ++j)
         acc[j] = _mm512_fmadd_ps(xv, load16(w + j * w_row_bytes + k * esize(wd), wd, mk), acc[j]);
     }
@@ -124,9 +112,9 @@ IC_AVX512 inline void dot_rows(const void* x, const char* w, int64_t w_row_bytes
 }
 
 IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
-  const char* x = at_elem(p.x, g * p.x_sg, p.x_dtype);
-  const char* w = at_elem(p.w, g * p.w_sg, p.w_dtype);
-  char* out = const_cast<char*>(at_elem(p.out, g * p.o_sg, p.out_dtype));
+  const char* x = elem_ptr(p.x, g * p.x_sg, p.x_dtype);
+  const char* w = elem_ptr(p.w, g * p.w_sg, p.w_dtype);
+  char* out = const_cast<char*>(elem_ptr(p.out, g * p.o_sg, p.out_dtype));
   const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype), oe = esize(p.out_dtype);
   const int64_t w_row_bytes = p.w_sr * we;
   if (p.w_nk) {
@@ -154,7 +142,7 @@ IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const char* xr = x + m * p.x_sm * xe;
     for (int64_t k = 0; k < p.K; ++k) {
-      const __m512 xs = _mm512_set1_ps(to_f(xr, k, p.x_dtype));
+      const __m512 xs = _mm512_set1_ps(load_f(xr, k, p.x_dtype));
       const char* wr = w + k * w_row_bytes + n0 * we;
       for (int j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(xs, load16(wr + 16 * j * we, p.w_dtype, mask[j]), acc[j]);
     }
@@ -235,7 +223,7 @@ void rows_matmul_cpu(const RowsMatmulParams& p) {
     for (int64_t g = 0; g < p.G; ++g)
       for (int64_t m = 0; m < p.M; ++m)
         for (int64_t n = 0; n < p.N; ++n)
-          store_f(const_cast<char*>(at_elem(p.out, g * p.o_sg, p.out_dtype)), m * p.o_sm + n, 0.0f, p.out_dtype);
+          store_f(const_cast<char*>(elem_ptr(p.out, g * p.o_sg, p.out_dtype)), m * p.o_sm + n, 0.0f, p.out_dtype);
     return;
   }
 #if defined(__x86_64__)
