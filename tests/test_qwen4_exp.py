@@ -381,10 +381,10 @@ def test_bf16_generate_follows_transformers_bf16(text, monkeypatch):
     """Greedy decode of our bf16 model (IndexCache FFSF, chunked prefill, paged decode) gives
     transformers' bf16 ``generate()`` tokens (patched to reuse the same way), up to a step where
     transformers' fp32 logits on the common prefix hold a near-tie: there both tokens must lie within
-    transformers' own bf16 rounding of the fp32 maximum, and the runs part. (Over 12 fresh
+    transformers' own bf16 rounding of the fp32 maximum, and the runs part. (Over 12 fresh all-F
     checkpoints, 8 tokens: equal on 10; the other two parted on fp32 top-2 margins of 1.4e-4 and
     2.2e-4, where transformers' bf16 logits, rounded to bf16, tie exactly and argmax takes the lower
-    id; ours keeps fp32 logits.)"""
+    id; ours keeps fp32 logits. docs/model.md, "Qwen3.8-Flash-Next in bf16".)"""
     path, ref = text
     pattern = {"use_index_cache": True, "index_topk_freq": 2}
     model = ours(path, pattern, dtype=torch.bfloat16)
@@ -400,7 +400,6 @@ def test_bf16_generate_follows_transformers_bf16(text, monkeypatch):
     finally:
         mp.undo()
     same = next((k for k in range(8) if got[k] != want[k]), 8)
-    print(f"bf16 greedy: {same} of 8 tokens as transformers' bf16")
     if same < 8:  # a near-tie of fp32's: both choices within transformers' bf16 rounding of its top
         seq = torch.tensor([prompt[0].tolist() + got[:same]])
         fp32 = hf_logits(ref, seq, model.plan.pattern)[0, -1]
