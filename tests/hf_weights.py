@@ -1,5 +1,8 @@
 """What the tests comparing against transformers' own DSA models share: a top-k with the ops' tie
-order (their random weights are indexcache.tools.random_weights.randomize_)."""
+order (their random weights are indexcache.tools.random_weights.randomize_), per-row errors, and the
+hooks that make a bf16 model replay an fp32 run's routers and indexers."""
+
+import contextlib
 
 import torch
 
@@ -9,3 +12,45 @@ def stable_topk(self, k, dim=-1, largest=True, sorted=True):
     transformers' indexers by the tests that compare against them."""
     values, order = torch.sort(self, dim=dim, descending=largest, stable=True)
     return torch.return_types.topk((values.narrow(dim, 0, k), order.narrow(dim, 0, k)))
+
+
+def row_errors(a, b):
+    """Each row's (position's) relative error of logits ``a`` against ``b``."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+
+
+@contextlib.contextmanager
+def layer_hooks(layers, gate_hook, indexer_hook):
+    """Forward hooks ``gate_hook(i, layer)`` on layer i's ``mlp.gate`` and ``indexer_hook(i, layer)``
+    on its ``self_attn.indexer`` (either may return None: no hook there), removed on exit."""
+    hooks = []
+    for i, layer in enumerate(layers):
+        for module, make in (("mlp.gate", gate_hook), ("self_attn.indexer", indexer_hook)):
+            hook = make(i, layer)
+            if hook is not None:
+                hooks.append(layer.get_submodule(module).register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def choice_hooks(layers, choices, route, select):
+    """``route(i)`` on the routers and ``select(i)`` on the indexers of the layers ``choices`` has
+    ``("experts", i)`` / ``("selection", i)`` for."""
+    return layer_hooks(layers, lambda i, _: route(i) if ("experts", i) in choices else None,
+                       lambda i, _: select(i) if ("selection", i) in choices else None)
+
+
+def recorded_choices(layers, routed, indexed):
+    """Hooks recording into ``choices`` (yielded) each ``routed(layer)``'s experts (its router's
+    third output) and each ``indexed(layer)``'s indexer output, keyed ("experts" / "selection", i)."""
+    choices = {}
+
+    def keep(key, pick):
+        return lambda mod, args, out: choices.__setitem__(key, pick(out))
+    hooks = layer_hooks(layers, lambda i, l: keep(("experts", i), lambda o: o[2]) if routed(l) else None,
+                        lambda i, l: keep(("selection", i), lambda o: o) if indexed(l) else None)
+    return hooks, choices

@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_weights import choice_hooks, recorded_choices, row_errors
 from test_model import run_paged
 
 from indexcache.models import BatchMeta, Glm5NextForCausalLM, from_pretrained, model_class
@@ -307,19 +308,10 @@ def test_text_only_flat_checkpoint(ckpt, ids, tmp_path):
 def fp32_choices(hf, ids):
     """transformers' fp32 logits and the discrete choices behind them: per MoE layer the routed
     experts ``[rows, top_k]``, per indexed layer the selection ``[B, S, index_topk + P - 1]``."""
-    choices, hooks = {}, []
-    for i, layer in enumerate(hf.model.language_model.layers):
-        if hasattr(layer.mlp, "gate"):
-            hooks.append(layer.mlp.gate.register_forward_hook(
-                lambda mod, args, out, i=i: choices.__setitem__(("experts", i), out[2])))
-        if getattr(layer.self_attn, "indexer", None) is not None:
-            hooks.append(layer.self_attn.indexer.register_forward_hook(
-                lambda mod, args, out, i=i: choices.__setitem__(("selection", i), out)))
-    try:
+    hooks, choices = recorded_choices(hf.model.language_model.layers, lambda layer: hasattr(layer.mlp, "gate"),
+                                      lambda layer: getattr(layer.self_attn, "indexer", None) is not None)
+    with hooks:
         return hf_logits(hf, ids), choices
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def rerouted(gate, x, experts, weights, forced, scale):
@@ -338,7 +330,7 @@ def forced(layers, choices, scale, transformers_side):
     """``layers`` (transformers' or ours) take ``choices`` instead of their own: each router the
     given experts where its own differ (``rerouted``), each indexer the given selection. Yields the
     set of choices applied, filled as the forward runs."""
-    used, hooks = set(), []
+    used = set()
 
     def route(i):
         def hook(gate, args, out):
@@ -360,22 +352,8 @@ def forced(layers, choices, scale, transformers_side):
             ctx.topk_rows.fill_(-1)
             ctx.topk_rows[:, :rows.shape[-1]] = rows.reshape(-1, rows.shape[-1])
         return hook
-    for i, layer in enumerate(layers):
-        if ("experts", i) in choices:
-            hooks.append(layer.mlp.gate.register_forward_hook(route(i)))
-        if ("selection", i) in choices:
-            hooks.append(layer.self_attn.indexer.register_forward_hook(select(i)))
-    try:
+    with choice_hooks(layers, choices, route, select):
         yield used
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def row_errors(a, b):
-    """Each row's (position's) relative error of logits ``a`` against ``b``."""
-    a, b = a.float(), b.float()
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
 
 
 def test_bf16_error_within_twice_transformers_bf16(ckpt, ids):

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from hf_weights import stable_topk
+from hf_weights import choice_hooks, recorded_choices, row_errors, stable_topk
 from test_model import run_paged
 
 from indexcache.models import BatchMeta, from_pretrained
@@ -253,27 +253,12 @@ def test_generate_equals_transformers_generate(text, monkeypatch):
     assert res.tokens[0] == want[0, 14:].tolist()
 
 
-def row_errors(a, b):
-    """Each row's (position's) relative error of logits ``a`` against ``b``."""
-    a, b = a.float(), b.float()
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-
-
 def fp32_choices(hf, ids):
     """transformers' fp32 logits and the discrete choices behind them: per layer the routed experts
     ``[rows, top_k]``, per indexed layer the QSA selection (its token mask ``[B, 1, S, S]``)."""
-    choices, hooks = {}, []
-    for i, layer in enumerate(hf.model.layers):
-        hooks.append(layer.mlp.gate.register_forward_hook(
-            lambda mod, args, out, i=i: choices.__setitem__(("experts", i), out[2])))
-        if layer.layer_type == IDX:
-            hooks.append(layer.self_attn.indexer.register_forward_hook(
-                lambda mod, args, out, i=i: choices.__setitem__(("selection", i), out)))
-    try:
+    hooks, choices = recorded_choices(hf.model.layers, lambda layer: True, lambda layer: layer.layer_type == IDX)
+    with hooks:
         return hf_logits(hf, ids), choices
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def block_rows(mask, ratio, blocks):
@@ -308,7 +293,7 @@ def forced(layers, choices, norm, transformers_side):
     """``layers`` (transformers' or ours) take ``choices`` instead of their own: each router the
     given experts where its own differ (``rerouted``), each QSA indexer the given selection (ours
     as block rows written over the shared top-k rows). Yields the set of choices applied."""
-    used, hooks = set(), []
+    used = set()
     r, blocks = TEXT["indexer_compress_ratio"], TEXT["indexer_budget"] // TEXT["indexer_compress_ratio"]
 
     def route(i):
@@ -329,15 +314,8 @@ def forced(layers, choices, norm, transformers_side):
             out[:rows.shape[0]] = rows.to(out.device)
             return out
         return hook
-    for i, layer in enumerate(layers):
-        hooks.append(layer.mlp.gate.register_forward_hook(route(i)))
-        if ("selection", i) in choices:
-            hooks.append(layer.self_attn.indexer.register_forward_hook(select(i)))
-    try:
+    with choice_hooks(layers, choices, route, select):
         yield used
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def test_bf16_error_within_twice_transformers_bf16(tmp_path, ids):
