@@ -46,8 +46,11 @@ class SparseAttention(nn.Module):
         attend = ops.sparse_mla if q.shape[-1] == MLA_LATENT + MLA_ROPE or nope_512 else reference.sparse_mla
         if nope_512:
             q, kv_cache = q.contiguous(), kv_cache.view(-1, 1, 1, MLA_LATENT)
+        chunks = list(row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS))
+        if len(chunks) == 1:  # decode rows: the op's own output, no copy into a second buffer
+            return attend(q, kv_cache, slots, self.softmax_scale, self.kv_lora_rank, sinks=sinks)[0]
         out = q.new_empty(n, h, self.kv_lora_rank)
-        for r0, r1 in row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS):
+        for r0, r1 in chunks:
             out[r0:r1] = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank, sinks=sinks)[0]
         return out
 
