@@ -395,6 +395,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm takes x [..., D] and weight [D], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
+    if x.dim() == 2:  # decode rows: no reshapes around the call
+        o = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        _ops.rms_norm(x, weight, float(eps), o)
+        return o
     x2 = x.reshape(-1, x.shape[-1])
     o = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if out is None else out.view(x2.shape)
     _ops.rms_norm(x2, weight, float(eps), o)

@@ -26,14 +26,20 @@ WIDEN_BLOCK_BYTES = 4 << 20
 
 def few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``x`` (``[.., M, K]``) through ``weights`` takes ``ops.rows_matmul``: CPU, at most
-    ``FEW_ROWS`` rows, no gradient to record, and a vectorised kernel for the weight's dtype here."""
-    if x.device.type != "cpu" or x.shape[-2] > FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+    ``FEW_ROWS`` rows, no gradient to record, and a vectorised kernel for the weight's dtype here.
+    (Asked for every projection of a decode step: plain loops, no generator.)"""
+    if not x.is_cpu or x.shape[-2] > FEW_ROWS or x.dtype not in _ISA_DTYPE:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    return all(w.dtype in (torch.float32, torch.bfloat16) and
-               _C._cpu_isa("rows_matmul", "fp32" if w.dtype == torch.float32 else "bf16") == "avx512bf16"
-               for w in weights)
+    for w in weights:
+        name = _ISA_DTYPE.get(w.dtype)
+        if name is None or _C._cpu_isa("rows_matmul", name) != "avx512bf16":
+            return False
+    return True
+
+
+_ISA_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # rows_matmul's dtypes, as _cpu_isa names them
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ..args import INDEX_HEAD_DIM, INDEX_K_EPS, INDEX_Q_EPS, INDEXER_CHUNK_ELEMS
 from .. import step_reuse
 from ..state import ForwardContext, row_chunks
 from .norms import LayerNorm
-from .rope import apply_rope
+from .rope import apply_rope, rope_fuses
 
 
 class Indexer(nn.Module):
@@ -43,7 +43,13 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(args.hidden_size, self.n_heads)  # kept in fp32
 
     def _rope(self, t, cos, sin):
+        """``t [N, (H,) D]`` with its rope dims rotated (the first ``rope_dim``, HY-V4: the last). ``t``
+        is the caller's fresh projection: decode rows on the CPU rotate those dims in place."""
         r = self.rope_dim
+        part = t[..., t.shape[-1] - r:] if self.rope_tail else t[..., :r]
+        if rope_fuses(part, cos, sin):
+            apply_rope(part, cos, sin, self.rope_interleave, out=part)
+            return t
         if self.rope_tail:
             p = t.shape[-1] - r
             return torch.cat((t[..., :p], apply_rope(t[..., p:], cos, sin, self.rope_interleave)), dim=-1)

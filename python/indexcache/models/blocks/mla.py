@@ -46,24 +46,36 @@ class SparseAttention(nn.Module):
         attend = ops.sparse_mla if q.shape[-1] == MLA_LATENT + MLA_ROPE or nope_512 else reference.sparse_mla
         if nope_512:
             q, kv_cache = q.contiguous(), kv_cache.view(-1, 1, 1, MLA_LATENT)
+        chunks = list(row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS))
+        if len(chunks) == 1:  # decode rows: the op's own output, no copy into a second buffer
+            return attend(q, kv_cache, slots, self.softmax_scale, self.kv_lora_rank, sinks=sinks)[0]
         out = q.new_empty(n, h, self.kv_lora_rank)
-        for r0, r1 in row_chunks(n, slots.shape[1] * (q.shape[-1] + h), ATTN_CHUNK_ELEMS):
+        for r0, r1 in chunks:
             out[r0:r1] = attend(q[r0:r1], kv_cache, slots[r0:r1], self.softmax_scale, self.kv_lora_rank, sinks=sinks)[0]
         return out
 
 
-def absorb_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+def absorb_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA's queries (DESIGN §5), for this model and the transformers integration: q_nope
     ``[N, H, nope]`` through W_UK ``[H, nope, latent]``, then the rotated q_pe ``[N, H, rope]`` ->
     ``[N, H, latent + rope]``, what ``ops.sparse_mla`` attends the latent cache with. Decode rows on
-    the CPU: one ``ops.rows_matmul`` per head straight into the result (the einsum would copy W_UK)."""
+    the CPU: one ``ops.rows_matmul`` per head straight into the result (the einsum would copy W_UK).
+    ``out`` (that shape, q_nope's dtype): written and returned; q_pe may already be its rope part
+    (``MLA.forward`` rotates straight into it), then nothing is copied."""
+    latent = w_uk.shape[-1]
+    if out is None and few_rows(q_nope.transpose(0, 1), w_uk):
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], latent + q_pe.shape[-1])
+    if out is None:
+        return torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe), dim=-1)
     if few_rows(q_nope.transpose(0, 1), w_uk):
-        n, h, latent = q_nope.shape[0], q_nope.shape[1], w_uk.shape[-1]
-        out = q_nope.new_empty(n, h, latent + q_pe.shape[-1])
         ops.rows_matmul(q_nope.transpose(0, 1), w_uk, False, out=out[..., :latent].transpose(0, 1))
-        out[..., latent:] = q_pe
-        return out
-    return torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe), dim=-1)
+    else:
+        out[..., :latent] = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+    pe = out[..., latent:]
+    if not (q_pe.data_ptr() == pe.data_ptr() and q_pe.stride() == pe.stride()):
+        pe.copy_(q_pe)
+    return out
 
 
 def absorbed_values(out: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,16 +153,19 @@ class MLA(nn.Module):
         scale = ops.mla_softmax_scale(self.nope, self.rope, ys.get("mscale_all_dim", 0.0), ys.get("factor", 1.0))
         self.sparse_attn = SparseAttention(layer_id, scale, self.latent)
 
-    def project(self, x: torch.Tensor, ctx: ForwardContext):
+    def project(self, x: torch.Tensor, ctx: ForwardContext, q_pe_out: torch.Tensor | None = None):
         """Rows ``[N, hidden]`` -> (query latent ``[N, q_lora]``, q_nope ``[N, H, nope]``, rotated q_pe
-        ``[N, H, rope]``, normed kv latent ``[N, latent]``, rotated k_pe ``[N, rope]``)."""
+        ``[N, H, rope]`` (rotated into ``q_pe_out`` when given), normed kv latent ``[N, latent]``,
+        rotated k_pe ``[N, rope]``)."""
         n = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x))
         q_nope, q_pe = self.q_b_proj(qr).view(n, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], -1)
         kv = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv[:, :self.latent])
         k_pe = apply_rope(kv[:, self.latent:], ctx.cos, ctx.sin, interleaved=self.rope_interleave)
-        return qr, q_nope, apply_rope(q_pe, ctx.cos, ctx.sin, interleaved=self.rope_interleave), kv_c, k_pe
+        into = q_pe_out if q_pe_out is not None and q_pe_out.dtype == q_pe.dtype else None
+        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, interleaved=self.rope_interleave, out=into)
+        return qr, q_nope, q_pe, kv_c, k_pe
 
     def param_slice(self, attr: str):
         """The checkpoint slice of this block's own parameter ``attr`` (the loader's hook): the
@@ -169,8 +184,11 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h, meta = x.shape[0], self.n_heads, ctx.meta
         with ctx.stage(self.layer_id, "mla_proj"):
-            qr, q_nope, q_pe, kv_c, k_pe = self.project(x, ctx)
-            absorbed = None if ctx.torch_pass is not None else self._absorb(q_nope, q_pe, kv_c, k_pe, ctx)
+            # decode rows on the CPU: the absorbed queries' buffer first, q_pe rotated straight into it
+            q_abs = None if ctx.torch_pass is not None or not few_rows(x) else \
+                x.new_empty(n, h, self.latent + self.rope)
+            qr, q_nope, q_pe, kv_c, k_pe = self.project(x, ctx, None if q_abs is None else q_abs[..., self.latent:])
+            absorbed = None if ctx.torch_pass is not None else self._absorb(q_nope, q_pe, kv_c, k_pe, ctx, q_abs)
         if absorbed is None:
             return self._forward_torch(x, qr, q_nope, q_pe, kv_c, k_pe, ctx)
         q_abs, w_kv, kv_cache = absorbed
@@ -184,11 +202,13 @@ class MLA(nn.Module):
             o = absorbed_values(out, w_kv[:, self.nope:], self._gate(x))
             return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
 
-    def _absorb(self, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext):
-        """The kernels' form: (queries absorbed into the latent ``[N, H, latent + rope]``, kv_b's
-        weight ``[H, nope + v, latent]``, the latent cache holding this step's keys)."""
+    def _absorb(self, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext, q_abs: torch.Tensor | None = None):
+        """The kernels' form: (queries absorbed into the latent ``[N, H, latent + rope]`` (into
+        ``q_abs`` when given), kv_b's weight ``[H, nope + v, latent]``, the latent cache holding this
+        step's keys)."""
         w_kv = dense_weight(self.kv_b_proj, q_nope.dtype).view(self.n_heads, self.nope + self.v_dim, self.latent)
-        q_abs = absorb_queries(q_nope, q_pe, w_kv[:, :self.nope])
+        into = q_abs if q_abs is not None and q_abs.dtype == q_nope.dtype == q_pe.dtype else None
+        q_abs = absorb_queries(q_nope, q_pe, w_kv[:, :self.nope], out=into)
         return q_abs, w_kv, self._cache_keys(kv_c, k_pe, ctx)
 
     def _need_indexer(self) -> Indexer:

@@ -121,7 +121,7 @@ class MoE(nn.Module):
         idx, weights = self.gate(x)
         y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
         if self.shared_experts is not None:
-            y += self.shared_experts(x).float()
+            y += self.shared_experts(x)  # added in fp32 (y's dtype), as .float() first
         return self.par.all_reduce(y.to(x.dtype), "moe_all_reduce")
 
     def _masked(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ class MoE(nn.Module):
             if c and self.e0 <= e < self.e1:
                 sel = order[start:start + c]
                 tok = sel // k
-                y.index_add_(0, tok, self.expert(e)(x[tok]).float() * w[sel].unsqueeze(-1))
+                y.index_add_(0, tok, self.expert(e)(x[tok]) * w[sel].unsqueeze(-1))  # fp32 products
             start += c
         return y
 
@@ -160,7 +160,7 @@ class MoE(nn.Module):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
             if self.e0 <= e < self.e1:
-                y += self.expert(e)(x).float() * weights[:, j:j + 1]
+                y += self.expert(e)(x) * weights[:, j:j + 1]  # bf16 * fp32: fp32 products, as .float() first
         return y
 
 

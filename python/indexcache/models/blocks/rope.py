@@ -12,17 +12,30 @@ from ..args import ModelArgs
 from .norms import fused_rows
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rope_fuses(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``apply_rope`` of ``x`` takes ``ops.rope`` (``norms.fused_rows``: CPU decode rows, no
+    gradient to record; fp32 contiguous angles ``[N, R / 2]``, R even)."""
+    return x.dim() in (2, 3) and fused_rows(x, cos, sin) and cos.dtype == sin.dtype == torch.float32 \
+        and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (x.shape[0], x.shape[-1] // 2) \
+        and sin.shape == cos.shape and x.shape[-1] % 2 == 0
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate ``x [N, ..., 2m]`` by per-row angles (cos/sin fp32 ``[N, m]``).
 
     interleaved: pairs (x[2i], x[2i+1]) (MLA, DeepSeek reference layout); otherwise NeoX
-    split-half pairs (x[i], x[i+m]) (the V3.2 indexer). On the CPU (``norms.fused_rows``):
-    ``ops.rope``, one pass instead of 14 torch ops.
+    split-half pairs (x[i], x[i+m]) (the V3.2 indexer). On the CPU (``rope_fuses``): ``ops.rope``,
+    one pass instead of 14 torch ops. ``out`` (x's shape and dtype; may be ``x`` itself, rotated in
+    place) receives the result, which is returned.
     """
-    if x.dim() in (2, 3) and fused_rows(x, cos, sin) and cos.dtype == sin.dtype == torch.float32 \
-            and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (x.shape[0], x.shape[-1] // 2) \
-            and sin.shape == cos.shape and x.shape[-1] % 2 == 0:
-        return ops.rope(x, cos, sin, interleaved)
+    if rope_fuses(x, cos, sin):
+        return ops.rope(x, cos, sin, interleaved, out=out)
+    r = _torch_rope(x, cos, sin, interleaved)
+    return r if out is None else out.copy_(r)
+
+
+def _torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.view(shape), sin.view(shape)
     xf = x.float()
