@@ -149,7 +149,8 @@ class MoE(nn.Module):
             if c and self.e0 <= e < self.e1:
                 sel = order[start:start + c]
                 tok = sel // k
-                y.index_add_(0, tok, self.expert(e)(x[tok]) * w[sel].unsqueeze(-1))  # fp32 products
+                # fp32 products (a bf16 router's weights widened too, as a .float() of the output did)
+                y.index_add_(0, tok, self.expert(e)(x[tok]) * w[sel].float().unsqueeze(-1))
             start += c
         return y
 
@@ -160,7 +161,7 @@ class MoE(nn.Module):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
             if self.e0 <= e < self.e1:
-                y += self.expert(e)(x) * weights[:, j:j + 1]  # bf16 * fp32: fp32 products, as .float() first
+                y += self.expert(e)(x) * weights[:, j:j + 1].float()  # fp32 products, as .float() first
         return y
 
 
