@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 import test_qwen4_exp as T
+from hf_weights import recorded_choices
 
 from indexcache.models import from_pretrained
 from indexcache.runtime.generation import generate
@@ -23,16 +24,11 @@ from indexcache.runtime.generation import generate
 
 def own_choices(model, ids):
     """Our model's routed experts and selection rows from one forward (``[rows, k]`` each)."""
-    got, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: got.__setitem__(("experts", i), o[0])))
-        if layer.self_attn is not None and layer.self_attn.indexer is not None:
-            hooks.append(layer.self_attn.indexer.register_forward_hook(
-                lambda m, a, o, i=i: got.__setitem__(("selection", i), o[:ids.numel()].clone())))
-    with torch.no_grad():
+    hooks, got = recorded_choices(model.model.layers, lambda layer: True,
+                                  lambda layer: layer.self_attn is not None and layer.self_attn.indexer is not None,
+                                  experts=lambda out: out[0], selection=lambda out: out[:ids.numel()].clone())
+    with hooks, torch.no_grad():
         model(ids)
-    for h in hooks:
-        h.remove()
     return got
 
 

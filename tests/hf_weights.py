@@ -44,13 +44,15 @@ def choice_hooks(layers, choices, route, select):
                        lambda i, _: select(i) if ("selection", i) in choices else None)
 
 
-def recorded_choices(layers, routed, indexed):
-    """Hooks recording into ``choices`` (yielded) each ``routed(layer)``'s experts (its router's
-    third output) and each ``indexed(layer)``'s indexer output, keyed ("experts" / "selection", i)."""
+def recorded_choices(layers, routed, indexed, experts=lambda out: out[2], selection=lambda out: out):
+    """``(hooks, choices)``: ``hooks`` (a context manager) records into the dict ``choices`` each
+    ``routed(layer)``'s experts (``experts`` of its router's output: transformers' third) and each
+    ``indexed(layer)``'s selection (``selection`` of its indexer's output), keyed ("experts" /
+    "selection", i)."""
     choices = {}
 
     def keep(key, pick):
         return lambda mod, args, out: choices.__setitem__(key, pick(out))
-    hooks = layer_hooks(layers, lambda i, l: keep(("experts", i), lambda o: o[2]) if routed(l) else None,
-                        lambda i, l: keep(("selection", i), lambda o: o) if indexed(l) else None)
+    hooks = layer_hooks(layers, lambda i, l: keep(("experts", i), experts) if routed(l) else None,
+                        lambda i, l: keep(("selection", i), selection) if indexed(l) else None)
     return hooks, choices

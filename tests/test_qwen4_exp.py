@@ -369,14 +369,11 @@ def test_bf16_generate_follows_transformers_bf16(text, monkeypatch):
     prompt = torch.randint(3, TEXT["vocab_size"], (1, 14))
     got = generate(model, [prompt[0].tolist()], 8, stop_tokens=[], prefill_chunk_size=5).tokens[0]
     theirs = transformers.Qwen4ExpForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    mp = pytest.MonkeyPatch()
-    patch(mp, theirs, model.plan.pattern)
-    try:
-        with torch.no_grad():
-            want = theirs.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                   pad_token_id=0)[0, 14:].tolist()
-    finally:
-        mp.undo()
+    patch(monkeypatch, theirs, model.plan.pattern)
+    with torch.no_grad():
+        want = theirs.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                               pad_token_id=0)[0, 14:].tolist()
+    monkeypatch.undo()
     same = next((k for k in range(8) if got[k] != want[k]), 8)
     if same < 8:  # a near-tie of fp32's: both choices within transformers' bf16 rounding of its top
         seq = torch.tensor([prompt[0].tolist() + got[:same]])

@@ -64,11 +64,12 @@ def absorb_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
     ``out`` (that shape, q_nope's dtype): written and returned; q_pe may already be its rope part
     (``MLA.forward`` rotates straight into it), then nothing is copied."""
     latent = w_uk.shape[-1]
-    if out is None and few_rows(q_nope.transpose(0, 1), w_uk):
-        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], latent + q_pe.shape[-1])
-    if out is None:
+    per_head = few_rows(q_nope.transpose(0, 1), w_uk)
+    if out is None and not per_head:
         return torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe), dim=-1)
-    if few_rows(q_nope.transpose(0, 1), w_uk):
+    if out is None:
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], latent + q_pe.shape[-1])
+    if per_head:
         ops.rows_matmul(q_nope.transpose(0, 1), w_uk, False, out=out[..., :latent].transpose(0, 1))
     else:
         out[..., :latent] = torch.einsum("thd,hdc->thc", q_nope, w_uk)
