@@ -2,7 +2,8 @@
 Qwen3.8-Flash-Next (``qwen4_exp_text``) over 2 gloo processes on the CPU, each layout against the
 one-process model built from the same checkpoint (the reference; it equals transformers in
 tests/test_glm5_next.py and tests/test_qwen4_exp.py): logits, the shared top-k rows a prompt
-leaves, and greedy tokens through the paged decode path.
+leaves, and greedy tokens through the paged decode path, for tp 2, pp 2, pp 2 with the engines'
+fallback (``pp_stage_starts_full``) and tp 2 x pp 2 on 4 ranks; parameter shapes per rank.
 
 The checkpoints are the families' own tiny transformers-written ones. The patterns make pipeline
 stage 1 (layers 4..6 of 7) begin on an S indexed layer, which attends the selection an F layer of
@@ -60,8 +61,9 @@ def _layouts(runs):
     for path, overrides, layouts in runs:
         got = {}
         for name, tp, pp in layouts:
-            model = from_pretrained(path, hf_overrides=overrides, dtype=torch.float32, tp_size=tp, pp_size=pp)
-            got[name] = {**model_outputs(model, IDS, PROMPTS),
+            model = from_pretrained(path, hf_overrides=overrides, dtype=torch.float32, tp_size=tp, pp_size=pp,
+                                    pp_stage_starts_full=name.endswith("_stage_full"))
+            got[name] = {**model_outputs(model, IDS, PROMPTS), "pattern": model.plan.pattern,
                          "params": {n: tuple(p.shape) for n, p in model.named_parameters()}}
         out.append(got)
     return {"runs": out}
@@ -76,8 +78,8 @@ def check_equal(outs, want, layouts, i):
             assert got["tokens"] == want["tokens"], (name, r)
 
 
-PP, TP = ("pp2", 1, 2), ("tp2", 2, 1)
-GLM_LAYOUTS, QWEN_LAYOUTS = [PP, TP], [PP, TP]
+PP, TP, PP_FULL = ("pp2", 1, 2), ("tp2", 2, 1), ("pp2_stage_full", 1, 2)
+GLM_LAYOUTS, QWEN_LAYOUTS = [PP, TP, PP_FULL], [PP, TP, PP_FULL]
 
 
 def test_tensor_and_pipeline_parallel_equal_one_process(glm_ckpt, qwen_ckpt, tmp_path):
@@ -86,8 +88,14 @@ def test_tensor_and_pipeline_parallel_equal_one_process(glm_ckpt, qwen_ckpt, tmp
     assert glm_model.plan.pattern == "FFSFS" and qwen_model.plan.pattern == "FFSF"
     runs = [(glm_ckpt, GLM_OVERRIDES, GLM_LAYOUTS), (qwen_ckpt, QWEN_OVERRIDES, QWEN_LAYOUTS)]
     outs = run_on_ranks(_layouts, (runs,), tmp_path)
-    check_equal(outs, glm_want, GLM_LAYOUTS, 0)
-    check_equal(outs, qwen_want, QWEN_LAYOUTS, 1)
+    check_equal(outs, glm_want, [PP, TP], 0)
+    check_equal(outs, qwen_want, [PP, TP], 1)
+    # the engines' fallback forces stage 1's first indexed layer (4) to F: the one-process model of that plan
+    for i, (path, pattern, base) in enumerate(((glm_ckpt, "FFFFS", glm_want), (qwen_ckpt, "FFFF", qwen_want))):
+        want = one_process(path, {"use_index_cache": True, "index_topk_pattern": pattern})[1]
+        assert rel(want["logits"], base["logits"]) > 1e-4  # layer 4's own selection changes the output
+        assert [o["runs"][i]["pp2_stage_full"]["pattern"] for o in outs] == [pattern] * 2
+        check_equal(outs, want, [PP_FULL], i)
     # GLM tp2: MLA and KDA heads split (1 of 2 each), the latent and the pooled indexer replicated,
     # routed experts 2 + 2, the dense MLP column/row split, hyper-connections replicated
     t = [o["runs"][0]["tp2"]["params"] for o in outs]
@@ -188,3 +196,15 @@ def test_qwen_tensor_parallel_refuses_a_width_it_cannot_split(qwen_ckpt):
     with pytest.raises(ValueError, match=r"num_key_value_heads 2 is not divisible by tp_size 4; "
                                          r"linear_num_key_heads 2 is not divisible by tp_size 4$"):
         Qwen4ExpForCausalLM.from_config(load_config(qwen_ckpt), parallel=ParallelContext(tp_size=4), init="meta")
+
+
+def test_tensor_times_pipeline_parallel_equals_one_process(glm_ckpt, qwen_ckpt, tmp_path):
+    """tp 2 x pp 2 on 4 ranks: each stage's pair splits its layers' heads; stage 1 begins on S."""
+    both = [("tp2pp2", 2, 2)]
+    runs = [(glm_ckpt, GLM_OVERRIDES, both), (qwen_ckpt, QWEN_OVERRIDES, both)]
+    outs = run_on_ranks(_layouts, (runs,), tmp_path, world=4)
+    check_equal(outs, one_process(glm_ckpt, GLM_OVERRIDES)[1], both, 0)
+    check_equal(outs, one_process(qwen_ckpt, QWEN_OVERRIDES)[1], both, 1)
+    glm_params = [o["runs"][0]["tp2pp2"]["params"] for o in outs]
+    assert [p.get("model.layers.5.self_attn.q_b_proj.weight") for p in glm_params] == [None, None, (8, 24), (8, 24)]
+    assert [p.get("model.layers.0.self_attn.q_proj.weight") for p in glm_params] == [(8, 32), (8, 32), None, None]
