@@ -82,7 +82,8 @@ class ForgetGate(HeadSlices):
         self.n_heads, self.cut, self.per_head = heads, cut, {"dt_bias": head_dim, "A_log": 1}
         self.heads, self.head_dim, self.lower_bound = cut[1] - cut[0], head_dim, lower_bound
         self.f_a_proj = par.linear(hidden, head_dim, "f_a_proj")
-        self.f_b_proj = par.linear(head_dim, heads * head_dim, "f_b_proj", "col", (cut[0] * head_dim, cut[1] * head_dim))
+        self.f_b_proj = par.linear(head_dim, heads * head_dim, "f_b_proj", "col",
+                                   (cut[0] * head_dim, cut[1] * head_dim))
         self.dt_bias = nn.Parameter(torch.empty(self.heads * head_dim))  # fp32
         self.A_log = nn.Parameter(torch.empty(self.heads))  # fp32
 
