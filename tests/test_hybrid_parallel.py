@@ -208,3 +208,24 @@ def test_tensor_times_pipeline_parallel_equals_one_process(glm_ckpt, qwen_ckpt, 
     glm_params = [o["runs"][0]["tp2pp2"]["params"] for o in outs]
     assert [p.get("model.layers.5.self_attn.q_b_proj.weight") for p in glm_params] == [None, None, (8, 24), (8, 24)]
     assert [p.get("model.layers.0.self_attn.q_proj.weight") for p in glm_params] == [(8, 32), (8, 32), None, None]
+
+
+def test_row_ranges_read_their_rows_and_refuse_fp8(tmp_path):
+    """A weight of several row ranges (Gated DeltaNet's fused [q | k | v] under tp) gets exactly those
+    rows in order; an fp8 tensor read that way is refused by name."""
+    from safetensors.torch import save_file
+
+    from indexcache import loader
+    from indexcache.models.blocks.gdn import RowRanges
+
+    full = torch.randn(10, 3)
+    save_file({"w.weight": full, "q.weight": full.to(torch.float8_e4m3fn)}, str(tmp_path / "model.safetensors"))
+    reader = loader._Reader(loader._weight_files(tmp_path), (128, 128))
+    mod = RowRanges((10, 3), [(1, 3), (6, 9)])
+    mod.weight.data.fill_(float("nan"))
+    used = set()
+    with torch.no_grad():  # as load_weights runs it
+        loader._copy_param(reader, "w.weight", mod, "weight", used)
+        assert torch.equal(mod.weight, torch.cat((full[1:3], full[6:9]))) and used == {"w.weight"}
+        with pytest.raises(ValueError, match="q.weight is stored in fp8"):
+            loader._copy_param(reader, "q.weight", mod, "weight", used)
