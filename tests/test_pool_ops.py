@@ -2,12 +2,15 @@
 cache's ``k | gate`` rows into its pooled-key rows). reference.kpool_pool_paged against the model's
 own pooling math (kpool_indexer.pooled_keys) applied request by request, position by position, on
 fresh random caches with shuffled block tables: the pools completing in the step are written, every
-other pool row stays as poisoned (NaN); bad inputs are ValueErrors."""
+other pool row stays as poisoned (NaN); bad inputs are ValueErrors. Then the op
+(ops.kpool_pool_paged) against the reference on every CPU path, fp32 and bf16 caches / ape, its
+results at 1 and 2 threads bit-equal, its refusals (the wrapper's ValueErrors, the kernel's own
+checks called directly) and torch.library.opcheck."""
 
 import pytest
 import torch
 
-from indexcache import reference
+from indexcache import ops, reference
 from indexcache.models.blocks.kpool_indexer import pooled_keys
 
 NAN = float("nan")
@@ -114,3 +117,70 @@ def test_reference_refuses(case):
     with pytest.raises(ValueError, match=match):
         reference.kpool_pool_paged(*args)
 
+
+DTYPE_MIXES = [(torch.float32, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.bfloat16),
+               (torch.float32, torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("raw_dtype,pool_dtype,ape_dtype", DTYPE_MIXES)
+@pytest.mark.parametrize("p,d,bs,ctx,q", CASES + [(4, 128, 64, [0, 130, 7], [300, 2, 200]), (2, 19, 8, [1], [40])])
+def test_op_matches_reference(cpu_isa, raw_dtype, pool_dtype, ape_dtype, p, d, bs, ctx, q):
+    args = make_case(sum(ctx) * 7 + sum(q) + d, p, d, bs, ctx, q, raw_dtype, pool_dtype, ape_dtype)
+    raw, pool, ape, table, c, m = args
+    want = pool.clone()
+    reference.kpool_pool_paged(raw, want, ape, table, c, m)
+    ops.kpool_pool_paged(*args)
+    assert torch.equal(torch.isnan(pool), torch.isnan(want))  # the same rows written, the rest untouched
+    tol = 1e-5 if pool_dtype == torch.float32 else 2 ** -7
+    live = ~torch.isnan(want)
+    assert torch.allclose(pool[live].float(), want[live].float(), atol=tol, rtol=tol)
+
+
+def test_op_thread_count_does_not_change_results():
+    raw, pool, ape, table, c, m = make_case(5, 4, 128, 64, [0, 0, 40], [512, 300, 600])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = pool.clone()
+        ops.kpool_pool_paged(raw, one, ape, table, c, m)
+        torch.set_num_threads(2)
+        two = pool.clone()
+        ops.kpool_pool_paged(raw, two, ape, table, c, m)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(torch.isnan(one), torch.isnan(two)) and torch.equal(one.nan_to_num(), two.nan_to_num())
+    assert (~torch.isnan(one)).any()
+
+
+@pytest.mark.parametrize("case", range(len(bad_inputs())))
+def test_op_refuses(case):
+    args, match = bad_inputs()[case]
+    if match in ("must be >= 0", "do not hold", "outside"):  # data checks: the kernel's
+        with pytest.raises(RuntimeError, match=match):
+            ops.kpool_pool_paged(*args)
+    else:
+        with pytest.raises(ValueError, match=match):
+            ops.kpool_pool_paged(*args)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: (a[0], a[1], a[2].view(1, 4, 8), *a[3:]), "ape must have 2 dims"),
+    (lambda a: (a[0].half(), *a[1:]), "index_raw must be float32 or bfloat16"),
+    (lambda a: (a[0][..., :12].contiguous(), *a[1:]), "index_raw must be"),
+    (lambda a: (a[0][:, :10].contiguous(), *a[1:]), "must divide the block size"),
+    (lambda a: (a[0], a[1][:, :3].contiguous(), *a[2:]), "index_pool must be"),
+    (lambda a: (a[0], a[1].transpose(0, 1).contiguous().transpose(0, 1), *a[2:]), "index_pool must be contiguous"),
+    (lambda a: (*a[:3], a[3].long(), *a[4:]), "block_table must be Int"),
+    (lambda a: (*a[:4], a[4][:1], a[5]), "ctx_lens and q_lens must be"),
+])
+def test_kernel_checks(change, match):
+    """The kernel's own TORCH_CHECKs, called without the wrapper."""
+    args = change(make_case(1, 4, 8, 16, [0, 4], [9, 5]))
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.indexcache.kpool_pool_paged(*args)
+
+
+def test_opcheck():
+    raw, pool, ape, table, c, m = make_case(2, 4, 8, 16, [0, 4], [9, 5])
+    pool.zero_()
+    torch.library.opcheck(torch.ops.indexcache.kpool_pool_paged.default, (raw, pool, ape, table, c, m))
