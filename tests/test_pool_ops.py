@@ -136,6 +136,23 @@ def test_op_matches_reference(cpu_isa, raw_dtype, pool_dtype, ape_dtype, p, d, b
     assert torch.allclose(pool[live].float(), want[live].float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_op_non_finite_logits_are_nan_like_the_softmax(cpu_isa, bad):
+    """A NaN or +inf gate logit makes its pool's channel NaN (torch's softmax: inf - inf); a NaN key
+    too; the other channels and pools stay finite."""
+    raw, pool, ape, table, c, m = make_case(9, 4, 40, 16, [0], [32])
+    d = 40
+    blk0, blk1 = int(table[0, 0]), int(table[0, 1])
+    raw[blk0, 5, d + 3] = bad      # pool 1 (positions 4-7), gate of channel 3
+    raw[blk1, 2, 17] = float("nan")  # pool 4 (positions 16-19: block 1's first pool), key channel 17
+    want = pool.clone()
+    reference.kpool_pool_paged(raw, want, ape, table, c, m)
+    ops.kpool_pool_paged(raw, pool, ape, table, c, m)
+    assert torch.isnan(want[blk0, 1, 3]) and torch.isnan(want[blk1, 0, 17])
+    assert torch.equal(torch.isnan(pool), torch.isnan(want))
+    assert torch.isnan(pool[table[0, :2].long()]).sum() == 2
+
+
 def test_op_thread_count_does_not_change_results():
     raw, pool, ape, table, c, m = make_case(5, 4, 128, 64, [0, 0, 40], [512, 300, 600])
     before = torch.get_num_threads()

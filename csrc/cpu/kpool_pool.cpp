@@ -91,14 +91,17 @@ IC_AVX512 void avx512_pool(const KpoolPoolParams& p, const PoolTask& t) {
     for (int64_t i = 0; i < p.P; ++i)
       mx = _mm512_max_ps(mx, logit16(gate + i * w * re, p.raw_dtype, bias + i * d * ae, p.ape_dtype, m));
     __m512 sum = _mm512_setzero_ps(), num = _mm512_setzero_ps();
+    __mmask16 nan = 0;  // lanes whose l - max is NaN (a NaN logit, or +inf): NaN, as torch's softmax
     for (int64_t i = 0; i < p.P; ++i) {
-      const __m512 l = logit16(gate + i * w * re, p.raw_dtype, bias + i * d * ae, p.ape_dtype, m);
-      const __m512 e = cpu::exp_ps(_mm512_sub_ps(l, mx));
+      const __m512 x = _mm512_sub_ps(logit16(gate + i * w * re, p.raw_dtype, bias + i * d * ae, p.ape_dtype, m), mx);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      const __m512 e = cpu::exp_ps(x);  // exp_ps clamps NaN to exp(-87): the mask restores it
       sum = _mm512_add_ps(sum, e);
       num = _mm512_fmadd_ps(e, load16(raw + (i * w + c) * re, p.raw_dtype, m), num);
     }
     // masked-off lanes divide 0 by 1; only the live lanes are stored
-    const __m512 v = _mm512_div_ps(num, _mm512_mask_blend_ps(m, _mm512_set1_ps(1.0f), sum));
+    const __m512 v = _mm512_mask_blend_ps(nan, _mm512_div_ps(num, _mm512_mask_blend_ps(m, _mm512_set1_ps(1.0f), sum)),
+                                          _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
     if (p.pool_dtype == DType::kFloat32) {
       _mm512_mask_storeu_ps(static_cast<float*>(p.pool) + t.pool_row * d + c, m, v);
     } else {

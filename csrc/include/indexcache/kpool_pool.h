@@ -9,7 +9,8 @@
 //
 //   pool[c] = sum_t e_t k_t[c] / sum_t e_t,  e_t = exp(l_t - max_t l_t),  l_t = gate_t[c] + ape[t mod P, c]
 //
-// in fp32 with t ascending, rounded once into row (j P % block_size) / P of block
+// (a channel with a NaN logit or a +inf one is NaN, as torch's softmax makes it; a NaN key gives
+// NaN) in fp32 with t ascending, rounded once into row (j P % block_size) / P of block
 // block_table[b, j P / block_size] of pool. No other pool row is touched. Each pool is one task's
 // fixed-order sums, so the result does not depend on the thread count.
 #pragma once
