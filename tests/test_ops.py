@@ -836,7 +836,7 @@ def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind):
 def test_every_op_has_a_kernel_per_backend():
     """Every schema of csrc/torch_bindings.cpp has its CPU kernel (cuda_error_word is CUDA only)
     and, in a build with the CUDA kernels, its CUDA kernel (rows_matmul, rms_norm and rope are CPU
-    only: the decode rows of a CPU step; kpool_pool_paged too: the model pools in torch off the CPU): the one registration block per backend (csrc/{cpu,cuda}/registration.*)
+    only: the decode rows of a CPU step): the one registration block per backend (csrc/{cpu,cuda}/registration.*)
     misses none."""
     import indexcache
 
@@ -850,7 +850,7 @@ def test_every_op_has_a_kernel_per_backend():
         dump = torch._C._dispatch_dump(f"indexcache::{name}")
         if name != "cuda_error_word":
             assert "\nCPU: registered" in dump, f"{name} has no CPU kernel"
-        if cuda and name not in ("rows_matmul", "rms_norm", "rope", "kpool_pool_paged"):
+        if cuda and name not in ("rows_matmul", "rms_norm", "rope"):
             assert "\nCUDA: registered" in dump, f"{name} has no CUDA kernel"
 
 

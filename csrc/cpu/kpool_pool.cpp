@@ -22,7 +22,7 @@
 #include "simd.h"
 #endif
 
-#include "../checks.h"
+#include "../kpool_pool_checks.h"
 #include "elem_io.h"
 #include "indexcache/kpool_pool.h"
 #include "isa.h"
@@ -114,24 +114,16 @@ IC_AVX512 void avx512_pool(const KpoolPoolParams& p, const PoolTask& t) {
 #undef IC_AVX512
 #endif
 
-// The completing pools, request after request; TORCH_CHECKs the lengths and block ids first.
+// The completing pools, request after request (kpool_checks::check_kpool_values has passed).
 std::vector<PoolTask> pool_tasks(const KpoolPoolParams& p) {
   std::vector<PoolTask> tasks;
   const int64_t per_block = p.block_size / p.P;
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t ctx = p.ctx_lens[b], q = p.q_lens[b];
-    TORCH_CHECK(ctx >= 0 && q >= 0, "ctx_lens and q_lens must be >= 0, got ", ctx, " and ", q, " for request ", b);
-    const int64_t done = ctx / p.P, total = (ctx + q) / p.P;
-    TORCH_CHECK(total <= done || total * p.P <= p.max_blocks * p.block_size, "block_table's ", p.max_blocks,
-                " blocks of ", p.block_size, " do not hold request ", b, "'s ", total * p.P, " positions");
-    for (int64_t j = done; j < total; ++j) {
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t j = p.ctx_lens[b] / p.P; j < (p.ctx_lens[b] + p.q_lens[b]) / p.P; ++j) {
       const int64_t first = j * p.P, blk = p.block_table[b * p.max_blocks + first / p.block_size];
-      TORCH_CHECK(blk >= 0 && blk < p.num_blocks, "block_table holds a block outside [0, ", p.num_blocks,
-                  ") where a completed pool lies (request ", b, ", block ", blk, ")");
       const int64_t row = first % p.block_size;
       tasks.push_back({blk * p.block_size + row, blk * per_block + row / p.P});
     }
-  }
   return tasks;
 }
 
@@ -144,55 +136,9 @@ void run(const KpoolPoolParams& p, const std::vector<PoolTask>& tasks, void (*po
   at::parallel_for(0, n, std::max<int64_t>(kChunkWork / per_task, 1), body);
 }
 
-DType float_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-  return t.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
-}
-
 void kpool_pool_paged_op(const at::Tensor& index_raw, at::Tensor& index_pool, const at::Tensor& ape,
                          const at::Tensor& block_table, const at::Tensor& ctx_lens, const at::Tensor& q_lens) {
-  IC_CHECK_DIM(ape, 2, "ape");
-  IC_CHECK_DIM(index_raw, 3, "index_raw");
-  IC_CHECK_DIM(index_pool, 3, "index_pool");
-  IC_CHECK_DIM(block_table, 2, "block_table");
-  IC_CHECK_DIM(ctx_lens, 1, "ctx_lens");
-  IC_CHECK_DIM(q_lens, 1, "q_lens");
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&index_raw, "index_raw"}, {&index_pool, "index_pool"},
-                                {&ape, "ape"}, {&block_table, "block_table"}, {&ctx_lens, "ctx_lens"}, {&q_lens, "q_lens"}}) {
-    TORCH_CHECK(t->device() == index_raw.device(), name, " must be on index_raw's device ", index_raw.device(),
-                ", got ", t->device());
-    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous, got strides ", t->strides());
-  }
-  IC_CHECK_DTYPE(block_table, at::kInt, "block_table");
-  IC_CHECK_DTYPE(ctx_lens, at::kInt, "ctx_lens");
-  IC_CHECK_DTYPE(q_lens, at::kInt, "q_lens");
-  KpoolPoolParams p{};
-  p.raw_dtype = float_dtype(index_raw, "index_raw");
-  p.pool_dtype = float_dtype(index_pool, "index_pool");
-  p.ape_dtype = float_dtype(ape, "ape");
-  p.P = ape.size(0);
-  p.d = ape.size(1);
-  p.num_blocks = index_raw.size(0);
-  p.block_size = index_raw.size(1);
-  TORCH_CHECK(p.P >= 1, "ape must be [P, d] with P >= 1, got ", ape.sizes());
-  TORCH_CHECK(index_raw.size(2) == 2 * p.d, "index_raw must be [num_blocks, block_size, 2 d = ", 2 * p.d, "], got ",
-              index_raw.sizes());
-  TORCH_CHECK(p.block_size % p.P == 0, "the pool size P = ", p.P, " must divide the block size ", p.block_size);
-  TORCH_CHECK(index_pool.size(0) == p.num_blocks && index_pool.size(1) == p.block_size / p.P && index_pool.size(2) == p.d,
-              "index_pool must be [num_blocks, block_size / P, d] = [", p.num_blocks, ", ", p.block_size / p.P, ", ", p.d,
-              "], got ", index_pool.sizes());
-  p.B = block_table.size(0);
-  p.max_blocks = block_table.size(1);
-  TORCH_CHECK(ctx_lens.size(0) == p.B && q_lens.size(0) == p.B, "ctx_lens and q_lens must be [B = ", p.B, "], got ",
-              ctx_lens.sizes(), " and ", q_lens.sizes());
-  p.raw = index_raw.data_ptr();
-  p.pool = index_pool.data_ptr();
-  p.ape = ape.data_ptr();
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.ctx_lens = ctx_lens.data_ptr<int32_t>();
-  p.q_lens = q_lens.data_ptr<int32_t>();
-  kpool_pool_cpu(p);
+  kpool_pool_cpu(kpool_checks::make_kpool_pool_params(index_raw, index_pool, ape, block_table, ctx_lens, q_lens));
 }
 
 }  // namespace
@@ -200,6 +146,7 @@ void kpool_pool_paged_op(const at::Tensor& index_raw, at::Tensor& index_pool, co
 void register_kpool_pool_cpu(torch::Library& m) { m.impl("kpool_pool_paged", &kpool_pool_paged_op); }
 
 void kpool_pool_cpu(const KpoolPoolParams& p) {
+  kpool_checks::check_kpool_values(p);
   const std::vector<PoolTask> tasks = pool_tasks(p);
   if (tasks.empty() || p.d == 0) return;
 #if defined(__x86_64__)

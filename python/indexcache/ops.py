@@ -432,9 +432,9 @@ def kpool_pool_paged(index_raw: torch.Tensor, index_pool: torch.Tensor, ape: tor
     ``block_table`` int32 ``[B, max_blocks]``, ``ctx_lens`` / ``q_lens`` int32 ``[B]``: request b's
     pools j with ``ctx_lens[b] // P <= j < (ctx_lens[b] + q_lens[b]) // P``, each channel's
     ``Σ_t softmax_t(gate_t + ape[t mod P]) k_t`` in fp32 with a fixed order (thread-count independent).
-    No other row of ``index_pool`` is touched. CPU only. :func:`indexcache.reference.kpool_pool_paged`
-    is the definition; shapes and dtypes that do not fit are ValueErrors, bad lengths or block ids
-    the op's errors."""
+    No other row of ``index_pool`` is touched. :func:`indexcache.reference.kpool_pool_paged` is the
+    definition; shapes and dtypes that do not fit are ValueErrors, bad lengths or block ids the CPU
+    op's errors (on CUDA: skipped and counted, ``cuda_error_count``, unless ``INDEXCACHE_CHECK=1``)."""
     kpool_pool_shapes(index_raw, index_pool, ape, block_table, ctx_lens, q_lens)
     _ops.kpool_pool_paged(index_raw, index_pool, ape.contiguous(), block_table.contiguous(), ctx_lens.contiguous(),
                           q_lens.contiguous())

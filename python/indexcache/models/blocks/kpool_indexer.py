@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from indexcache import ops, reference
+from indexcache import ops
 
 from ..state import ForwardContext
 from .norms import LayerNorm
@@ -115,7 +115,7 @@ class PooledIndexer(nn.Module):
 
     def _paged_pools(self, raw: torch.Tensor, ctx: ForwardContext) -> list:
         """Write this step's ``k | gate`` rows, pool the pools that completed in it (one
-        ``ops.kpool_pool_paged`` for the batch; its torch definition off the CPU) and return each
+        ``ops.kpool_pool_paged`` for the batch) and return each
         request's pooled keys ``[complete pools, d]`` read from the cache."""
         meta, cache, P = ctx.meta, ctx.cache, self.kpool
         raw_cache, pool_cache = cache.index_raw[self.layer_id], cache.index_pool[self.layer_id]
@@ -123,8 +123,7 @@ class PooledIndexer(nn.Module):
         flat_raw = raw_cache.view(-1, raw_cache.shape[-1])
         flat_raw[meta.slot_mapping] = raw.to(flat_raw.dtype)
         lens = torch.tensor([meta.ctx_lens, meta.q_lens], dtype=torch.int32).to(raw.device)
-        pool = ops.kpool_pool_paged if raw.device.type == "cpu" else reference.kpool_pool_paged
-        pool(raw_cache, pool_cache, self.index_kpool_compress_ape.detach(), meta.block_table, lens[0], lens[1])
+        ops.kpool_pool_paged(raw_cache, pool_cache, self.index_kpool_compress_ape.detach(), meta.block_table, lens[0], lens[1])
         per_block = bs // P
         flat_pool = pool_cache.view(-1, pool_cache.shape[-1])
         table = meta.block_table.long()
