@@ -153,6 +153,25 @@ def test_op_non_finite_logits_are_nan_like_the_softmax(cpu_isa, bad):
     assert torch.isnan(pool[table[0, :2].long()]).sum() == 2
 
 
+@pytest.mark.parametrize("p,d,bs,ctx,q", [CASES[2], (16, 136, 64, [0, 100], [300, 60])])
+def test_op_on_each_device(device, p, d, bs, ctx, q):
+    """The op on ``device`` (the CUDA kernel where a GPU is) against the reference on the CPU, bf16
+    cache; on CUDA a pool whose block id is out of range is skipped and counted, not raised."""
+    args = make_case(d + p, p, d, bs, ctx, q, torch.bfloat16, torch.float32, torch.float32)
+    want = args[1].clone()
+    reference.kpool_pool_paged(*args[:1], want, *args[2:])
+    moved = [t.to(device) for t in args]
+    ops.kpool_pool_paged(*moved)
+    got = moved[1].cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.allclose(got.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-5)
+    if device == "cuda":
+        ops.reset_cuda_error_count()
+        moved[3][0, 0] = moved[0].shape[0]
+        ops.kpool_pool_paged(*moved)
+        assert ops.cuda_error_count() == min(bs // p, (ctx[0] + q[0]) // p) - ctx[0] // p
+
+
 def test_op_thread_count_does_not_change_results():
     raw, pool, ape, table, c, m = make_case(5, 4, 128, 64, [0, 0, 40], [512, 300, 600])
     before = torch.get_num_threads()
