@@ -72,4 +72,11 @@ TORCH_LIBRARY(indexcache, m) {
   // [N, R / 2] (interleaved or split-half pairs) -> out [N, H, R], which may be x itself.
   m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor(a!) out) -> ()");
+  // GLM-5.3-Flash's pooled indexer: the key pools completing in a paged step, one call for the batch.
+  // index_raw [num_blocks, block_size, 2 d] (each token's k | gate), index_pool [num_blocks,
+  // block_size / P, d] written in place, ape [P, d], block_table / ctx_lens / q_lens int32 [B, ..] /
+  // [B] / [B]: pool j of request b is the per-channel softmax_t(gate + ape)-weighted mean of its keys.
+  m.def(
+      "kpool_pool_paged(Tensor index_raw, Tensor(a!) index_pool, Tensor ape, Tensor block_table, Tensor ctx_lens, "
+      "Tensor q_lens) -> ()");
 }

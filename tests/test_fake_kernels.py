@@ -138,7 +138,19 @@ def _norm_rope_cases():
     ]
 
 
-CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases(), *_rows_matmul_cases(), *_norm_rope_cases()]
+def _kpool_pool_cases():
+    raw, pool, ape = torch.randn(6, 16, 16), torch.zeros(6, 4, 8), torch.randn(4, 8)
+    table, lens = torch.arange(6, dtype=torch.int32).view(2, 3), _i32(5, 9)
+    return [
+        (o.kpool_pool_paged, (raw, pool, ape, table, lens, lens),
+         [(0, raw.half(), "index_raw must be"), (0, torch.randn(6, 16, 12), "index_raw must be"),
+          (2, torch.randn(3, 8), "must divide the block size"), (1, torch.zeros(6, 3, 8), "index_pool must be"),
+          (3, table.long(), "block_table must be"), (4, _i32(0), "ctx_lens and q_lens must be")]),
+    ]
+
+
+CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases(), *_rows_matmul_cases(), *_norm_rope_cases(),
+         *_kpool_pool_cases()]
 
 
 def _fake_call(op, args):

@@ -142,6 +142,7 @@ const char* cpu_op_name(CpuOp op) {
     case CpuOp::kDeltaRule: return "delta_rule";
     case CpuOp::kRowsMatmul: return "rows_matmul";
     case CpuOp::kNormRope: return "norm_rope";
+    case CpuOp::kKpoolPool: return "kpool_pool";
   }
   return "?";
 }
@@ -155,7 +156,8 @@ bool cpu_op_takes(CpuOp op, DType dt) {
     case CpuOp::kQuantize:
     case CpuOp::kDeltaRule:
     case CpuOp::kRowsMatmul:
-    case CpuOp::kNormRope: return dt != DType::kFp8E4M3;
+    case CpuOp::kNormRope:
+    case CpuOp::kKpoolPool: return dt != DType::kFp8E4M3;
   }
   return false;
 }
@@ -167,15 +169,17 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // avx2.cpp: sparse MLA in every dtype and the top-k filter; the indexer's fp32 tile loop,
     // block_sparse_impl.h and delta_rule_impl.h compiled for AVX2 + FMA. No AVX2 quantizer:
     // quantize goes on to portable, and so does rows_matmul (no AVX2 kernel: the model keeps
-    // torch's matmul there, models/blocks/linear.py), and norm_rope (the model keeps torch's ops).
-    case CpuPath::kAvx2: return op != CpuOp::kQuantize && op != CpuOp::kRowsMatmul && op != CpuOp::kNormRope;
+    // torch's matmul there, models/blocks/linear.py), norm_rope (the model keeps torch's ops) and
+    // kpool_pool (a step's few completed pools: its portable loop).
+    case CpuPath::kAvx2:
+      return op != CpuOp::kQuantize && op != CpuOp::kRowsMatmul && op != CpuOp::kNormRope && op != CpuOp::kKpoolPool;
     // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
     // AVX-512 top-k filter, block_sparse_impl.h (fp32 and bf16: 16-lane FMA micro-kernels, 1.1-1.5x
     // its AVX2 build on Zen 4), the e4m3 quantizer compiled for AVX-512 and fp32 sparse MLA's FMA
     // kernels (sparse_mla_avx512.cpp). delta_rule_impl.h compiled for AVX-512 takes both its dtypes
     // (its inputs are converted to fp32 tiles once; the work is fp32 FMA). rows_matmul: vdpbf16ps for
     // bf16 x bf16, widening + FMA for the other dtype pairs (rows_matmul.cpp). norm_rope.cpp: 16-lane
-    // RMSNorm and rotation, bit-identical to its portable loops.
+    // RMSNorm and rotation, bit-identical to its portable loops. kpool_pool.cpp: 16 channels a vector.
     case CpuPath::kAvx512Bf16:
       return true;
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h).

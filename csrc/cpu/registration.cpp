@@ -15,6 +15,7 @@ TORCH_LIBRARY_IMPL(indexcache, CPU, m) {
   register_delta_rule_cpu(m);
   register_rows_matmul_cpu(m);
   register_norm_rope_cpu(m);
+  register_kpool_pool_cpu(m);
 }
 
 }  // namespace indexcache

@@ -14,5 +14,6 @@ void register_block_sparse_cpu(torch::Library& m);
 void register_delta_rule_cpu(torch::Library& m);
 void register_rows_matmul_cpu(torch::Library& m);
 void register_norm_rope_cpu(torch::Library& m);
+void register_kpool_pool_cpu(torch::Library& m);
 
 }  // namespace indexcache

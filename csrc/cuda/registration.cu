@@ -14,6 +14,7 @@ TORCH_LIBRARY_IMPL(indexcache, CUDA, m) {
   register_sparse_mla_cuda(m);
   register_block_sparse_cuda(m);
   register_delta_rule_cuda(m);
+  register_kpool_pool_cuda(m);
 }
 
 }  // namespace indexcache

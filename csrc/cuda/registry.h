@@ -13,5 +13,6 @@ void register_topk_cuda(torch::Library& m);
 void register_sparse_mla_cuda(torch::Library& m);
 void register_block_sparse_cuda(torch::Library& m);
 void register_delta_rule_cuda(torch::Library& m);
+void register_kpool_pool_cuda(torch::Library& m);
 
 }  // namespace indexcache

@@ -381,3 +381,24 @@ def _rope(x, cos, sin, interleaved, out):
                  lambda: f"cos and sin must be [N, R / 2] for x {tuple(x.shape)}, got {tuple(cos.shape)} and "
                          f"{tuple(sin.shape)}")
     torch._check(out.shape == x.shape, lambda: f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
+
+
+@torch.library.register_fake("indexcache::kpool_pool_paged")
+def _kpool_pool_paged(index_raw, index_pool, ape, block_table, ctx_lens, q_lens):
+    for t, name in ((index_raw, "index_raw"), (index_pool, "index_pool"), (ape, "ape")):
+        _dtype(t, FLOATS, name)
+    for t, name in ((block_table, "block_table"), (ctx_lens, "ctx_lens"), (q_lens, "q_lens")):
+        _dtype(t, (torch.int32,), name)
+    _dim(ape, 2, "ape")
+    _dim(index_raw, 3, "index_raw")
+    p, d = ape.shape
+    nb, bs = index_raw.shape[:2]
+    torch._check(index_raw.shape[2] == 2 * d, lambda: f"index_raw must be [num_blocks, block_size, 2 d = {2 * d}], "
+                                                      f"got {tuple(index_raw.shape)}")
+    torch._check(p >= 1 and bs % p == 0, lambda: f"the pool size P = {p} must divide the block size {bs}")
+    torch._check(tuple(index_pool.shape) == (nb, bs // max(p, 1), d),
+                 lambda: f"index_pool must be [{nb}, {bs // max(p, 1)}, {d}], got {tuple(index_pool.shape)}")
+    _dim(block_table, 2, "block_table")
+    torch._check(tuple(ctx_lens.shape) == (block_table.shape[0],) and q_lens.shape == ctx_lens.shape,
+                 lambda: f"ctx_lens and q_lens must be [B = {block_table.shape[0]}], got {tuple(ctx_lens.shape)} "
+                         f"and {tuple(q_lens.shape)}")

@@ -171,10 +171,20 @@ def _check_targets(path: Path, targets: list, reader: _Reader) -> None:
             raise ValueError(f"{ckpt} has shape {have} in the checkpoint, the model expects {want}")
 
 
+def _dense(t: torch.Tensor, ckpt: str) -> torch.Tensor:
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"{ckpt} is stored in fp8: a parameter read as several ranges takes bf16 / fp32 tensors")
+    return t
+
+
 def _copy_param(reader: _Reader, ckpt: str, mod, attr: str, used: set) -> None:
     """This rank's slice of checkpoint tensor ``ckpt`` into ``mod.attr`` (FP8 kept or dequantized)."""
     p = getattr(mod, attr)
     dim, shard = _slice_of(mod, attr)
+    if isinstance(shard, list):  # several ranges of one tensor (a fused [q | k | v] projection's heads)
+        p.copy_(torch.cat([_dense(reader.read(ckpt, dim, lo, hi), ckpt) for lo, hi in shard], dim=dim))
+        used.add(ckpt)
+        return
     lo, hi = shard if shard is not None else (0, 0)
     t = reader.read(ckpt, dim, lo, hi)
     used.add(ckpt)

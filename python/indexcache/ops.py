@@ -32,7 +32,7 @@ def fill_topk_buffer_(buf: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 # Small torch-level helpers that are part of the op contract but are not kernels.
 from .reference import decode_windows, hadamard_128, indexer_weights, mla_softmax_scale  # noqa: E402,F401
-from .reference import INDEX_K_EPS, INDEX_Q_EPS  # noqa: E402,F401
+from .reference import INDEX_K_EPS, INDEX_Q_EPS, kpool_pool_shapes  # noqa: E402,F401
 
 
 def quantize_fp8(x: torch.Tensor, eps: float, hadamard: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,3 +420,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     x3, o3 = (x, o) if x.dim() == 3 else (x.unsqueeze(1), o.unsqueeze(1))
     _ops.rope(x3, cos, sin, bool(interleaved), o3)
     return o
+
+
+# ----------------------------------------------------------------------------- GLM-5.3-Flash's key pools
+
+def kpool_pool_paged(index_raw: torch.Tensor, index_pool: torch.Tensor, ape: torch.Tensor, block_table: torch.Tensor,
+                     ctx_lens: torch.Tensor, q_lens: torch.Tensor) -> None:
+    """The pooled indexer's pools completing in a paged step, one call for the batch, in place into
+    ``index_pool [num_blocks, block_size / P, d]`` from ``index_raw [num_blocks, block_size, 2 d]``
+    (each token's ``k | gate``; both contiguous, fp32 or bf16), ``ape [P, d]`` (fp32 or bf16),
+    ``block_table`` int32 ``[B, max_blocks]``, ``ctx_lens`` / ``q_lens`` int32 ``[B]``: request b's
+    pools j with ``ctx_lens[b] // P <= j < (ctx_lens[b] + q_lens[b]) // P``, each channel's
+    ``Σ_t softmax_t(gate_t + ape[t mod P]) k_t`` in fp32 with a fixed order (thread-count independent).
+    No other row of ``index_pool`` is touched. :func:`indexcache.reference.kpool_pool_paged` is the
+    definition; shapes and dtypes that do not fit are ValueErrors, bad lengths or block ids the CPU
+    op's errors (on CUDA: skipped and counted, ``cuda_error_count``, unless ``INDEXCACHE_CHECK=1``)."""
+    kpool_pool_shapes(index_raw, index_pool, ape, block_table, ctx_lens, q_lens)
+    _ops.kpool_pool_paged(index_raw, index_pool, ape.contiguous(), block_table.contiguous(), ctx_lens.contiguous(),
+                          q_lens.contiguous())

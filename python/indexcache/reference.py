@@ -396,3 +396,72 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     ra, rb = a * c - b * s, a * s + b * c
     out = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), dim=-1)
     return out.to(out_dtype or x.dtype)
+
+
+# ----------------------------------------------------------------------------- GLM-5.3-Flash's key pools
+# The pooled indexer's paged cache (models/blocks/kpool_indexer.py): ops.kpool_pool_paged.
+
+def kpool_pool_shapes(index_raw, index_pool, ape, block_table, ctx_lens, q_lens) -> tuple[int, int]:
+    """(P, d) of a kpool_pool_paged call; ValueError naming the first shape / dtype that does not fit."""
+    floats = (torch.float32, torch.bfloat16)
+    if ape.dim() != 2 or ape.shape[0] < 1 or ape.dtype not in floats:
+        raise ValueError(f"ape must be fp32 / bf16 [P, d], got {ape.dtype} {tuple(ape.shape)}")
+    p, d = ape.shape
+    if index_raw.dim() != 3 or index_raw.shape[2] != 2 * d or index_raw.dtype not in floats:
+        raise ValueError(f"index_raw must be fp32 / bf16 [num_blocks, block_size, 2 d = {2 * d}], "
+                         f"got {index_raw.dtype} {tuple(index_raw.shape)}")
+    nb, bs = index_raw.shape[:2]
+    if bs % p:
+        raise ValueError(f"the pool size P = {p} must divide the block size {bs}")
+    if tuple(index_pool.shape) != (nb, bs // p, d) or index_pool.dtype not in floats:
+        raise ValueError(f"index_pool must be fp32 / bf16 [num_blocks, block_size / P, d] = [{nb}, {bs // p}, {d}], "
+                         f"got {index_pool.dtype} {tuple(index_pool.shape)}")
+    if not (index_raw.is_contiguous() and index_pool.is_contiguous()):
+        raise ValueError("index_raw and index_pool must be contiguous (the cache's own tensors)")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    for t, name in ((ctx_lens, "ctx_lens"), (q_lens, "q_lens")):
+        if t.dim() != 1 or t.shape[0] != block_table.shape[0] or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [B = {block_table.shape[0]}], got {t.dtype} {tuple(t.shape)}")
+    devices = {t.device for t in (index_raw, index_pool, ape, block_table, ctx_lens, q_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"every tensor must be on one device, got {sorted(map(str, devices))}")
+    return p, d
+
+
+def kpool_pool_paged(index_raw: torch.Tensor, index_pool: torch.Tensor, ape: torch.Tensor, block_table: torch.Tensor,
+                     ctx_lens: torch.Tensor, q_lens: torch.Tensor) -> None:
+    """Pool the pools that complete in a step, in place into ``index_pool``.
+
+    Request b held ``ctx_lens[b]`` tokens and adds ``q_lens[b]``; its pools ``j`` with
+    ``ctx_lens[b] // P <= j < (ctx_lens[b] + q_lens[b]) // P`` complete now. Token ``t`` of request
+    b sits at ``index_raw[block_table[b, t // bs], t % bs]`` (``[k (d) | gate (d)]``); pool j
+    (positions ``[j P, (j + 1) P)``) is, per channel, ``Σ_t softmax_t(gate_t + ape[t mod P]) k_t``
+    in fp32, written to ``index_pool[block_table[b, j P // bs], (j P % bs) // P]`` (rounded to its
+    dtype). Every other row of ``index_pool`` is left as it was.
+    """
+    p, d = kpool_pool_shapes(index_raw, index_pool, ape, block_table, ctx_lens, q_lens)
+    nb, bs = index_raw.shape[:2]
+    ctx, seq = ctx_lens.long(), ctx_lens.long() + q_lens.long()
+    if bool((ctx < 0).any()) or bool((q_lens < 0).any()):
+        raise ValueError(f"ctx_lens and q_lens must be >= 0, got {ctx_lens.tolist()} and {q_lens.tolist()}")
+    done, total = ctx // p, seq // p
+    n_new = total - done
+    if int(n_new.sum()) == 0:
+        return
+    if int(total.max()) * p > block_table.shape[1] * bs:
+        raise ValueError(f"block_table's {block_table.shape[1]} blocks of {bs} do not hold "
+                         f"{int(total.max()) * p} positions")
+    req = torch.repeat_interleave(torch.arange(len(n_new), device=n_new.device), n_new)
+    starts = torch.cumsum(n_new, 0) - n_new
+    first = (done[req] + torch.arange(len(req), device=req.device) - starts[req]) * p  # [N] each pool's first position
+    pos = first[:, None] + torch.arange(p, device=req.device)                           # [N, P]
+    table = block_table.long()
+    blocks = table[req[:, None], pos // bs]
+    if bool(((blocks < 0) | (blocks >= nb)).any()):
+        raise ValueError(f"block_table holds a block outside [0, {nb}) where a completed pool lies")
+    rows = index_raw.reshape(-1, 2 * d)[blocks * bs + pos % bs].float()                  # [N, P, 2 d]
+    weights = (rows[..., d:] + ape.float()).softmax(dim=1)
+    pooled = (weights * rows[..., :d]).sum(dim=1)
+    dest = table[req, first // bs] * (bs // p) + (first % bs) // p
+    index_pool.view(-1, d)[dest] = pooled.to(index_pool.dtype)

@@ -21,6 +21,9 @@ attends the selection of the nearest earlier F indexed layer in the same forward
 hands an S layer only the selection of the layer right before it, so it runs only patterns whose
 S layers directly follow an F indexed layer; the rule here is the same on those).
 
+Tensor and pipeline parallel (docs/parallel.md): MLA and KDA heads, dense and shared-expert widths
+split, routed experts by rank, the pooled indexer and hyper-connections replicated.
+
 Checkpoints: what transformers writes (``model.language_model.*``, ``lm_head.weight``; a VL
 checkpoint's ``model.visual.*`` vision tower is passed over, as are MTP layers, which transformers
 does not run either).
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from indexcache.config import INDEX_CACHE_KEYS
-from indexcache.parallel import ParallelContext
+from indexcache.parallel import ParallelContext, check_divisible, dense_weight
 
 from .args import ModelArgs
 from .blocks.hyper import ManifoldHyperConnection, mix_streams
@@ -149,19 +152,20 @@ class Glm5NextAttention(nn.Module):
     """NoPE MLA over the selected positions (absorbed over the latent cache, ``SparseAttention``);
     ``indexer`` a ``PooledIndexer`` on layers that may be F, None on S layers."""
 
-    def __init__(self, args: Glm5NextArgs, layer_id: int, build_indexer: bool):
+    def __init__(self, args: Glm5NextArgs, layer_id: int, build_indexer: bool, par: ParallelContext | None = None):
         super().__init__()
-        self.layer_id = layer_id
-        self.n_heads, self.nope, self.v_dim, self.latent = (args.num_attention_heads, args.qk_nope_head_dim,
-                                                            args.v_head_dim, args.kv_lora_rank)
-        h, eps = self.n_heads, args.rms_norm_eps
-        self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.layer_id, self.par = layer_id, par or ParallelContext()
+        h0, h1 = self.par.split(args.num_attention_heads, "num_attention_heads")  # this rank's heads
+        self.n_heads, self.nope, self.v_dim, self.latent = h1 - h0, args.qk_nope_head_dim, args.v_head_dim, \
+            args.kv_lora_rank
+        n, eps, kvb, lin = args.num_attention_heads, args.rms_norm_eps, self.nope + self.v_dim, self.par.linear
+        self.q_a_proj = lin(args.hidden_size, args.q_lora_rank, "q_a_proj")
         self.q_a_layernorm = RMSNorm(args.q_lora_rank, eps)
-        self.q_b_proj = nn.Linear(args.q_lora_rank, h * self.nope, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, self.latent, bias=False)
+        self.q_b_proj = lin(args.q_lora_rank, n * self.nope, "q_b_proj", "col", (h0 * self.nope, h1 * self.nope))
+        self.kv_a_proj_with_mqa = lin(args.hidden_size, self.latent, "kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.latent, eps)
-        self.kv_b_proj = nn.Linear(self.latent, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, args.hidden_size, bias=False)
+        self.kv_b_proj = lin(self.latent, n * kvb, "kv_b_proj", "col", (h0 * kvb, h1 * kvb))
+        self.o_proj = lin(n * self.v_dim, args.hidden_size, "o_proj", "row", (h0 * self.v_dim, h1 * self.v_dim))
         self.indexer = PooledIndexer(args.hidden_size, args.q_lora_rank, args.index_n_heads, args.index_head_dim,
                                      args.index_topk_tokens, args.index_kpool, args.index_kpool_always_select_tail,
                                      layer_id) if build_indexer else None
@@ -173,7 +177,7 @@ class Glm5NextAttention(nn.Module):
             qr = self.q_a_layernorm(self.q_a_proj(x))
             q_nope = self.q_b_proj(qr).view(n, h, self.nope)
             kv_c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-            w_kv = self.kv_b_proj.weight.to(x.dtype).view(h, self.nope + self.v_dim, self.latent)
+            w_kv = dense_weight(self.kv_b_proj, x.dtype).view(h, self.nope + self.v_dim, self.latent)
             q_abs = torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :self.nope])
             kv_cache = self._cache_keys(kv_c, ctx)
         if ctx.is_full(self.layer_id):
@@ -186,7 +190,7 @@ class Glm5NextAttention(nn.Module):
         with ctx.stage(self.layer_id, "attention"):
             out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size)
             o = torch.einsum("thc,hdc->thd", out, w_kv[:, self.nope:])
-            return self.o_proj(o.reshape(n, h * self.v_dim))
+            return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
 
     def _cache_keys(self, kv_c: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.meta
@@ -203,8 +207,11 @@ class Glm5NextMoE(MoE):
 
     def __init__(self, args: Glm5NextArgs, par: ParallelContext):
         super().__init__(args, par)
-        self.experts = nn.ModuleList(ClampedMLP(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit, par)
-                                     for _ in range(args.n_routed_experts))
+        d, i, lim = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
+        if par.tp_size == 1:
+            self.experts = nn.ModuleList(ClampedMLP(d, i, lim, par) for _ in range(args.n_routed_experts))
+        else:  # this rank's experts [e0, e1), keyed by their global id (the checkpoint's names)
+            self.experts = nn.ModuleDict({str(e): ClampedMLP(d, i, lim, par) for e in range(self.e0, self.e1)})
         if args.n_shared_experts:
             self.shared_experts = ClampedMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts,
                                              args.swiglu_limit, par, shard=True)
@@ -222,9 +229,9 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.kind == LINEAR:
             self.self_attn = KimiDeltaAttention(args.hidden_size, args.linear_num_heads, args.linear_head_dim,
                                                 args.linear_conv_kernel_dim, args.linear_lower_bound,
-                                                args.rms_norm_eps, layer_id)
+                                                args.rms_norm_eps, layer_id, self.par)
         else:
-            self.self_attn = Glm5NextAttention(args, layer_id, build_indexer)
+            self.self_attn = Glm5NextAttention(args, layer_id, build_indexer, self.par)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = Glm5NextMoE(args, self.par) if args.is_moe_layer(layer_id) else \
             ClampedMLP(args.hidden_size, args.intermediate_size, args.swiglu_limit, self.par, shard=True)
@@ -237,7 +244,8 @@ class Glm5NextDecoderLayer(nn.Module):
         with ctx.stage(self.layer_id, "moe" if isinstance(self.mlp, MoE) else "mlp"):
             post, comb, h = self.ffn_hc(x)
             h = self.post_attention_layernorm(h)
-            y = self.mlp(h, ctx.sync_free) if isinstance(self.mlp, MoE) else self.mlp(h)
+            y = self.mlp(h, ctx.sync_free) if isinstance(self.mlp, MoE) else \
+                self.par.all_reduce(self.mlp(h), "mlp_all_reduce")
             return mix_streams(x, post, comb, y)
 
 
@@ -333,14 +341,12 @@ class Glm5NextForCausalLM(DSAForCausalLM):
     )
 
     def __init__(self, args: Glm5NextArgs, plan, **kwargs):
-        par = kwargs.get("parallel")
-        if par is not None and par.world_size > 1:
-            raise ValueError("GLM-5.3-Flash runs in one process for now (no tensor or pipeline parallelism)")
+        check_divisible(kwargs.get("parallel"), (("linear_num_heads", args.linear_num_heads),))
         super().__init__(args, plan, **kwargs)
         # text checkpoints keep the language model at model.*, VL ones (and transformers') at model.language_model.*
         self.flat_layout = _FLAT_LAYOUT.get()
         self.indexer_fp8 = False  # the pooled indexer scores in fp32, as transformers'
-        self.model.hc_head = StreamMean()
+        self.model.hc_head = StreamMean() if self.par.last_stage else None
 
     @classmethod
     def family_config(cls, config: dict) -> dict:

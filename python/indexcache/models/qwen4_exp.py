@@ -26,8 +26,10 @@ on the model core of ``dsa.py``.
 - Caches (``Qwen4ExpPagedCache``): K/V pages per indexed layer, raw index keys per F indexed
   layer, and per request slot the constant-size states: Gated DeltaNet's conv window and fp32
   recurrent state, PLE's token history and conv window.
-- One process (no tensor / pipeline parallelism), no MTP, no differentiable torch form, no CUDA
-  graph decode step (the layers loop over requests on the host), ``index_reuse_steps`` 1.
+- Tensor and pipeline parallel (docs/parallel.md): attention, Gated DeltaNet and shared-expert
+  widths split by head, routed experts by rank, QSA indexer / residual mixers / PLE replicated;
+  no MTP, no differentiable torch form, no CUDA graph decode step (the layers loop over requests
+  on the host), ``index_reuse_steps`` 1.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch import nn
 
 from indexcache.config import INDEX_CACHE_KEYS
 from indexcache.formats import BLOCK_SIZE
+from indexcache.parallel import check_divisible
 
 from .args import ModelArgs
 from .blocks.gdn import GatedDeltaNet
@@ -101,13 +104,13 @@ class Qwen4ExpDecoderLayer(nn.Module):
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(d, args.linear_num_key_heads, args.linear_num_value_heads,
                                              args.linear_key_head_dim, args.linear_value_head_dim,
-                                             args.linear_conv_kernel_dim, eps, args.output_gate_type, layer_id)
+                                             args.linear_conv_kernel_dim, eps, args.output_gate_type, layer_id, par)
         else:
             qsa = dict(n_heads=args.index_n_heads, head_dim=args.index_head_dim, budget=args.indexer_budget,
                        ratio=args.indexer_compress_ratio, rope_dim=args.qk_rope_head_dim, rope_theta=args.rope_theta)
             self.self_attn = IndexedAttention(d, args.num_attention_heads, args.num_kv_heads, args.gqa_head_dim, eps,
-                                              qsa, build_indexer, layer_id)
-        self.mlp = SoftmaxMoE(args)
+                                              qsa, build_indexer, layer_id, par)
+        self.mlp = SoftmaxMoE(args, par)
         self.ple = None
         if layer_id + 1 in args.ple_layer_ids:
             ngram = dict(vocab=args.vocab_size, ngram_size=args.ngram_size, heads_per_ngram=args.heads_per_ngram,
@@ -201,13 +204,13 @@ class Qwen4ExpPagedCache(GQAPages):
         self._allocate_pages(model, num_blocks, block_size, dtype)
         self.states = []
         S = self.max_num_seqs
-        for layer in model.model.layers:
+        for layer in model.model.layers:  # AbsentLayer (another pipeline stage's): no state
             st = {}
-            if layer.linear_attn is not None:
+            if getattr(layer, "linear_attn", None) is not None:
                 conv, rec = layer.linear_attn.state_shapes()
                 st["gdn"] = (torch.zeros((S,) + conv, dtype=model.dtype, device=self.device),
                              torch.zeros((S,) + rec, dtype=torch.float32, device=self.device))
-            if layer.ple is not None:
+            if getattr(layer, "ple", None) is not None:
                 hist, win = layer.ple.state_shapes()
                 st["ple"] = (torch.full((S,) + hist, self.eos, dtype=torch.long, device=self.device),
                              torch.zeros((S,) + win, dtype=model.dtype, device=self.device))
@@ -260,16 +263,17 @@ class Qwen4ExpForCausalLM(DSAForCausalLM):
     }
 
     def __init__(self, args: ModelArgs, plan, **kwargs):
-        par = kwargs.get("parallel")
-        if par is not None and par.world_size > 1:
-            raise ValueError("Qwen3.8-Flash-Next runs in one process for now (no tensor or pipeline parallelism)")
         if not isinstance(args, Qwen4ExpArgs):  # DSAForCausalLM.from_config builds plain ModelArgs
             args = Qwen4ExpArgs.from_config(self.family_config(kwargs.get("config") or {}), self.model_type,
                                             self.config_defaults)
+        check_divisible(kwargs.get("parallel"), (("num_key_value_heads", args.num_kv_heads),
+                                                 ("linear_num_key_heads", args.linear_num_key_heads),
+                                                 ("linear_num_value_heads", args.linear_num_value_heads)))
         super().__init__(args, plan, **kwargs)
-        self.model.norm = nn.Identity()  # no final norm: the mixed streams go to lm_head
-        self.model.hc_head = GatedResidual(args.hidden_size, args.hc_count, args.hc_lowrank, args.rms_norm_eps,
-                                           combine=False)
+        if self.par.last_stage:  # no final norm: the streams, mixed once more, go to lm_head
+            self.model.norm = nn.Identity()
+            self.model.hc_head = GatedResidual(args.hidden_size, args.hc_count, args.hc_lowrank, args.rms_norm_eps,
+                                               combine=False)
 
     @classmethod
     def family_config(cls, config: dict) -> dict:

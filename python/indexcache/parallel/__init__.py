@@ -31,7 +31,7 @@ from indexcache.formats import (FP8_DS_MLA_BYTES, FP8_LINEAR_NAMES, FP8_MAX, FP8
                                 FP8_WEIGHT_BLOCK, INDEX_K_BYTES, MLA_KV_WIDTH, MLA_LATENT)
 from indexcache.fp8_blocks import quantize_fp8_blocks  # noqa: F401
 
-from .groups import ParallelContext, init_from_env, stage_bounds, stage_start_full_pattern
+from .groups import ParallelContext, check_divisible, init_from_env, stage_bounds, stage_start_full_pattern
 from .linear import FP8_BLOCK, ShardedLinear, dense_weight
 from .vocab import VocabParallelEmbedding, head_dtype, head_logits, make_embedding, make_lm_head
 
@@ -40,5 +40,5 @@ WEIGHTS_CHOICES = ("auto", "fp8", "bf16")
 MLA_KV_BYTES = {"fp8_ds_mla": FP8_DS_MLA_BYTES, "bf16": 2 * MLA_KV_WIDTH}  # per token per layer (DESIGN §5)
 
 __all__ = ["FP8_BLOCK", "MLA_KV_BYTES", "ParallelContext", "ShardedLinear", "VocabParallelEmbedding", "WEIGHTS_CHOICES",
-           "dense_weight", "head_dtype", "head_logits", "init_from_env", "make_embedding", "make_lm_head", "stage_bounds",
-           "stage_start_full_pattern"]
+           "check_divisible", "dense_weight", "head_dtype", "head_logits", "init_from_env", "make_embedding",
+           "make_lm_head", "stage_bounds", "stage_start_full_pattern"]

@@ -225,6 +225,15 @@ def init_from_env(device: str = "cpu") -> bool:
     return True
 
 
+def check_divisible(par: Optional[ParallelContext], sizes) -> None:
+    """A family's own widths that tensor parallelism splits (``sizes``: (field, value) pairs): every
+    one that ``par.tp_size`` does not divide, named in one ValueError."""
+    tp = 1 if par is None else par.tp_size
+    bad = [f"{what} {n} is not divisible by tp_size {tp}" for what, n in sizes if n % tp]
+    if bad:
+        raise ValueError(f"cannot split this model over tp_size {tp}: " + "; ".join(bad))
+
+
 def stage_bounds(num_layers: int, pp_size: int) -> list:
     """Layer boundaries of ``pp_size`` contiguous stages: ``num_layers // pp`` each, the remainder
     going one each to the stages before the last (which also holds the norm, LM head and MTP), as

@@ -13,6 +13,11 @@ State per request and layer, constant in the context length: the last ``kernel -
 ``[conv_dim, kernel - 1]`` and the recurrent state ``[heads, d_k, d_v]`` (fp32). ``LinearStates``
 holds them in rows ("slots") handed out per request, grown to the most requests live at once; a
 request whose forward starts at position 0 starts from zeros.
+
+Tensor parallel (DESIGN.md §11): heads split over the ranks. ``q/k/v_proj``, their short convs,
+``f_b_proj``, ``dt_bias``, ``A_log``, ``b_proj`` and ``g_b_proj`` hold this rank's heads (column
+split); ``f_a_proj``, ``g_a_proj`` and ``o_norm`` are replicated; ``o_proj`` is row split and its
+partial sums all-reduced. The state holds this rank's heads only.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from indexcache import ops
+from indexcache.parallel import ParallelContext
 
 from ..state import ForwardContext
 
@@ -39,16 +45,47 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
-class ForgetGate(nn.Module):
-    """Per-channel log-decay ``[N, heads, d_k]`` (fp32, <= 0)."""
+class HeadSlices(nn.Module):
+    """A block whose own parameters hold this rank's heads ``[h0, h1)`` of ``n_heads`` along dim 0,
+    ``per_head`` rows each (the loader's ``param_slice`` hook)."""
 
-    def __init__(self, hidden: int, heads: int, head_dim: int, lower_bound: Optional[float]):
+    n_heads, cut = 1, (0, 1)
+    per_head: dict = {}
+
+    def param_slice(self, attr: str):
+        if self.cut[1] - self.cut[0] == self.n_heads:
+            return None, None
+        k = self.per_head[attr]
+        return 0, (self.cut[0] * k, self.cut[1] * k)
+
+    def param_full_shape(self, attr: str) -> tuple:
+        return (self.n_heads * self.per_head[attr],) + tuple(getattr(self, attr).shape[1:])
+
+
+class DepthwiseConv(HeadSlices):
+    """A depthwise filter ``weight [channels, 1, kernel]`` (``nn.Conv1d``'s parameter, fp32), this
+    rank's heads' channels."""
+
+    def __init__(self, n_heads: int, head_dim: int, kernel: int, cut: tuple):
         super().__init__()
-        self.heads, self.head_dim, self.lower_bound = heads, head_dim, lower_bound
-        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, heads * head_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.empty(heads * head_dim))  # fp32
-        self.A_log = nn.Parameter(torch.empty(heads))  # fp32
+        self.n_heads, self.cut, self.per_head = n_heads, cut, {"weight": head_dim}
+        self.weight = nn.Parameter(torch.empty((cut[1] - cut[0]) * head_dim, 1, kernel))
+
+
+class ForgetGate(HeadSlices):
+    """Per-channel log-decay ``[N, heads, d_k]`` (fp32, <= 0), this rank's heads ``cut``."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, lower_bound: Optional[float],
+                 par: Optional[ParallelContext] = None, cut: Optional[tuple] = None):
+        super().__init__()
+        par, cut = par or ParallelContext(), cut or (0, heads)
+        self.n_heads, self.cut, self.per_head = heads, cut, {"dt_bias": head_dim, "A_log": 1}
+        self.heads, self.head_dim, self.lower_bound = cut[1] - cut[0], head_dim, lower_bound
+        self.f_a_proj = par.linear(hidden, head_dim, "f_a_proj")
+        self.f_b_proj = par.linear(head_dim, heads * head_dim, "f_b_proj", "col",
+                                   (cut[0] * head_dim, cut[1] * head_dim))
+        self.dt_bias = nn.Parameter(torch.empty(self.heads * head_dim))  # fp32
+        self.A_log = nn.Parameter(torch.empty(self.heads))  # fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -138,27 +175,29 @@ class LinearStates:
 
 
 class KimiDeltaAttention(nn.Module):
-    """One KDA layer over a flattened batch (rows request-major, as ``BatchMeta`` lays them out)."""
+    """One KDA layer over a flattened batch (rows request-major, as ``BatchMeta`` lays them out);
+    under tensor parallelism this rank's heads (``heads`` is the local count)."""
 
     def __init__(self, hidden: int, heads: int, head_dim: int, kernel: int, lower_bound: Optional[float],
-                 norm_eps: float, layer_id: int):
+                 norm_eps: float, layer_id: int, par: Optional[ParallelContext] = None):
         super().__init__()
-        self.layer_id, self.heads, self.head_dim, self.kernel = layer_id, heads, head_dim, kernel
-        width = heads * head_dim
-        self.conv_dim = 3 * width
-        self.q_proj = nn.Linear(hidden, width, bias=False)
-        self.k_proj = nn.Linear(hidden, width, bias=False)
-        self.v_proj = nn.Linear(hidden, width, bias=False)
+        self.par = par = par or ParallelContext()
+        h0, h1 = par.split(heads, "linear_num_heads")
+        self.layer_id, self.heads, self.head_dim, self.kernel = layer_id, h1 - h0, head_dim, kernel
+        full, cut = heads * head_dim, (h0 * head_dim, h1 * head_dim)
+        self.conv_dim = 3 * self.heads * head_dim
+        self.q_proj = par.linear(hidden, full, "q_proj", "col", cut)
+        self.k_proj = par.linear(hidden, full, "k_proj", "col", cut)
+        self.v_proj = par.linear(hidden, full, "v_proj", "col", cut)
         # depthwise filters, fp32 (transformers keeps them in fp32 and runs them as one over q | k | v)
-        self.q_conv1d = nn.Conv1d(width, width, kernel, groups=width, bias=False)
-        self.k_conv1d = nn.Conv1d(width, width, kernel, groups=width, bias=False)
-        self.v_conv1d = nn.Conv1d(width, width, kernel, groups=width, bias=False)
-        self.forget_gate = ForgetGate(hidden, heads, head_dim, lower_bound)
-        self.b_proj = nn.Linear(hidden, heads, bias=False)
-        self.g_a_proj = nn.Linear(hidden, head_dim, bias=False)
-        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (DepthwiseConv(heads, head_dim, kernel, (h0, h1))
+                                                       for _ in range(3))
+        self.forget_gate = ForgetGate(hidden, heads, head_dim, lower_bound, par, (h0, h1))
+        self.b_proj = par.linear(hidden, heads, "b_proj", "col", (h0, h1))
+        self.g_a_proj = par.linear(hidden, head_dim, "g_a_proj")
+        self.g_b_proj = par.linear(head_dim, full, "g_b_proj", "col", cut)
         self.o_norm = GatedRMSNorm(head_dim, norm_eps)
-        self.o_proj = nn.Linear(width, hidden, bias=False)
+        self.o_proj = par.linear(full, hidden, "o_proj", "row", cut)
         self.indexer = None  # no lightning indexer: outside the IndexCache plan
 
     def state_spec(self) -> tuple:
@@ -193,7 +232,7 @@ class KimiDeltaAttention(nn.Module):
             o = _delta_rule(l2norm(q), l2norm(k), v.float(), g, beta, store.recurrent[self.layer_id], cu, idx,
                             self.head_dim ** -0.5).to(v.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(n, self.heads, self.head_dim)
-        return self.o_proj(self.o_norm(o, gate).reshape(n, -1))
+        return self.par.all_reduce(self.o_proj(self.o_norm(o, gate).reshape(n, -1)), "attn_all_reduce")
 
 
 def _cumsum(lens):

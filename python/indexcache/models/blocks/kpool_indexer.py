@@ -114,25 +114,21 @@ class PooledIndexer(nn.Module):
         return out
 
     def _paged_pools(self, raw: torch.Tensor, ctx: ForwardContext) -> list:
-        """Write this step's ``k | gate`` rows, pool the pools that completed in it, and return each
+        """Write this step's ``k | gate`` rows, pool the pools that completed in it (one
+        ``ops.kpool_pool_paged`` for the batch) and return each
         request's pooled keys ``[complete pools, d]`` read from the cache."""
         meta, cache, P = ctx.meta, ctx.cache, self.kpool
         raw_cache, pool_cache = cache.index_raw[self.layer_id], cache.index_pool[self.layer_id]
         bs = meta.block_size
         flat_raw = raw_cache.view(-1, raw_cache.shape[-1])
         flat_raw[meta.slot_mapping] = raw.to(flat_raw.dtype)
+        lens = torch.tensor([meta.ctx_lens, meta.q_lens], dtype=torch.int32).to(raw.device)
+        ops.kpool_pool_paged(raw_cache, pool_cache, self.index_kpool_compress_ape.detach(), meta.block_table, lens[0], lens[1])
         per_block = bs // P
         flat_pool = pool_cache.view(-1, pool_cache.shape[-1])
         table = meta.block_table.long()
         out = []
         for b, (c, m) in enumerate(zip(meta.ctx_lens, meta.q_lens)):
-            done, total = c // P, (c + m) // P
-            if total > done:  # pools done..total-1 completed in this step
-                pos = torch.arange(done * P, total * P, device=raw.device)
-                slots = table[b, pos // bs] * bs + pos % bs
-                new = self._pools(flat_raw[slots])
-                first = torch.arange(done, total, device=raw.device) * P
-                flat_pool[table[b, first // bs] * per_block + (first % bs) // P] = new.to(flat_pool.dtype)
-            first = torch.arange(total, device=raw.device) * P
+            first = torch.arange((c + m) // P, device=raw.device) * P
             out.append(flat_pool[table[b, first // bs] * per_block + (first % bs) // P].float())
         return out

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from indexcache import ops
+from indexcache.parallel import ParallelContext
 
 from ..state import ForwardContext
 from .gqa import OffsetRMSNorm, partial_rope
@@ -121,18 +122,23 @@ class IndexedAttention(nn.Module):
     ``QSAIndexer`` when the layer is F in the plan, else None."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, indexer_cfg: dict,
-                 build_indexer: bool, layer_id: int):
+                 build_indexer: bool, layer_id: int, par: ParallelContext | None = None):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
-        self.layer_id = layer_id
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.layer_id, self.par = layer_id, par or ParallelContext()
+        # tensor parallel: this rank's query heads [h0, h1) (q_proj's [q | gate] rows per head) and
+        # the key/value heads they read [k0, k1); o_proj row split, all-reduced; the indexer replicated
+        (h0, h1), (k0, k1) = (self.par.split(n_heads, "num_attention_heads"),
+                              self.par.split(n_kv_heads, "num_key_value_heads"))
+        self.n_heads, self.n_kv_heads, self.head_dim = h1 - h0, k1 - k0, head_dim
         self.scale = head_dim ** -0.5
         self.ratio, self.topk_blocks = indexer_cfg["ratio"], indexer_cfg["budget"] // indexer_cfg["ratio"]
-        self.q_proj = nn.Linear(hidden, n_heads * head_dim * 2, bias=False)
-        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        d, lin = head_dim, self.par.linear
+        self.q_proj = lin(hidden, n_heads * d * 2, "q_proj", "col", (h0 * 2 * d, h1 * 2 * d))
+        self.k_proj = lin(hidden, n_kv_heads * d, "k_proj", "col", (k0 * d, k1 * d))
+        self.v_proj = lin(hidden, n_kv_heads * d, "v_proj", "col", (k0 * d, k1 * d))
+        self.o_proj = lin(n_heads * d, hidden, "o_proj", "row", (h0 * d, h1 * d))
         self.q_norm = OffsetRMSNorm(head_dim, eps)
         self.k_norm = OffsetRMSNorm(head_dim, eps)
         self.indexer = QSAIndexer(hidden, eps=eps, layer_id=layer_id, **indexer_cfg) if build_indexer else None
@@ -167,4 +173,4 @@ class IndexedAttention(nn.Module):
             out, _ = ops.block_sparse_attention(q.to(kc.dtype).contiguous(), kc, vc, meta.block_table, meta.req_of_row,
                                                 meta.positions.int(), blocks, self.ratio, self.scale)
         out = out.to(x.dtype).reshape(n, -1) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.par.all_reduce(self.o_proj(out), "attn_all_reduce")

@@ -39,14 +39,21 @@ class SoftmaxMoE(MoE):
         self.par = par or ParallelContext()
         d = args.hidden_size
         self.gate = SoftmaxRouter(args.n_routed_experts, d, args.num_experts_per_tok, args.norm_topk_prob)
-        self.n_experts, self.e0, self.e1 = args.n_routed_experts, 0, args.n_routed_experts
-        self.experts = nn.ModuleList(MLP(d, args.moe_intermediate_size) for _ in range(args.n_routed_experts))
+        # tensor parallel: this rank's experts [e0, e1) keyed by global id, the shared expert split
+        # column/row, router and shared gate replicated; one all-reduce sums routed and shared parts
+        self.n_experts, (self.e0, self.e1) = args.n_routed_experts, self.par.split(args.n_routed_experts,
+                                                                                   "n_routed_experts")
+        inter = args.moe_intermediate_size
+        if self.par.tp_size == 1:
+            self.experts = nn.ModuleList(MLP(d, inter) for _ in range(args.n_routed_experts))
+        else:
+            self.experts = nn.ModuleDict({str(e): MLP(d, inter, self.par) for e in range(self.e0, self.e1)})
         self.shared_experts = None
-        self.shared_expert = MLP(d, args.shared_intermediate_size)
+        self.shared_expert = MLP(d, args.shared_intermediate_size, self.par, shard=True)
         self.shared_expert_gate = nn.Linear(d, 1, bias=False)
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         idx, weights = self.gate(x)
         y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return (y.to(x.dtype) + shared).to(x.dtype)
+        return self.par.all_reduce((y.to(x.dtype) + shared).to(x.dtype), "moe_all_reduce")
