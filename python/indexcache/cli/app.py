@@ -116,10 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{row['layer']:>5}  {kind:<9} {reads}")
     _print_costs(costs, args.context, csa)
     print(f"--hf-overrides '{cfg.hf_overrides_json()}'")
-    if scaleout and "plan_memory" in scaleout:
-        from indexcache.models.hybrid_sizing import print_hybrid_scaleout
-        print_hybrid_scaleout(scaleout)
-    elif scaleout:
+    if scaleout:
         _print_scaleout(scaleout)
     return 0
 
@@ -205,6 +202,9 @@ def _scaleout(args, config: dict, plan) -> dict:
 
 
 def _print_scaleout(so: dict) -> None:
+    if "plan_memory" in so:  # a hybrid family: per-GPU memory only
+        from indexcache.models.hybrid_sizing import print_hybrid_scaleout
+        return print_hybrid_scaleout(so)
     print(f"\nScale-out: tp {so['tp']} x pp {so['pp']}; stages start at layers {so['stage_bounds'][:-1]}")
     names = ("handoff", "stage_starts_full") if so["pp"] > 1 else ("handoff",)
     for name, label in (("handoff", "as given, top-k rows handed to the next stage"),
