@@ -89,6 +89,22 @@ def test_shared_layers_hold_no_index_cache(ckpts):
         assert plan["tokens_fit"] > all_f["tokens_fit"]
 
 
+def test_a_stage_without_indexed_layers_bounds_nothing(ckpts):
+    """pp 2 over layers linear x4 | indexed x3: stage 0 has no per-token cache (tokens_fit None) but
+    holds the KDA state; stage 1 bounds the pipeline, and its figures are the built model's."""
+    cfg = load_config(ckpts["glm"])
+    cfg["text_config"] = {**cfg["text_config"], "layer_types": ["linear_attention"] * 4 + ["indexed_attention"] * 3}
+    got = hybrid_budget(cfg, "FSF", 1, 2, 1e7, num_seqs=2)
+    s0, s1 = got["stages"]
+    assert s0["cache_bytes_per_token"] == 0 and s0["tokens_fit"] is None and s0["linear_state_bytes_per_request"] > 0
+    params, per_token, state = measured(cfg, "FSF", 1, 2, 1)
+    assert (s1["weight_bytes"], s1["cache_bytes_per_token"], s1["linear_state_bytes_per_request"]) == \
+        (params, per_token, state)
+    assert got["bounding_stage"] == 1 and got["tokens_fit"] == int((1e7 - params - 2 * state) // per_token)
+    tight = hybrid_budget(cfg, "FSF", 1, 2, s0["weight_bytes"] + 2 * s0["linear_state_bytes_per_request"] - 1, num_seqs=2)
+    assert tight["stages"][0]["tokens_fit"] == 0 and tight["bounding_stage"] == 0  # its weights + state do not fit
+
+
 def test_cli_prints_the_measured_figures(ckpts, capsys):
     cfg = load_config(ckpts["qwen"])
     assert main(["plan", "--config", str(ckpts["qwen"]), "--tp", "2", "--gpu-mem", "0.004", "--num-seqs", "2",

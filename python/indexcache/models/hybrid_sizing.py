@@ -107,8 +107,11 @@ def hybrid_budget(config: dict, pattern: str, tp: int, pp: int, gpu_bytes: float
         stages.append({"stage": s, "layers": [layers[0], layers[-1] + 1] if layers else [0, 0],
                        "weight_bytes": weights, "cache_bytes_per_token": per_token,
                        "linear_state_bytes_per_request": state,
-                       "tokens_fit": max(0, int(free // per_token)) if per_token else 0})
-    tight = min(stages, key=lambda st: st["tokens_fit"])
+                       "tokens_fit": max(0, int(free // per_token)) if per_token else (None if free >= 0 else 0)})
+    bounded = [st for st in stages if st["tokens_fit"] is not None]  # None: no per-token cache, and it fits
+    if not bounded:
+        raise ValueError(f"{config['model_type']}: no pipeline stage holds an indexed layer (nothing is cached per token)")
+    tight = min(bounded, key=lambda st: st["tokens_fit"])
     return {"tp": tp, "pp": pp, "gpu_bytes": gpu_bytes, "kv_cache_dtype": kv_cache_dtype, "num_seqs": num_seqs,
             "pattern": pattern, "stages": stages, "tokens_fit": tight["tokens_fit"], "bounding_stage": tight["stage"]}
 
@@ -129,7 +132,7 @@ def print_hybrid_scaleout(so: dict) -> None:
     for name, mem in (("all F", base), ("plan", m)):
         for st in mem["stages"]:
             print(f"    {name:<8} {st['stage']:>5} {str(st['layers']):>9} {st['weight_bytes']:>12} "
-                  f"{st['cache_bytes_per_token']:>14g} {st['linear_state_bytes_per_request']:>16} {st['tokens_fit']:>12}")
+                  f"{st['cache_bytes_per_token']:>14g} {st['linear_state_bytes_per_request']:>16} {str(st['tokens_fit']):>12}")
     more = m["tokens_fit"] - base["tokens_fit"]
     print(f"    plan: {m['tokens_fit']} tokens of context per GPU, {more:+d} against all F "
           f"({100 * more / max(base['tokens_fit'], 1):+.1f}%)")
