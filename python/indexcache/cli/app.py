@@ -158,10 +158,24 @@ def _print_costs(costs: dict, context: int, csa: Optional[list]) -> None:
 def _scaleout(args, config: dict, plan) -> dict:
     """Pipeline stages of the plan as given (top-k rows handed to a stage that begins on S) and of
     the engines' fallback (each stage's first layer forced F); per-GPU memory with --gpu-mem."""
+    from indexcache.models.hybrid_sizing import hybrid_scaleout, is_hybrid
     from indexcache.models.sizing import scaleout_budget
     from indexcache.parallel import stage_bounds, stage_start_full_pattern
     from indexcache.plan import build_layer_plan, indexer_costs
 
+    if is_hybrid(config):
+        if not args.gpu_mem:
+            raise ValueError(f"--tp / --pp without --gpu-mem: {config['model_type']} prints its per-GPU memory only")
+        return hybrid_scaleout(config, plan.pattern, args.tp, args.pp, args.gpu_mem, args.kv_cache_dtype or "auto",
+                               args.num_seqs)
+    if "num_hidden_layers" not in config:
+        raise ValueError("--tp / --pp / --gpu-mem: the config has no num_hidden_layers (not a DSA config this "
+                         "tool can size)")
+    if args.num_seqs != 1:
+        raise ValueError("--num-seqs counts per-request linear-attention state: only the hybrid families have it")
+    args.kv_cache_dtype = args.kv_cache_dtype or "fp8_ds_mla"
+    if args.kv_cache_dtype not in ("fp8_ds_mla", "bf16"):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: a DSA latent cache is fp8_ds_mla or bf16")
     L, mtp = plan.num_hidden_layers, plan.num_nextn_predict_layers
     bounds = stage_bounds(L, args.pp)
     full_first = stage_start_full_pattern(plan.pattern, L, args.pp)
@@ -188,6 +202,9 @@ def _scaleout(args, config: dict, plan) -> dict:
 
 
 def _print_scaleout(so: dict) -> None:
+    if "plan_memory" in so:  # a hybrid family: per-GPU memory only
+        from indexcache.models.hybrid_sizing import print_hybrid_scaleout
+        return print_hybrid_scaleout(so)
     print(f"\nScale-out: tp {so['tp']} x pp {so['pp']}; stages start at layers {so['stage_bounds'][:-1]}")
     names = ("handoff", "stage_starts_full") if so["pp"] > 1 else ("handoff",)
     for name, label in (("handoff", "as given, top-k rows handed to the next stage"),
@@ -231,8 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
                    help="GPU memory (10^9 bytes): weights, cache bytes per token and tokens that fit per GPU "
                         "(needs --config)")
-    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=["fp8_ds_mla", "bf16"],
-                   help="MLA cache format for --gpu-mem")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8_ds_mla", "bf16", "auto", "fp32"],
+                   help="cache format for --gpu-mem: DSA fp8_ds_mla (default) or bf16; GLM-5.3-Flash / "
+                        "Qwen3.8-Flash-Next auto (= bf16, default), bf16 or fp32")
+    p.add_argument("--num-seqs", type=int, default=1,
+                   help="requests live at once: their linear-attention state is taken off before the tokens "
+                        "that fit (GLM-5.3-Flash, Qwen3.8-Flash-Next)")
     p.set_defaults(func=cmd_plan)
     from indexcache.cli.generate import add_generate_parser
 
