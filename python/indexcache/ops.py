@@ -110,14 +110,14 @@ def indexer_topk(q, k, k_scale, weights, ks, ke, topk: int, width=None, out=None
     ``[s_q, s_kv]`` logits are never stored (memory independent of s_kv)."""
     out = _topk_out(out, q.shape[0], topk, width, q.device)
     _ops.indexer_topk(q, k, k_scale, weights, ks, ke, topk, out)
-    return out[: q.shape[0]]
+    return out if out.shape[0] == q.shape[0] else out[: q.shape[0]]
 
 
 def indexer_topk_paged(q, weights, cache, block_table, seq_lens, next_n: int, topk: int, width=None, out=None) -> torch.Tensor:
     """Fused :func:`indexer_logits_paged` + top-k over each row's decode window."""
     out = _topk_out(out, q.shape[0], topk, width, q.device)
     _ops.indexer_topk_paged(q, weights, cache, block_table, seq_lens, next_n, topk, out)
-    return out[: q.shape[0]]
+    return out if out.shape[0] == q.shape[0] else out[: q.shape[0]]
 
 
 def positions_to_slots(positions, req_of_row, block_table, block_size: int, num_blocks=None, out=None) -> torch.Tensor:
