@@ -417,7 +417,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     o = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if o.shape != x.shape:
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(o.shape)}")
-    x3, o3 = (x, o) if x.dim() == 3 else (x.unsqueeze(1), o.unsqueeze(1))
+    if x.dim() == 3:
+        x3, o3 = x, o
+    else:  # in place (o is x): one view for both
+        x3 = x.unsqueeze(1)
+        o3 = x3 if o is x else o.unsqueeze(1)
     _ops.rope(x3, cos, sin, bool(interleaved), o3)
     return o
 
