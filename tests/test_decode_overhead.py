@@ -105,3 +105,85 @@ def test_stage_ranges_only_when_seen():
     run = Run(model, [prompt], 2, GenerationSettings(stop_tokens=[]))
     ctx = model.forward_context(run.meta([0], [0], [1]), run.cache, None)
     assert isinstance(ctx.stage(0, "mla_proj"), contextlib.nullcontext)
+
+
+def _layer_norm_definition(x, w, b, eps):
+    xd = x.double()
+    mean = xd.mean(-1, keepdim=True)
+    var = ((xd - mean) ** 2).mean(-1, keepdim=True)
+    return (xd - mean) / torch.sqrt(var + eps) * w.double() + b.double()
+
+
+def test_layer_norm_fp32_params_follow_the_parameters():
+    """A bf16 LayerNorm's fp32 weight and bias are reused between calls, and made again after an
+    in-place load_state_dict, a new parameter, and whenever grad mode is on (gradients reach them)."""
+    from indexcache.models.blocks.norms import LayerNorm
+    g = torch.Generator().manual_seed(7)
+    ln = LayerNorm(32, eps=1e-6).to(torch.bfloat16)
+    x = torch.randn(3, 32, generator=g).to(torch.bfloat16)
+
+    def check():
+        with torch.no_grad():
+            got = ln(x)
+        want = _layer_norm_definition(x, ln.weight, ln.bias, 1e-6)
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+        return got
+
+    for p in ln.parameters():
+        with torch.no_grad():
+            p.copy_(torch.randn(32, generator=g))
+    check()
+    with torch.no_grad():
+        first = ln._fp32_params()
+        assert all(a is b for a, b in zip(first, ln._fp32_params()))
+    ln.load_state_dict({"weight": torch.randn(32, generator=g).to(torch.bfloat16),
+                        "bias": torch.randn(32, generator=g).to(torch.bfloat16)})
+    got = check()
+    assert torch.equal(got, torch.nn.functional.layer_norm(x.float(), (32,), ln.weight.float(), ln.bias.float(),
+                                                           1e-6).to(torch.bfloat16))
+    ln.weight = torch.nn.Parameter(torch.randn(32, generator=g).to(torch.bfloat16))
+    check()
+    xg = x.float().requires_grad_()
+    ln.float()
+    ln(xg).sum().backward()
+    assert ln.weight.grad is not None and ln.bias.grad is not None
+    ln.to(torch.bfloat16)
+    ln.zero_grad()
+    ln(x).float().sum().backward()
+    assert ln.weight.grad is not None and torch.isfinite(ln.weight.grad).all()
+
+
+def test_kv_b_views_follow_the_weight():
+    """MLA's W_UK / W_UV views are kept between no-grad calls, see an in-place load, are made
+    again for a new weight and are not reused while grad mode is on."""
+    torch.manual_seed(0)
+    model = DeepseekV32ForCausalLM.from_config(tiny_config(**SMALL), None, dtype=torch.float32, seed=3,
+                                               indexer_fp8=False)
+    mla = model.model.layers[0].self_attn
+    h, nope, v, latent = mla.n_heads, mla.nope, mla.v_dim, mla.latent
+
+    def want():
+        w = mla.kv_b_proj.weight.detach().view(h, nope + v, latent)
+        return w[:, :nope], w[:, nope:]
+
+    with torch.no_grad():
+        a = mla._kv_b_parts(torch.float32)
+        assert all(x is y for x, y in zip(a, mla._kv_b_parts(torch.float32)))
+        mla.kv_b_proj.weight.copy_(torch.randn_like(mla.kv_b_proj.weight))
+        assert all(torch.equal(x, y) for x, y in zip(mla._kv_b_parts(torch.float32), want()))
+        mla.kv_b_proj.weight = torch.nn.Parameter(torch.randn_like(mla.kv_b_proj.weight))
+        b = mla._kv_b_parts(torch.float32)
+        assert all(torch.equal(x, y) for x, y in zip(b, want())) and b[0] is not a[0]
+    uk, uv = mla._kv_b_parts(torch.float32)
+    (uk.sum() + uv.sum()).backward()
+    assert torch.equal(mla.kv_b_proj.weight.grad, torch.ones_like(mla.kv_b_proj.weight))
+
+
+def test_topk_rows_view_follows_the_buffer():
+    run = Run(DeepseekV32ForCausalLM.from_config(tiny_config(**SMALL), None, dtype=torch.float32, seed=3,
+                                                 indexer_fp8=False), [[1, 2, 3]], 2, GenerationSettings(stop_tokens=[]))
+    ctx = run.model.forward_context(run.meta([0], [0], [3]), run.cache, None)
+    rows = ctx.topk_rows
+    assert rows is ctx.topk_rows and rows.shape[0] == 3 and rows.data_ptr() == ctx.topk_buffer.data_ptr()
+    ctx.topk_buffer = torch.full((5, rows.shape[1]), 7, dtype=torch.int32)
+    assert ctx.topk_rows.shape == (3, rows.shape[1]) and bool((ctx.topk_rows == 7).all())

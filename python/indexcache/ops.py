@@ -110,14 +110,14 @@ def indexer_topk(q, k, k_scale, weights, ks, ke, topk: int, width=None, out=None
     ``[s_q, s_kv]`` logits are never stored (memory independent of s_kv)."""
     out = _topk_out(out, q.shape[0], topk, width, q.device)
     _ops.indexer_topk(q, k, k_scale, weights, ks, ke, topk, out)
-    return out[: q.shape[0]]
+    return out if out.shape[0] == q.shape[0] else out[: q.shape[0]]
 
 
 def indexer_topk_paged(q, weights, cache, block_table, seq_lens, next_n: int, topk: int, width=None, out=None) -> torch.Tensor:
     """Fused :func:`indexer_logits_paged` + top-k over each row's decode window."""
     out = _topk_out(out, q.shape[0], topk, width, q.device)
     _ops.indexer_topk_paged(q, weights, cache, block_table, seq_lens, next_n, topk, out)
-    return out[: q.shape[0]]
+    return out if out.shape[0] == q.shape[0] else out[: q.shape[0]]
 
 
 def positions_to_slots(positions, req_of_row, block_table, block_size: int, num_blocks=None, out=None) -> torch.Tensor:
@@ -417,7 +417,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     o = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if o.shape != x.shape:
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(o.shape)}")
-    x3, o3 = (x, o) if x.dim() == 3 else (x.unsqueeze(1), o.unsqueeze(1))
+    if x.dim() == 3:
+        x3, o3 = x, o
+    else:  # in place (o is x): one view for both
+        x3 = x.unsqueeze(1)
+        o3 = x3 if o is x else o.unsqueeze(1)
     _ops.rope(x3, cos, sin, bool(interleaved), o3)
     return o
 

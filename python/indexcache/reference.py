@@ -112,7 +112,7 @@ def indexer_weights(weights: torch.Tensor, q_scale: Optional[torch.Tensor] = Non
     fp32 rounding because ReLU(a x) = a ReLU(x) for a > 0.
     """
     h = weights.shape[-1]
-    w = weights.float() * (h ** -0.5) * (QUANT_GROUP ** -0.5)
+    w = (weights if weights.dtype == torch.float32 else weights.float()) * (h ** -0.5) * (QUANT_GROUP ** -0.5)
     return w * q_scale if q_scale is not None else w
 
 

@@ -347,7 +347,13 @@ class ForwardContext:
 
     @property
     def topk_rows(self) -> torch.Tensor:
-        return self.topk_buffer[: self.meta.num_tokens]
+        """Rows ``[:N]`` of the shared buffer: one view a forward (two layers' reads a layer would
+        each slice it), made again if the buffer or the row count is replaced."""
+        buf, n = self.topk_buffer, self.meta.num_tokens
+        made = self.__dict__.get("_topk_rows")
+        if made is None or made[0] is not buf or made[1] != n:
+            made = self.__dict__["_topk_rows"] = (buf, n, buf[:n])
+        return made[2]
 
     def stage(self, layer_id: int, name: str):
         """A stage of layer ``layer_id``: a ``record_function`` range while torch's profiler runs, an

@@ -94,10 +94,13 @@ class Indexer(nn.Module):
         row's key enters the cache."""
         n, meta = x.shape[0], ctx.meta
         plan = step_reuse.plan_forward(ctx, self.layer_id)
-        sub = slice(None) if plan is None or plan.rows is None else plan.rows
         with ctx.stage(self.layer_id, "indexer"):
             k = self.keys(x, ctx.cos, ctx.sin)
-            q, w = self.queries(x[sub], qr[sub], ctx.cos[sub], ctx.sin[sub])
+            if plan is None or plan.rows is None:  # every row (no slices of all rows: 4 aten calls each)
+                q, w = self.queries(x, qr, ctx.cos, ctx.sin)
+            else:
+                sub = plan.rows
+                q, w = self.queries(x[sub], qr[sub], ctx.cos[sub], ctx.sin[sub])
             if self.fp8:
                 q_in, weights = fp8_query_inputs(q, w, self.hadamard)
             else:

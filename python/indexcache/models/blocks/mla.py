@@ -192,7 +192,7 @@ class MLA(nn.Module):
             absorbed = None if ctx.torch_pass is not None else self._absorb(q_nope, q_pe, kv_c, k_pe, ctx, q_abs)
         if absorbed is None:
             return self._forward_torch(x, qr, q_nope, q_pe, kv_c, k_pe, ctx)
-        q_abs, w_kv, kv_cache = absorbed
+        q_abs, w_uv, kv_cache = absorbed
         if ctx.is_full(self.layer_id):
             self._need_indexer()(x, qr, ctx)
         elif not ctx.topk_valid:
@@ -200,17 +200,34 @@ class MLA(nn.Module):
         with ctx.stage(self.layer_id, "attention"):
             out = self.sparse_attn(q_abs, ctx.topk_rows, kv_cache, meta.req_of_row, meta.block_table, meta.block_size,
                                    sinks=self.sinks)
-            o = absorbed_values(out, w_kv[:, self.nope:], self._gate(x))
+            o = absorbed_values(out, w_uv, self._gate(x))
             return self.par.all_reduce(self.o_proj(o.reshape(n, h * self.v_dim)), "attn_all_reduce")
 
     def _absorb(self, q_nope, q_pe, kv_c, k_pe, ctx: ForwardContext, q_abs: torch.Tensor | None = None):
         """The kernels' form: (queries absorbed into the latent ``[N, H, latent + rope]`` (into
-        ``q_abs`` when given), kv_b's weight ``[H, nope + v, latent]``, the latent cache holding this
+        ``q_abs`` when given), W_UV ``[H, v, latent]`` of kv_b's weight, the latent cache holding this
         step's keys)."""
-        w_kv = dense_weight(self.kv_b_proj, q_nope.dtype).view(self.n_heads, self.nope + self.v_dim, self.latent)
+        w_uk, w_uv = self._kv_b_parts(q_nope.dtype)
         into = q_abs if q_abs is not None and q_abs.dtype == q_nope.dtype == q_pe.dtype else None
-        q_abs = absorb_queries(q_nope, q_pe, w_kv[:, :self.nope], out=into)
-        return q_abs, w_kv, self._cache_keys(kv_c, k_pe, ctx)
+        q_abs = absorb_queries(q_nope, q_pe, w_uk, out=into)
+        return q_abs, w_uv, self._cache_keys(kv_c, k_pe, ctx)
+
+    def _kv_b_parts(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b's weight ``[H, nope + v, latent]`` split into W_UK ``[H, nope, latent]`` and W_UV
+        ``[H, v, latent]``. Views of the parameter itself (held in ``dtype``) are made once and kept
+        while it is the same tensor with the same storage (they alias it: an in-place load is seen);
+        a cast or dequantized weight, or grad mode on (autograd records the views), makes them anew."""
+        w = dense_weight(self.kv_b_proj, dtype)
+        keep = not torch.is_grad_enabled() and w is getattr(self.kv_b_proj, "weight", None)
+        key = (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device) if keep else None
+        made = self.__dict__.get("_kv_b_views")
+        if keep and made is not None and made[0] is w and made[1] == key:
+            return made[2]
+        w_kv = w.view(self.n_heads, self.nope + self.v_dim, self.latent)
+        parts = (w_kv[:, :self.nope], w_kv[:, self.nope:])
+        if keep:
+            self.__dict__["_kv_b_views"] = (w, key, parts)
+        return parts
 
     def _need_indexer(self) -> Indexer:
         if self.indexer is None:

@@ -75,7 +75,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = linear(x, self.weight, out_dtype=torch.float32).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
+        bias = self.e_score_correction_bias
+        choice = scores + (bias if bias.dtype == torch.float32 else bias.float())
         if self.n_group > 1:
             grouped = choice.view(x.shape[0], self.n_group, -1)
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
@@ -159,9 +160,10 @@ class MoE(nn.Module):
         order, each output times its weight added in fp32, the same sums in the same order without
         the sort, the counts and the gathers."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        w = weights if weights.dtype == torch.float32 else weights.float()  # fp32 products, as .float() first
         for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
             if self.e0 <= e < self.e1:
-                y += self.expert(e)(x) * weights[:, j:j + 1].float()  # fp32 products, as .float() first
+                y += self.expert(e)(x) * w[:, j:j + 1]
         return y
 
 

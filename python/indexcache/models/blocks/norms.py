@@ -45,4 +45,23 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+        w, b = self._fp32_params()
+        return F.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps).to(x.dtype)
+
+    def _fp32_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """weight and bias in fp32. A 16-bit pair is widened once and reused while the parameters
+        are the same tensors at the same version (``load_state_dict`` copies in place and bumps it;
+        a new parameter or ``.to()`` is a new tensor); recomputed while gradients are on (autograd
+        sees the cast, no inference-mode copy is saved for backward) or for inference-tensor
+        parameters (no version counter)."""
+        w, b = self.weight, self.bias
+        if w.dtype == b.dtype == torch.float32:
+            return w, b
+        if torch.is_grad_enabled() or w.is_inference() or b.is_inference():
+            return w.float(), b.float()
+        key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in (w, b))
+        cached = self.__dict__.get("_fp32_cache")
+        if cached is None or cached[0] is not w or cached[1] is not b or cached[2] != key:
+            with torch.no_grad():
+                cached = self.__dict__["_fp32_cache"] = (w, b, key, (w.float(), b.float()))
+        return cached[3]
