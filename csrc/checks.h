@@ -5,11 +5,13 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "indexcache/buffer.h"
 #include "indexcache/fp8.h"
@@ -73,14 +75,32 @@ inline void check_slot_mapping(const at::Tensor& slot_mapping, int64_t n, const 
   TORCH_CHECK(slot_mapping.size(0) == n, "slot_mapping has ", slot_mapping.size(0), " entries for ", n, " tokens");
 }
 
-// Every slot is -1 or inside [0, num_slots). On CUDA this reads the slots back to the host.
+template <typename T>
+inline std::pair<int64_t, int64_t> min_max_of(const at::Tensor& t) {
+  const T* v = t.data_ptr<T>();
+  T mn = v[0], mx = v[0];
+  for (int64_t i = 1, n = t.numel(); i < n; ++i) {
+    mn = std::min(mn, v[i]);
+    mx = std::max(mx, v[i]);
+  }
+  return {mn, mx};
+}
+
+// Every slot is -1 or inside [0, num_slots). On CUDA this reads the slots back to the host. int32 /
+// int64 slots are scanned in place (a decode step calls this per layer and op: aten's min, max and
+// two item() calls each were ~100 dispatched calls a step); other integer dtypes go through aten.
 inline void check_slots_in_range(const at::Tensor& slots, int64_t num_slots, const char* name) {
   if (slots.numel() == 0) return;
-  const at::Tensor host = slots.device().is_cpu() ? slots : slots.cpu();
-  const auto mn = host.min().item<int64_t>();
-  const auto mx = host.max().item<int64_t>();
-  TORCH_CHECK(mn >= -1, name, " holds ", mn, "; only -1 may mark a skipped token");
-  TORCH_CHECK(mx < num_slots, name, " holds slot ", mx, " but the cache has ", num_slots, " slots");
+  const at::Tensor host = (slots.device().is_cpu() ? slots : slots.cpu()).contiguous();
+  std::pair<int64_t, int64_t> r;
+  if (host.scalar_type() == at::kInt)
+    r = min_max_of<int32_t>(host);
+  else if (host.scalar_type() == at::kLong)
+    r = min_max_of<int64_t>(host);
+  else
+    r = {host.min().item<int64_t>(), host.max().item<int64_t>()};
+  TORCH_CHECK(r.first >= -1, name, " holds ", r.first, "; only -1 may mark a skipped token");
+  TORCH_CHECK(r.second < num_slots, name, " holds slot ", r.second, " but the cache has ", num_slots, " slots");
 }
 
 inline std::tuple<at::Tensor, at::Tensor> make_quant_outputs(const at::Tensor& x) {

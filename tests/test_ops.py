@@ -528,6 +528,28 @@ def test_sparse_mla_minus_inf_sinks_are_no_sinks(device, cpu_isa, cache_kind, q_
     assert torch.equal(plain[0], minus[0]) and torch.equal(plain[1], minus[1])
 
 
+@pytest.mark.parametrize("cache_kind,q_dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+@pytest.mark.parametrize("topk", [17, 1100])
+def test_sparse_mla_huge_sink_takes_all_the_mass(device, cpu_isa, cache_kind, q_dtype, topk):
+    """A sink far above every score (1e30) leaves each key exp(score - sink) = 0 in fp32: out is 0
+    exactly and lse the sink, as the reference gives, on every path. The vector exp used to clamp
+    at e^-87 (~1.6e-38), which left outputs ~1e-33 (hypothesis found it in test_fuzz)."""
+    s_q, h = 2, 5
+    cache, idx = make_mla(device, cache_kind, s_q, h, topk, blocks=20)
+    q = torch.randn(s_q, h, 576, device=device).to(q_dtype)
+    sinks = torch.tensor([1e30, 0.3, 1e30, -0.5, 1e30], device=device)
+    out = torch.full((s_q, h, 512), POISON_F, dtype=q_dtype, device=device)
+    lse = torch.full((s_q, h), POISON_F, device=device)
+    ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse, sinks=sinks)
+    ro, rl = ref.sparse_mla(q.cpu(), cache.cpu(), idx.cpu(), 0.1, sinks=sinks.cpu())
+    huge = sinks.cpu() > 1e29
+    got = out.cpu().float()
+    assert (ro[:, huge] == 0).all() and (got[:, huge] == 0).all()
+    assert torch.equal(lse.cpu()[:, huge], sinks.cpu()[huge].expand(s_q, -1))
+    bar = 1e-5 if q_dtype == torch.float32 else 1e-2
+    assert rel_err(got[:, ~huge], ro[:, ~huge].float()) < bar
+
+
 @pytest.mark.parametrize("cache_kind", ["bf16", "fp8"])
 def test_sparse_mla_sinks_few_rows_split_keys(device, cpu_isa, cache_kind):
     # The key-split paths merge partial softmaxes; the sink must join once, in the merge.

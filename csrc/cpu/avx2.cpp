@@ -55,9 +55,11 @@ constexpr int kGroup = 6;          // keys (kernel 1) or value columns (kernel 2
 constexpr int64_t kKeyTile = 48;   // gathered keys per tile, a multiple of kGroup
 constexpr int64_t kHeadBlock = 64; // heads per task: its qT (147 KB) and O^T (128 KB) stay in L2
 
-// exp(x) for x <= 0: 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial; inputs below -87
-// give exp(-87) ~ 1.6e-38 (NaN lanes come out as garbage; callers flag them separately).
+// exp(x) for x <= 0: 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial; inputs below -87 give 0
+// (as simd.h's exp_ps: a softmax term far under its max, e.g. under a huge sink, is 0, not e^-87;
+// NaN lanes come out as garbage; callers flag them separately).
 inline __m256 exp256(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -72,7 +74,7 @@ inline __m256 exp256(__m256 x) {
   q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
   // n >= -126 here, so 2^n is a normal float.
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(keep, _mm256_mul_ps(q, _mm256_castsi256_ps(e)));
 }
 
 // n bf16 values (n a multiple of 8) -> fp32.
