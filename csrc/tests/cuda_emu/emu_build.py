@@ -4,9 +4,11 @@ on first use, and again whenever a source it includes is newer than the library.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,17 @@ def build_emu_lib(source: str, out: Path) -> ctypes.CDLL:
                "-o", str(out), "-lpthread"]
         subprocess.run(cmd, check=True, cwd=HERE)
     return ctypes.CDLL(str(out))
+
+
+def load_reference(file: str, alias: str):
+    """``python/indexcache/<file>`` (a pure-torch reference module) loaded from its path as module
+    ``alias``, without importing the package (whose ``__init__`` loads the compiled extension these
+    tests do without); ``indexcache.formats``, which reference.py imports, is loaded the same way first."""
+    if "indexcache.formats" not in sys.modules:
+        fspec = importlib.util.spec_from_file_location("indexcache.formats", ROOT / "python" / "indexcache" / "formats.py")
+        sys.modules["indexcache.formats"] = importlib.util.module_from_spec(fspec)
+        fspec.loader.exec_module(sys.modules["indexcache.formats"])
+    spec = importlib.util.spec_from_file_location(alias, ROOT / "python" / "indexcache" / file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -16,24 +16,14 @@ import math
 import os
 from pathlib import Path
 
-import importlib.util
-import sys
 
 import pytest
 import torch
-from emu_build import build_emu_lib
+from emu_build import build_emu_lib, load_reference
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
 # reference.py is pure torch: load it directly, so no build of indexcache._C is needed. The format
 # numbers it imports (indexcache/formats.py, which imports nothing) are loaded the same way.
-if "indexcache.formats" not in sys.modules:
-    _fspec = importlib.util.spec_from_file_location("indexcache.formats", ROOT / "python" / "indexcache" / "formats.py")
-    sys.modules["indexcache.formats"] = importlib.util.module_from_spec(_fspec)
-    _fspec.loader.exec_module(sys.modules["indexcache.formats"])
-_spec = importlib.util.spec_from_file_location("indexcache_reference", ROOT / "python" / "indexcache" / "reference.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+ref = load_reference("reference.py", "indexcache_reference")
 F32, BF16, FP8 = 0, 1, 2
 POISON_I = -7777
 

@@ -12,23 +12,17 @@ Builds its own libicemu_block_sparse.so (beside INDEXCACHE_EMU_LIB's) with g++ o
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from emu_build import build_emu_lib
+from emu_build import build_emu_lib, load_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-_spec = importlib.util.spec_from_file_location("indexcache_reference_block_sparse",
-                                               ROOT / "python" / "indexcache" / "reference_block_sparse.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+ref = load_reference("reference_block_sparse.py", "indexcache_reference_block_sparse")
 F32, BF16 = 0, 1
 POISON_I = -7777
 POISON_F32 = 0x7F8DEAD1  # a NaN payload no kernel makes

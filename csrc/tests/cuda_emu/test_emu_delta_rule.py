@@ -12,24 +12,14 @@ Builds its own libicemu_delta_rule.so (beside INDEXCACHE_EMU_LIB's) with g++ on 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from emu_build import build_emu_lib
+from emu_build import build_emu_lib, load_reference
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-if "indexcache.formats" not in sys.modules:
-    _fspec = importlib.util.spec_from_file_location("indexcache.formats", ROOT / "python" / "indexcache" / "formats.py")
-    sys.modules["indexcache.formats"] = importlib.util.module_from_spec(_fspec)
-    _fspec.loader.exec_module(sys.modules["indexcache.formats"])
-_spec = importlib.util.spec_from_file_location("indexcache_reference_dr", ROOT / "python" / "indexcache" / "reference.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+ref = load_reference("reference.py", "indexcache_reference_dr")
 F32, BF16 = 0, 1
 POISON_F32 = 0x7F8DEAD1  # a NaN payload no kernel makes
 POISON_BF16 = 0x7F81
