@@ -21,7 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_emu import BF16, F32, FP8, ROOT, I, P, call, dt_code, ref, rel_err, run_fused, run_logits, run_topk
+from emu_build import ROOT
+from test_emu import BF16, F32, FP8, I, P, call, dt_code, ref, rel_err, run_fused, run_logits, run_topk
 
 # tests/bitwise.py by path (this folder runs without the package's tests on sys.path)
 _spec = importlib.util.spec_from_file_location("indexcache_tests_bitwise", ROOT / "tests" / "bitwise.py")
