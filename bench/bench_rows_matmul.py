@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench_ops import cpu_model
 from indexcache import ops
 
 # (name, N, K): out features x in features, a linear layer's [N, K] weight
@@ -38,16 +39,6 @@ SHAPES = [
     ("v3.2 expert down", 7168, 2048),
 ]
 READ_BYTES = 256 << 20
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def copies_of(n: int, k: int, dtype) -> list:
