@@ -455,8 +455,8 @@ def test_bad_configs_name_the_field(ckpt):
         build({"use_index_cache": True, "indexer_types": ["full", "shared", "full"]})
     with pytest.raises(ValueError, match="S"):  # the first indexed layer has nothing to reuse
         build(indexer_types=global_types("SFFFF"))
-    with pytest.raises(ValueError, match=r"index_reuse_steps 2: Glm5NextForCausalLM .*across layers only"):
-        build({"use_index_cache": True, "index_reuse_steps": 2})
+    with pytest.raises(ValueError, match="index_reuse_steps"):  # step reuse runs here (test_hybrid_step_reuse.py)
+        build({"use_index_cache": True, "index_reuse_steps": 0})
     # the KDA layers' entries of a per-layer indexer_types mean nothing
     m = build(indexer_types=["shared"] + global_types("FSFFF")[1:])
     assert m.plan.pattern == "FSFFF"

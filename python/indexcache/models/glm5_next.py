@@ -20,6 +20,8 @@ layer. An S indexed layer owns no indexer (its tensors are never read) and no in
 attends the selection of the nearest earlier F indexed layer in the same forward (transformers
 hands an S layer only the selection of the layer right before it, so it runs only patterns whose
 S layers directly follow an F indexed layer; the rule here is the same on those).
+``index_reuse_steps`` (``models/step_reuse.py`` over pool ids, docs/model.md): a decode row may
+reuse its request's last picked pools plus those completed since, with its own tail.
 
 Tensor and pipeline parallel (docs/parallel.md): MLA and KDA heads, dense and shared-expert widths
 split, routed experts by rank, the pooled indexer and hyper-connections replicated.
@@ -332,7 +334,6 @@ class Glm5NextForCausalLM(DSAForCausalLM):
                    "indexer.k_norm.bias", "index_kpool_compress_ape")
     decoder_layer = Glm5NextDecoderLayer
     mla = False
-    reuses_across_steps = False
     # parameter name (transformers' in-memory names) -> the checkpoint's (what save_pretrained writes:
     # the released layout, transformers' conversion mapping run backwards)
     checkpoint_renames = (

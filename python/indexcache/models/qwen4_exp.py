@@ -29,7 +29,9 @@ on the model core of ``dsa.py``.
 - Tensor and pipeline parallel (docs/parallel.md): attention, Gated DeltaNet and shared-expert
   widths split by head, routed experts by rank, QSA indexer / residual mixers / PLE replicated;
   no MTP, no differentiable torch form, no CUDA graph decode step (the layers loop over requests
-  on the host), ``index_reuse_steps`` 1.
+  on the host).
+- ``index_reuse_steps`` / ``index_reuse_min_recall`` (``models/step_reuse.py`` over QSA block ids,
+  docs/model.md): a decode row may reuse its request's last picked blocks plus those completed since.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from .blocks.ple import PLELayer
 from .blocks.softmax_moe import SoftmaxMoE
 from .blocks.qsa import IndexedAttention
 from .dsa import DSAForCausalLM
-from .state import CacheManager, ForwardContext, GQAPages, _kv_dtype, tensor_bytes
+from .state import CacheManager, ForwardContext, GQAPages, SelectionStore, _kv_dtype, tensor_bytes
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 _QSA = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
@@ -198,6 +200,9 @@ class Qwen4ExpPagedCache(GQAPages):
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.manager = CacheManager(num_blocks, block_size)
         self.manager.on_free.append(self._release)
+        # step reuse (models/step_reuse.py): each request's last QSA block picks per F layer, freed with it
+        self.selections = SelectionStore()
+        self.manager.on_free.append(self.selections.free)
         self._slot: dict = {}
         self._free = list(range(self.max_num_seqs - 1, -1, -1))
         self.eos = args.eos if args.ple_layer_ids else 0
@@ -250,7 +255,6 @@ class Qwen4ExpForCausalLM(DSAForCausalLM):
     }
     decoder_layer = Qwen4ExpDecoderLayer
     mla = False
-    reuses_across_steps = False
     checkpoint_renames = ((r"^model\.hc_head\.", "model.hyper_connection_mixer."),)
     _text_defaults = {
         "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,

@@ -19,6 +19,12 @@ two k-rows per request; ``SelectionStore.checked`` / ``.recomputed`` count the o
 The reuse rule (``reused_row``): with ``m = pos - saved_pos`` new positions ``saved_pos + 1 ..
 pos``, the row keeps every new position (the most recent ``k`` when ``m >= k``) and the
 ``k - m`` smallest positions of the saved selection; the row is ascending, then ``-1``.
+
+Indexers that select units of ``unit`` consecutive positions (GLM-5.3-Flash's pools, QSA's blocks)
+run the same decisions and the same rule over unit ids (``plan_forward(..., unit=)``): the rows
+handed to ``write_reused`` / ``check`` / ``save`` hold unit ids, and the "new" units are those that
+became complete since the saved position (``(saved_pos + 1) // unit .. (pos + 1) // unit - 1``);
+the family adds what is not a complete unit (the query's own unfinished pool / block) itself.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ class ReusePlan:
     meta: Optional[BatchMeta]
     reused: list
     probed: list = ()  # the probe layer: (request index, its row, saved position, saved selection) to check
+    unit: int = 1      # positions per selected unit (1: the rows hold positions; else pool / block ids)
+
+    def computing(self) -> list:
+        """The batch's request indices whose rows compute, in order (every request when ``rows`` is None)."""
+        reused = {b for b, *_ in self.reused}
+        return [b for b in range(len(self.ctx.meta.q_lens)) if b not in reused]
 
 
 def check_family(cls, steps: int) -> None:
@@ -51,8 +63,8 @@ def check_family(cls, steps: int) -> None:
     (``DSAForCausalLM.reuses_across_steps`` False) rather than print a plan its forward would ignore."""
     if steps > 1 and not cls.reuses_across_steps:
         raise ValueError(f"index_reuse_steps {steps}: {cls.__name__} ({cls.model_type}) reuses selections across "
-                         "layers only; across decode steps only the lightning-indexer families do (deepseek_v32, "
-                         "glm_moe_dsa, hy_v4): use 1")
+                         "layers only; across decode steps only the lightning-indexer families (deepseek_v32, "
+                         "glm_moe_dsa, hy_v4) and the hybrids (glm5_next, qwen4_exp) do: use 1")
 
 
 def verdicts(ctx: ForwardContext) -> list:
@@ -76,8 +88,9 @@ def probe_layer(ctx: ForwardContext) -> Optional[int]:
     return next((i for i, f in enumerate(ctx.full) if f), None)
 
 
-def plan_forward(ctx: ForwardContext, layer_id: int) -> Optional[ReusePlan]:
-    """Which rows of F layer ``layer_id`` compute in this forward (None: step reuse is off here)."""
+def plan_forward(ctx: ForwardContext, layer_id: int, unit: int = 1) -> Optional[ReusePlan]:
+    """Which rows of F layer ``layer_id`` compute in this forward (None: step reuse is off here).
+    ``unit``: positions per selected unit of the layer's indexer (1: it selects positions)."""
     steps, meta = ctx.reuse_steps, ctx.meta
     if steps <= 1 or ctx.torch_pass is not None or not meta.paged:
         return None
@@ -98,10 +111,10 @@ def plan_forward(ctx: ForwardContext, layer_id: int) -> Optional[ReusePlan]:
         else:
             reused.append((b, offs[b], saved[0], saved[1]))
     if not reused:
-        return ReusePlan(ctx, layer_id, None, meta, [], probed)
+        return ReusePlan(ctx, layer_id, None, meta, [], probed, unit)
     rows = [r for b in compute for r in range(offs[b], offs[b] + meta.q_lens[b])]
     rows_t = torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
-    return ReusePlan(ctx, layer_id, rows_t, sub_batch(meta, compute, rows_t) if compute else None, reused)
+    return ReusePlan(ctx, layer_id, rows_t, sub_batch(meta, compute, rows_t) if compute else None, reused, (), unit)
 
 
 def sub_batch(meta: BatchMeta, reqs: list, rows: torch.Tensor) -> BatchMeta:
@@ -114,12 +127,14 @@ def sub_batch(meta: BatchMeta, reqs: list, rows: torch.Tensor) -> BatchMeta:
                      tuple(meta.rids[b] for b in reqs))
 
 
-def reused_row(saved: torch.Tensor, saved_pos: int, pos: int, k: int) -> torch.Tensor:
+def reused_row(saved: torch.Tensor, saved_pos: int, pos: int, k: int, unit: int = 1) -> torch.Tensor:
     """The row of a decode step at ``pos`` from the selection ``saved`` computed at ``saved_pos``:
     the new positions ``saved_pos + 1 .. pos`` (the last ``k`` of them at most), then the
-    smallest ``k - m`` saved positions; ascending, ``-1``-padded to ``k``."""
-    lo = max(saved_pos + 1, pos + 1 - k)
-    new = torch.arange(lo, pos + 1, dtype=torch.int32, device=saved.device)
+    smallest ``k - m`` saved positions; ascending, ``-1``-padded to ``k``. With ``unit`` > 1 the
+    entries are unit ids and the new ones the units complete at ``pos`` but not at ``saved_pos``."""
+    hi = (pos + 1) // unit  # units complete at pos: ids below hi (unit 1: positions up to pos)
+    lo = max((saved_pos + 1) // unit, hi - k)
+    new = torch.arange(lo, hi, dtype=torch.int32, device=saved.device)
     keep = k - new.numel()
     old = torch.where(saved < 0, _NONE, saved).sort().values[:keep]
     row = torch.cat((old, new)).sort().values
@@ -130,7 +145,7 @@ def write_reused(plan: ReusePlan, rows: torch.Tensor) -> None:
     """Fill the reused rows of ``rows`` (the shared buffer's rows of this forward)."""
     meta, k = plan.ctx.meta, rows.shape[1]
     for b, row, saved_pos, saved in plan.reused:
-        rows[row] = reused_row(saved, saved_pos, meta.ctx_lens[b], k)
+        rows[row] = reused_row(saved, saved_pos, meta.ctx_lens[b], k, plan.unit)
 
 
 def recall(reused: torch.Tensor, fresh: torch.Tensor) -> float:
@@ -149,7 +164,7 @@ def check(plan: ReusePlan, rows: torch.Tensor) -> None:
     store, k = ctx.cache.selections, rows.shape[1]
     for b, row, saved_pos, saved in plan.probed:
         store.checked += 1
-        if recall(reused_row(saved, saved_pos, meta.ctx_lens[b], k), rows[row]) < ctx.reuse_min_recall:
+        if recall(reused_row(saved, saved_pos, meta.ctx_lens[b], k, plan.unit), rows[row]) < ctx.reuse_min_recall:
             store.recomputed += 1
             ctx.reuse_forced.add(meta.rids[b])
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from indexcache import ops
 
+from .. import step_reuse
 from ..state import ForwardContext
 from .norms import LayerNorm
 
@@ -77,22 +78,30 @@ class PooledIndexer(nn.Module):
         return pooled_keys(raw[:, :d], raw[:, d:], self.index_kpool_compress_ape)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext) -> None:
-        """Select for every row of the batch and write ``ctx.topk_rows`` (request positions, -1 padded)."""
+        """Select for every row of the batch and write ``ctx.topk_rows`` (request positions, -1 padded).
+        Under step reuse (``models/step_reuse.py`` over pool ids) only the rows that compute project
+        queries and score pools; a reused row keeps its request's last picked pools with the pools
+        completed since, and its own tail; every row's ``k | gate`` enters the cache."""
         meta, n = ctx.meta, x.shape[0]
         P = self.kpool
+        plan = step_reuse.plan_forward(ctx, self.layer_id, P)
+        sub = None if plan is None or plan.rows is None else plan.rows
         with ctx.stage(self.layer_id, "indexer"):
-            q = self.wq_b(qr).view(n, self.n_heads, self.head_dim).float()
-            w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads * self.head_dim) ** -0.5
+            xq, qrq = (x, qr) if sub is None else (x[sub], qr[sub])
+            q = self.wq_b(qrq).view(xq.shape[0], self.n_heads, self.head_dim).float()
+            w = self.weights_proj(xq.to(self.weights_proj.weight.dtype)).float() * (self.n_heads * self.head_dim) ** -0.5
             raw = self.key_inputs(x)
-            pools_of = self._paged_pools(raw, ctx) if meta.paged else self._fresh_pools(raw, meta)
+            skip = set() if sub is None else {b for b, *_ in plan.reused}
+            pools_of = self._paged_pools(raw, ctx, skip) if meta.paged else self._fresh_pools(raw, meta)
         with ctx.stage(self.layer_id, "topk"):
             rows, pos = ctx.topk_rows, meta.positions[:n].long()
             rows.fill_(-1)
-            keys = torch.cat(pools_of).contiguous()  # every request's pools, request after request
-            if keys.shape[0]:
-                ks = request_offsets([pk.shape[0] for pk in pools_of], meta.q_lens, x.device)
-                ke = ks + ((pos + 1) // P).int()
-                picked = ops.indexer_topk(q.contiguous(), keys, None, w.contiguous(), ks, ke, self.topk_pools)
+            picked = self._pick(q, w, pools_of, pos, meta, plan)
+            if plan is not None:
+                step_reuse.write_reused(plan, picked)
+                step_reuse.check(plan, picked)
+                step_reuse.save(plan, picked)
+            if picked is not None:
                 tok = picked.long().unsqueeze(-1) * P + torch.arange(P, device=x.device)
                 tok = torch.where(picked.unsqueeze(-1) >= 0, tok, torch.full_like(tok, -1)).flatten(1)
                 rows[:n, :tok.shape[1]] = tok.int()
@@ -102,6 +111,24 @@ class PooledIndexer(nn.Module):
                 tail = torch.where(tail <= pos.unsqueeze(1), tail, torch.full_like(tail, -1))
                 rows[:n, self.topk_pools * P:self.row_width] = tail.int()
         ctx.topk_valid = True
+
+    def _pick(self, q, w, pools_of: list, pos: torch.Tensor, meta, plan):
+        """Each row's picked pool ids, int32 ``[N, topk_pools]`` (-1: none): one fused scoring +
+        top-k call over the rows that compute (``q``, ``w``: theirs), every request's pools
+        concatenated. None when step reuse is off and no request has a complete pool."""
+        n, P = pos.shape[0], self.kpool
+        keys = torch.cat(pools_of).contiguous()  # every request's pools, request after request
+        ks = request_offsets([pk.shape[0] for pk in pools_of], meta.q_lens, pos.device)
+        ke = ks + ((pos + 1) // P).int()
+        if plan is None or plan.rows is None:
+            if keys.shape[0]:
+                return ops.indexer_topk(q.contiguous(), keys, None, w.contiguous(), ks, ke, self.topk_pools)
+            return None if plan is None else torch.full((n, self.topk_pools), -1, dtype=torch.int32, device=q.device)
+        picked = torch.full((n, self.topk_pools), -1, dtype=torch.int32, device=q.device)
+        if plan.meta is not None and keys.shape[0]:
+            sub = plan.rows
+            picked[sub] = ops.indexer_topk(q.contiguous(), keys, None, w.contiguous(), ks[sub], ke[sub], self.topk_pools)
+        return picked
 
     def _fresh_pools(self, raw: torch.Tensor, meta) -> list:
         """No cache: each request is this forward's rows from position 0; its complete pools' keys."""
@@ -113,10 +140,11 @@ class PooledIndexer(nn.Module):
             r0 += m
         return out
 
-    def _paged_pools(self, raw: torch.Tensor, ctx: ForwardContext) -> list:
+    def _paged_pools(self, raw: torch.Tensor, ctx: ForwardContext, skip=frozenset()) -> list:
         """Write this step's ``k | gate`` rows, pool the pools that completed in it (one
         ``ops.kpool_pool_paged`` for the batch) and return each
-        request's pooled keys ``[complete pools, d]`` read from the cache."""
+        request's pooled keys ``[complete pools, d]`` read from the cache (none for the requests
+        ``skip``: their rows reuse a selection and score nothing)."""
         meta, cache, P = ctx.meta, ctx.cache, self.kpool
         raw_cache, pool_cache = cache.index_raw[self.layer_id], cache.index_pool[self.layer_id]
         bs = meta.block_size
@@ -129,6 +157,6 @@ class PooledIndexer(nn.Module):
         table = meta.block_table.long()
         out = []
         for b, (c, m) in enumerate(zip(meta.ctx_lens, meta.q_lens)):
-            first = torch.arange((c + m) // P, device=raw.device) * P
+            first = torch.arange(0 if b in skip else (c + m) // P, device=raw.device) * P
             out.append(flat_pool[table[b, first // bs] * per_block + (first % bs) // P].float())
         return out

@@ -34,6 +34,7 @@ from torch import nn
 from indexcache import ops
 from indexcache.parallel import ParallelContext
 
+from .. import step_reuse
 from ..state import ForwardContext
 from .gqa import OffsetRMSNorm, partial_rope
 from .kpool_indexer import request_offsets
@@ -92,27 +93,70 @@ class QSAIndexer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, index_k: torch.Tensor | None) -> torch.Tensor:
         """Write this forward's selections into the shared rows; returns them ``[N, topk_blocks + 1]``.
-        ``index_k``: the layer's paged raw-key cache ``[pages, page, D]`` (None: no cache)."""
+        ``index_k``: the layer's paged raw-key cache ``[pages, page, D]`` (None: no cache). Under
+        step reuse (``models/step_reuse.py`` over block ids) only the rows that compute project
+        queries and score blocks; a reused row keeps its request's last picked blocks with the
+        blocks completed since, and its own incomplete block; every row's raw key enters the cache."""
         meta = ctx.meta
+        plan = step_reuse.plan_forward(ctx, self.layer_id, self.ratio)
+        if plan is not None and plan.rows is not None:
+            return self._forward_reusing(x, ctx, index_k, plan)
         with ctx.stage(self.layer_id, "indexer"):
             q, k = self.project(x, ctx)
             rows = ctx.topk_rows
-            if index_k is not None:
-                index_k.view(-1, self.head_dim)[meta.slot_mapping] = k.to(index_k.dtype)
-            page = meta.block_size if index_k is None else index_k.shape[1]
-            block_keys = []
-            for b, off in enumerate(meta.row_offsets()):
-                qn, seq = meta.q_lens[b], meta.ctx_lens[b] + meta.q_lens[b]
-                if index_k is None:
-                    keys = k[off:off + qn]
-                else:
-                    p = torch.arange(seq, device=x.device)
-                    slots = meta.block_table[b, p // page].long() * page + p % page
-                    keys = index_k.view(-1, self.head_dim)[slots].to(k.dtype)
-                block_keys.append(self.block_keys(keys))
+            self._cache_keys(k, index_k, meta)
+            block_keys = self._block_keys(k, index_k, meta, range(len(meta.q_lens)))
             self.select(q, block_keys, list(meta.q_lens), meta.positions[:x.shape[0]], rows)
+            if plan is not None:
+                step_reuse.check(plan, rows[:, :self.topk_blocks])
+                step_reuse.save(plan, rows[:, :self.topk_blocks])
         ctx.topk_valid = True
         return rows
+
+    def _forward_reusing(self, x: torch.Tensor, ctx: ForwardContext, index_k: torch.Tensor, plan) -> torch.Tensor:
+        """``forward`` when some rows reuse: the keys of every row (the key slice of
+        ``index_qk_proj``), queries, block keys and scores for the computing requests only."""
+        meta, n, hd = ctx.meta, x.shape[0], self.n_heads * self.head_dim
+        rows, sub = ctx.topk_rows, plan.rows
+        with ctx.stage(self.layer_id, "indexer"):
+            weight = self.index_qk_proj.weight
+            k = torch.nn.functional.linear(x, weight[hd:]).contiguous()
+            self._cache_keys(k, index_k, meta)
+            rows.fill_(-1)
+            if plan.meta is not None:
+                q = torch.nn.functional.linear(x[sub], weight[:hd]).reshape(-1, self.n_heads, self.head_dim)
+                q = partial_rope(self.q_layernorm(q), ctx.cos[sub], ctx.sin[sub])
+                block_keys = self._block_keys(k, index_k, meta, plan.computing())
+                out = torch.full((sub.numel(), rows.shape[1]), -1, dtype=rows.dtype, device=rows.device)
+                self.select(q, block_keys, list(plan.meta.q_lens), plan.meta.positions, out)
+                rows[sub] = out
+            step_reuse.write_reused(plan, rows[:, :self.topk_blocks])
+            pos = meta.positions[:n]
+            rows[:, -1] = torch.where((pos + 1) % self.ratio != 0, pos // self.ratio, -1).to(rows.dtype)
+            step_reuse.check(plan, rows[:, :self.topk_blocks])
+            step_reuse.save(plan, rows[:, :self.topk_blocks])
+        ctx.topk_valid = True
+        return rows
+
+    def _cache_keys(self, k: torch.Tensor, index_k: torch.Tensor | None, meta) -> None:
+        if index_k is not None:
+            index_k.view(-1, self.head_dim)[meta.slot_mapping] = k.to(index_k.dtype)
+
+    def _block_keys(self, k: torch.Tensor, index_k: torch.Tensor | None, meta, reqs) -> list:
+        """The complete blocks' keys of the requests ``reqs`` (indices into the batch): their raw keys
+        from the paged cache (or, without one, this forward's ``k``), pooled by ``block_keys``."""
+        page = meta.block_size if index_k is None else index_k.shape[1]
+        offs, out = meta.row_offsets(), []
+        for b in reqs:
+            qn, seq = meta.q_lens[b], meta.ctx_lens[b] + meta.q_lens[b]
+            if index_k is None:
+                keys = k[offs[b]:offs[b] + qn]
+            else:
+                p = torch.arange(seq, device=k.device)
+                slots = meta.block_table[b, p // page].long() * page + p % page
+                keys = index_k.view(-1, self.head_dim)[slots].to(k.dtype)
+            out.append(self.block_keys(keys))
+        return out
 
 
 class IndexedAttention(nn.Module):
