@@ -405,8 +405,10 @@ __device__ void chunk_step(const DeltaRuleParams& p, const ChunkSmem& m, int64_t
 }
 
 // The chunked form, chunks of lc tokens (a multiple of kSub); runs the sequences with a valid
-// range of at least min_chunked tokens (the recurrent kernel counts invalid ranges).
-__global__ void __launch_bounds__(kCols) delta_rule_chunk_kernel(DeltaRuleParams p, int64_t lc, int64_t min_chunked,
+// range of at least min_chunked tokens (the recurrent kernel counts invalid ranges). One CTA per
+// SM at most (its shared memory), so the launch bounds say so: without the 1, ptxas for sm_80
+// held the kernel to 96 registers and spilled.
+__global__ void __launch_bounds__(kCols, 1) delta_rule_chunk_kernel(DeltaRuleParams p, int64_t lc, int64_t min_chunked,
                                                                  int32_t* err) {
   IC_DYNAMIC_SMEM(smem_raw);
   const int64_t b = blockIdx.x / p.h_v, h = blockIdx.x % p.h_v, hk = h / (p.h_v / p.h_k);
