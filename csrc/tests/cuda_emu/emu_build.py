@@ -38,6 +38,22 @@ def build_emu_lib(source: str, out: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def load_emu_lib(source: str, lib_name: str | None, last_error: str) -> ctypes.CDLL:
+    """The emulator library of ``source`` (an ``emu_*.cpp`` here), built by ``build_emu_lib`` on first
+    use and kept for the process: ``$INDEXCACHE_EMU_LIB`` (default /tmp/indexcache_emu/libicemu.so)
+    itself when ``lib_name`` is None, else the file ``lib_name`` beside it. ``last_error`` names the
+    library's function that returns its last error message (a C string)."""
+    if source not in _LIBS:
+        base = Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so"))
+        lib = build_emu_lib(source, base if lib_name is None else base.parent / lib_name)
+        getattr(lib, last_error).restype = ctypes.c_char_p
+        _LIBS[source] = lib
+    return _LIBS[source]
+
+
 def load_reference(file: str, alias: str):
     """``python/indexcache/<file>`` (a pure-torch reference module) loaded from its path as module
     ``alias``, without importing the package (whose ``__init__`` loads the compiled extension these

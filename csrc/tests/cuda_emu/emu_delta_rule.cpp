@@ -20,6 +20,15 @@ void emu_dr_set_device(int sms, int smem_optin) {
   g_smem_optin = smem_optin;
 }
 
+// Sequences of at least this many tokens take the chunked kernel (<= 0: the launcher's default).
+int64_t g_min_chunked = 0;
+void emu_dr_set_min_chunked(int64_t n) { g_min_chunked = n; }
+
+// The chunk the launcher picks for this d_k, gate kind and shared-memory limit (0: none fits).
+int64_t emu_dr_chunk_tokens(int64_t d_k, int per_channel, int smem_optin) {
+  return dr_detail::chunk_tokens(d_k, per_channel != 0, static_cast<int64_t>(smem_optin) - 64);
+}
+
 int emu_delta_rule(const void* q, const void* k, const void* v, const float* g, const float* beta, float* state,
                    const int32_t* cu_seqlens, const int32_t* state_indices, void* out, int64_t T, int64_t batch,
                    int64_t h_k, int64_t h_v, int64_t d_k, int64_t d_v, int64_t n_slots, int64_t q_stride,
@@ -49,7 +58,7 @@ int emu_delta_rule(const void* q, const void* k, const void* v, const float* g, 
     p.g_per_channel = per_channel != 0;
     p.scale = scale;
     p.dtype = static_cast<DType>(dtype);
-    delta_rule_cuda(p, env(s));
+    delta_rule_cuda(p, env(s), g_min_chunked > 0 ? g_min_chunked : dr_detail::kMinChunked);
   });
 }
 

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-from pathlib import Path
-
 
 import pytest
 import torch
-from emu_build import build_emu_lib, load_reference
+from emu_build import load_emu_lib, load_reference
 
 # reference.py is pure torch: load it directly, so no build of indexcache._C is needed. The format
 # numbers it imports (indexcache/formats.py, which imports nothing) are loaded the same way.
@@ -28,20 +25,8 @@ F32, BF16, FP8 = 0, 1, 2
 POISON_I = -7777
 
 
-def _build() -> ctypes.CDLL:
-    lib = build_emu_lib("emu_ops.cpp", Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so")))
-    lib.emu_last_error.restype = ctypes.c_char_p
-    return lib
-
-
-LIB = None
-
-
-def lib():
-    global LIB
-    if LIB is None:
-        LIB = _build()
-    return LIB
+def lib() -> ctypes.CDLL:
+    return load_emu_lib("emu_ops.cpp", None, "emu_last_error")
 
 
 def P(t):

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from emu_build import build_emu_lib, load_reference
+from emu_build import load_emu_lib, load_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,17 +27,9 @@ POISON_F32 = 0x7F8DEAD1  # a NaN payload no kernel makes
 POISON_BF16 = 0x7F81
 SELECT_SHARED = (2048 + 3 * 32 + 2) * 4  # sizeof(SelectShared), common.cuh
 
-_LIB = None
-
 
 def lib() -> ctypes.CDLL:
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    base = Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so")).parent
-    _LIB = build_emu_lib("emu_block_sparse.cpp", base / "libicemu_block_sparse.so")
-    _LIB.emu_bs_last_error.restype = ctypes.c_char_p
-    return _LIB
+    return load_emu_lib("emu_block_sparse.cpp", "libicemu_block_sparse.so", "emu_bs_last_error")
 
 
 def P(t):

@@ -12,27 +12,17 @@ Builds its own libicemu_kpool_pool.so (beside INDEXCACHE_EMU_LIB's) with g++ on 
 from __future__ import annotations
 
 import ctypes
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from emu_build import build_emu_lib, load_reference
+from emu_build import load_emu_lib, load_reference
 
 ref = load_reference("reference.py", "indexcache_reference_kp")
 DT = {torch.float32: 0, torch.bfloat16: 1}
 NAN = float("nan")
 
-_LIB = None
-
-
 def lib() -> ctypes.CDLL:
-    global _LIB
-    if _LIB is None:
-        base = Path(os.environ.get("INDEXCACHE_EMU_LIB", "/tmp/indexcache_emu/libicemu.so")).parent
-        _LIB = build_emu_lib("emu_kpool_pool.cpp", base / "libicemu_kpool_pool.so")
-        _LIB.emu_kp_last_error.restype = ctypes.c_char_p
-    return _LIB
+    return load_emu_lib("emu_kpool_pool.cpp", "libicemu_kpool_pool.so", "emu_kp_last_error")
 
 
 def P(t):
