@@ -22,6 +22,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "simd.h"
 #endif
 
 #include "../checks.h"
@@ -66,23 +68,10 @@ void portable_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1)
 #if defined(__x86_64__)
 #define IC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
-// 16 values from p (fp32 or bf16) as fp32, lanes past `mask` zero.
-IC_AVX512 inline __m512 load16(const void* p, DType dt, __mmask16 mask) {
-  if (dt == DType::kFloat32) return _mm512_maskz_loadu_ps(mask, p);
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using cpu::load16;
+using cpu::store16;
+using cpu::tail16;
 
-IC_AVX512 inline void store16(void* p, __m512 v, DType dt, __mmask16 mask) {
-  if (dt == DType::kFloat32) return _mm512_mask_storeu_ps(p, mask, v);
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  c10::BFloat16* o = static_cast<c10::BFloat16*>(p);
-  for (int i = 0; i < 16; ++i)
-    if (mask >> i & 1) o[i] = c10::BFloat16(tmp[i]);
-}
-
-inline __mmask16 tail16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 inline __mmask32 tail32(int64_t left) { return left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1); }
 
 // R weight rows (w_nk) dotted with one x row: out[j] for j < R. Each row's loads are issued one row
@@ -167,12 +156,6 @@ void run(const RowsMatmulParams& p, void (*task)(const RowsMatmulParams&, int64_
   if (work < kParallelWork) return body(0, tasks);
   const int64_t per_task = std::max<int64_t>(work / tasks, 1);
   at::parallel_for(0, tasks, std::max<int64_t>(kChunkWork / per_task, 1), body);
-}
-
-DType float_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-  return t.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
 }
 
 void rows_matmul_op(const at::Tensor& x, const at::Tensor& w, bool w_nk, at::Tensor& out) {
