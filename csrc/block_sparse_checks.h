@@ -22,11 +22,6 @@
 namespace indexcache {
 namespace block_sparse_checks {
 
-inline void check_qk_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-}
-
 inline void check_int_vec(const at::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-d tensor, got shape ", t.sizes(),
@@ -65,7 +60,7 @@ inline at::Tensor on_host(const at::Tensor& t) { return t.device().is_cpu() ? t 
 inline BlockTopkParams make_block_topk_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ks,
                                               const at::Tensor& ke, int64_t block_size, int64_t local_blocks,
                                               at::Tensor& out, bool host_values) {
-  check_qk_dtype(q, "q");
+  check_float_input(q, "q");
   IC_CHECK_DTYPE(k, q.scalar_type(), "k");
   IC_CHECK_DIM(q, 3, "q");
   IC_CHECK_DIM(k, 2, "k");
@@ -107,7 +102,7 @@ inline BlockTopkParams make_block_topk_paged_params(const at::Tensor& q, const a
                                                     const at::Tensor& block_table, const at::Tensor& seq_lens,
                                                     int64_t next_n, int64_t block_size, int64_t local_blocks,
                                                     at::Tensor& out, bool host_values) {
-  check_qk_dtype(q, "q");
+  check_float_input(q, "q");
   IC_CHECK_DTYPE(k_cache, q.scalar_type(), "k_cache");
   IC_CHECK_DIM(q, 3, "q");
   IC_CHECK_DIM(k_cache, 3, "k_cache");
@@ -161,7 +156,7 @@ inline BlockTopkParams make_block_topk_paged_params(const at::Tensor& q, const a
 inline void check_attention_tensors(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                     const at::Tensor& block_table, const at::Tensor& req, const at::Tensor& pos,
                                     const at::Tensor& blocks, const at::Tensor& out, const at::Tensor& lse) {
-  check_qk_dtype(q, "q");
+  check_float_input(q, "q");
   IC_CHECK_DIM(q, 3, "q");
   IC_CHECK_CONTIG(q, "q");
   for (const auto& [t, name] : {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}}) {

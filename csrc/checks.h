@@ -67,6 +67,13 @@ inline void check_float_input(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// check_float_input's dtype as a DType: the operands of the kernels that take fp32 or bf16 in any
+// mix (rows_matmul, norm_rope, kpool_pool), each checked under its own name.
+inline DType float_dtype(const at::Tensor& t, const char* name) {
+  check_float_input(t, name);
+  return to_dtype(t.scalar_type(), name);
+}
+
 inline void check_slot_mapping(const at::Tensor& slot_mapping, int64_t n, const at::Tensor& like) {
   IC_CHECK_DTYPE(slot_mapping, at::kLong, "slot_mapping");
   IC_CHECK_DIM(slot_mapping, 1, "slot_mapping");

@@ -17,12 +17,6 @@
 namespace indexcache {
 namespace kpool_checks {
 
-inline DType float_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-  return t.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
-}
-
 inline KpoolPoolParams make_kpool_pool_params(const at::Tensor& index_raw, at::Tensor& index_pool, const at::Tensor& ape,
                                               const at::Tensor& block_table, const at::Tensor& ctx_lens,
                                               const at::Tensor& q_lens) {

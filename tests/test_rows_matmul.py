@@ -84,6 +84,54 @@ def test_thread_count_does_not_change_results():
     assert torch.equal(one, two)
 
 
+# One decode row through the bench checkpoint's projections (N, K; bench/bench_rows_matmul.py) and
+# its absorbed-MLA heads (G, K, N): the shapes a step runs at, below and above the one-thread bound.
+DECODE_SHAPES = [(4096, 256), (256, 512), (576, 512), (2048, 512), (50260, 512)]
+HEAD_SHAPES = [(16, 64, 512), (16, 512, 64)]
+
+
+def _at_threads(n, fn):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("w_dtype", DTYPES)
+@pytest.mark.parametrize("n,k", DECODE_SHAPES)
+def test_decode_rows_at_one_and_two_threads(cpu_isa, w_dtype, n, k):
+    """Bit-equal at 1 and 2 threads on every path, and within the fp32 bar of reference.rows_matmul."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).to(w_dtype)
+
+    def call():
+        out = torch.full((1, n), float("nan"))
+        return ops.rows_matmul(x, w, True, out=out)
+    one, two = _at_threads(1, call), _at_threads(2, call)
+    assert torch.equal(one, two)
+    ref = reference.rows_matmul(x, w, True, torch.float32)
+    assert ((one.double() - ref.double()).abs() <= 2 * bar(torch.float32, x, w, True)).all()
+
+
+@pytest.mark.parametrize("g_,k,n", HEAD_SHAPES)
+def test_decode_heads_at_one_and_two_threads(cpu_isa, g_, k, n):
+    """The absorbed heads' [H, 1, K] x [H, K, N] (w [K, N] per head), bf16 out."""
+    gen = torch.Generator().manual_seed(k * n)
+    x = torch.randn(g_, 1, k, generator=gen).bfloat16()
+    w = torch.randn(g_, k, n, generator=gen).bfloat16()
+
+    def call():
+        out = torch.full((g_, 1, n), float("nan"), dtype=torch.bfloat16)
+        return ops.rows_matmul(x, w, False, out=out)
+    one, two = _at_threads(1, call), _at_threads(2, call)
+    assert torch.equal(one, two)
+    ref = reference.rows_matmul(x, w, False, torch.float32)
+    assert ((one.double() - ref.double()).abs() <= 2 * bar(torch.bfloat16, x, w, False)).all()
+
+
 def test_empty_sums_are_zero():
     out = torch.full((2, 3), float("nan"))
     ops.rows_matmul(torch.empty(2, 0), torch.empty(3, 0), True, out=out)
@@ -134,7 +182,7 @@ def test_linear_dispatch():
     for rows in (1, plinear.FEW_ROWS, plinear.FEW_ROWS + 1):
         x = torch.randn(rows, 32, generator=g)
         torch.testing.assert_close(plinear.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
-    fast = _C._cpu_isa("rows_matmul", "fp32") == "avx512bf16"
+    fast = _C._cpu_isa("rows_matmul", "fp32") in ("avx512bf16", "avx2")  # the vectorised kernels
     assert plinear.few_rows(torch.ones(1, 32), w) == fast
     assert not plinear.few_rows(torch.ones(plinear.FEW_ROWS + 1, 32), w)
     assert not plinear.few_rows(torch.ones(1, 32, requires_grad=True), w)

@@ -67,12 +67,7 @@ void portable_pool(const KpoolPoolParams& p, const PoolTask& t) {
 #if defined(__x86_64__)
 #define IC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 
-// 16 values from p (fp32 or bf16) as fp32, lanes past `mask` zero.
-IC_AVX512 inline __m512 load16(const void* p, DType dt, __mmask16 mask) {
-  if (dt == DType::kFloat32) return _mm512_maskz_loadu_ps(mask, p);
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using cpu::load16;
 
 // gate + ape for 16 channels of one token
 IC_AVX512 inline __m512 logit16(const char* gate, DType gd, const char* ape, DType ad, __mmask16 m) {
@@ -84,7 +79,7 @@ IC_AVX512 void avx512_pool(const KpoolPoolParams& p, const PoolTask& t) {
   const char* raw = elem_ptr(p.raw, t.raw_row * w, p.raw_dtype);
   const char* ape = static_cast<const char*>(p.ape);
   for (int64_t c = 0; c < d; c += 16) {
-    const __mmask16 m = d - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (d - c)) - 1);
+    const __mmask16 m = cpu::tail16(d - c);
     const char* gate = raw + (d + c) * re;
     const char* bias = ape + c * ae;
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -102,13 +97,7 @@ IC_AVX512 void avx512_pool(const KpoolPoolParams& p, const PoolTask& t) {
     // masked-off lanes divide 0 by 1; only the live lanes are stored
     const __m512 v = _mm512_mask_blend_ps(nan, _mm512_div_ps(num, _mm512_mask_blend_ps(m, _mm512_set1_ps(1.0f), sum)),
                                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-    if (p.pool_dtype == DType::kFloat32) {
-      _mm512_mask_storeu_ps(static_cast<float*>(p.pool) + t.pool_row * d + c, m, v);
-    } else {
-      alignas(64) float tmp[16];
-      _mm512_store_ps(tmp, v);
-      for (int64_t i = 0; i < std::min<int64_t>(16, d - c); ++i) store_f(p.pool, t.pool_row * d + c + i, tmp[i], p.pool_dtype);
-    }
+    cpu::store16(const_cast<char*>(elem_ptr(p.pool, t.pool_row * d + c, p.pool_dtype)), v, p.pool_dtype, m);
   }
 }
 #undef IC_AVX512

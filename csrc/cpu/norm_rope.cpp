@@ -19,6 +19,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "simd.h"
 #endif
 
 #include "../checks.h"
@@ -89,16 +91,13 @@ void rope_heads_portable(const RopeParams& p, int64_t t0, int64_t t1) {
 #if defined(__x86_64__)
 #define IC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
-inline __mmask16 tail16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+using cpu::load16;
+using cpu::tail16;
 
-IC_AVX512 inline __m512 load16(const char* p, DType dt, __mmask16 mask) {
-  if (dt == DType::kFloat32) return _mm512_maskz_loadu_ps(mask, p);
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Rounds to nearest even as c10::BFloat16 does (vcvtneps2bf16).
-IC_AVX512 inline void store16(char* p, __m512 v, DType dt, __mmask16 mask) {
+// Rounds to nearest even as c10::BFloat16 does (vcvtneps2bf16), in one instruction; unlike
+// simd.h's store16 (c10's rounding lane by lane) it flushes subnormal results to zero and keeps a
+// NaN's payload bits where c10 writes 0x7FC0.
+IC_AVX512 inline void store16_cvt(char* p, __m512 v, DType dt, __mmask16 mask) {
   if (dt == DType::kFloat32) return _mm512_mask_storeu_ps(p, mask, v);
   _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
@@ -120,7 +119,7 @@ IC_AVX512 void rms_rows_avx512(const RmsNormParams& p, int64_t n0, int64_t n1) {
       const __mmask16 mk = tail16(p.D - k);
       const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load16(x + k * xe, p.x_dtype, mk), r),
                                      load16(static_cast<const char*>(p.w) + k * we, p.w_dtype, mk));
-      store16(out + k * oe, y, p.out_dtype, mk);
+      store16_cvt(out + k * oe, y, p.out_dtype, mk);
     }
   }
 }
@@ -140,7 +139,7 @@ IC_AVX512 void rope_interleaved_avx512(const RopeParams& p, const char* x, char*
     const __m512 v = load16(x + 2 * i * xe, p.x_dtype, mk);
     const __m512 t = _mm512_mul_ps(_mm512_permute_ps(v, 0xB1), ss);
     const __m512 y = _mm512_mask_blend_ps(__mmask16(0x5555), _mm512_fmadd_ps(v, cc, t), _mm512_fmsub_ps(v, cc, t));
-    store16(out + 2 * i * oe, y, p.out_dtype, mk);
+    store16_cvt(out + 2 * i * oe, y, p.out_dtype, mk);
   }
 }
 
@@ -152,8 +151,8 @@ IC_AVX512 void rope_split_avx512(const RopeParams& p, const char* x, char* out, 
     const __m512 cv = _mm512_maskz_loadu_ps(mk, c + i), sv = _mm512_maskz_loadu_ps(mk, s + i);
     const __m512 ya = _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv));
     const __m512 yb = _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv));
-    store16(out + i * oe, ya, p.out_dtype, mk);
-    store16(out + (i + m) * oe, yb, p.out_dtype, mk);
+    store16_cvt(out + i * oe, ya, p.out_dtype, mk);
+    store16_cvt(out + (i + m) * oe, yb, p.out_dtype, mk);
   }
 }
 
@@ -177,12 +176,6 @@ template <typename Body>
 void over_items(int64_t items, int64_t values_each, const Body& body) {
   if (items * values_each < kSerialWork) return body(0, items);
   at::parallel_for(0, items, std::max<int64_t>(kChunkValues / std::max<int64_t>(values_each, 1), 1), body);
-}
-
-DType float_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-  return t.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
 }
 
 void check_unit_last(const at::Tensor& t, const char* name) {

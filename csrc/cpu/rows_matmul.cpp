@@ -7,9 +7,9 @@
 // on the thread count. A call whose work is under kParallelWork multiply-adds runs on the
 // calling thread (no OpenMP region: at one row every projection but the LM head is that small).
 //
-// ISA paths: portable (scalar loops, any CPU) and AVX-512 (the avx512bf16 path: vdpbf16ps for
-// bf16 x bf16, bf16 -> fp32 widening + FMA otherwise); isa.h's cpu_op_path(CpuOp::kRowsMatmul,
-// weight dtype) picks one at run time.
+// ISA paths: portable (scalar loops, any CPU), AVX-512 (the avx512bf16 path: vdpbf16ps for
+// bf16 x bf16, bf16 -> fp32 widening + FMA otherwise) and AVX2 (the avx2 path: 8-lane widening +
+// FMA); isa.h's cpu_op_path(CpuOp::kRowsMatmul, weight dtype) picks one at run time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,9 +19,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "simd.h"
 #endif
 
 #include "../checks.h"
@@ -66,23 +69,10 @@ void portable_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1)
 #if defined(__x86_64__)
 #define IC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
-// 16 values from p (fp32 or bf16) as fp32, lanes past `mask` zero.
-IC_AVX512 inline __m512 load16(const void* p, DType dt, __mmask16 mask) {
-  if (dt == DType::kFloat32) return _mm512_maskz_loadu_ps(mask, p);
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using cpu::load16;
+using cpu::store16;
+using cpu::tail16;
 
-IC_AVX512 inline void store16(void* p, __m512 v, DType dt, __mmask16 mask) {
-  if (dt == DType::kFloat32) return _mm512_mask_storeu_ps(p, mask, v);
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  c10::BFloat16* o = static_cast<c10::BFloat16*>(p);
-  for (int i = 0; i < 16; ++i)
-    if (mask >> i & 1) o[i] = c10::BFloat16(tmp[i]);
-}
-
-inline __mmask16 tail16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 inline __mmask32 tail32(int64_t left) { return left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1); }
 
 // R weight rows (w_nk) dotted with one x row: out[j] for j < R. Each row's loads are issued one row
@@ -153,6 +143,99 @@ IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int
   }
 }
 #undef IC_AVX512
+
+// ---------------------------------------------------------------------------------- AVX2
+// CPUs with AVX2 + FMA but no AVX-512 BF16 (Zen 2/3, Haswell to Cascade Lake): 8 fp32 lanes, bf16
+// widened by a shift, FMA. A task widens each x row to fp32 once (zeros to a multiple of 8); a
+// weight row's last K % 8 values, or a block's last N % 8 columns, are read through a zero-padded
+// copy. Every output is one fixed-order sum: w_nk, four 8-lane accumulators over k (32 values a
+// step, then 8 at a time into the first, the padded tail into the second), added as (a0 + a1) +
+// (a2 + a3) and the 8 lanes as a tree; w [K, N], one lane per column over k ascending.
+#define IC_AVX2 __attribute__((target("avx2,fma")))
+
+IC_AVX2 inline __m256 load8(const char* p, DType dt) {
+  if (dt == DType::kFloat32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The first n (< 8) values at p as fp32, the other lanes zero.
+IC_AVX2 inline __m256 load8_tail(const char* p, DType dt, int64_t n) {
+  alignas(32) char buf[32] = {};
+  std::memcpy(buf, p, n * esize(dt));
+  return load8(buf, dt);
+}
+
+// Lanes i + 4, then i + 2, then i + 1.
+IC_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// x: K fp32 values, zeros after them to a multiple of 8.
+IC_AVX2 inline float dot_row8(const float* x, const char* w, int64_t K, DType wd) {
+  const int64_t we = esize(wd);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k * we, wd), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + (k + 8) * we, wd), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + (k + 16) * we, wd), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + (k + 24) * we, wd), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k * we, wd), a0);
+  if (k < K) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8_tail(w + k * we, wd, K - k), a1);
+  return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+// The first n (<= 8) lanes of v to out[0:n).
+IC_AVX2 inline void store8(char* out, __m256 v, DType dt, int64_t n) {
+  if (dt == DType::kFloat32 && n == 8) return _mm256_storeu_ps(reinterpret_cast<float*>(out), v);
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t i = 0; i < n; ++i) store_f(out, i, tmp[i], dt);
+}
+
+// Row m of x as fp32 into xf (K values, then zeros to a multiple of 8).
+inline void widen_row(const char* x, int64_t K, DType xd, std::vector<float>& xf) {
+  xf.assign((K + 7) / 8 * 8, 0.0f);
+  for (int64_t k = 0; k < K; ++k) xf[k] = load_f(x, k, xd);
+}
+
+IC_AVX2 void avx2_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
+  const char* x = elem_ptr(p.x, g * p.x_sg, p.x_dtype);
+  const char* w = elem_ptr(p.w, g * p.w_sg, p.w_dtype);
+  char* out = const_cast<char*>(elem_ptr(p.out, g * p.o_sg, p.out_dtype));
+  const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype), oe = esize(p.out_dtype);
+  const int64_t w_row_bytes = p.w_sr * we;
+  thread_local std::vector<float> xf;
+  for (int64_t m = 0; m < p.M; ++m) {
+    widen_row(x + m * p.x_sm * xe, p.K, p.x_dtype, xf);
+    char* orow = out + m * p.o_sm * oe;
+    if (p.w_nk) {
+      for (int64_t n = n0; n < n1; ++n) store_f(orow, n, dot_row8(xf.data(), w + n * w_row_bytes, p.K, p.w_dtype),
+                                               p.out_dtype);
+      continue;
+    }
+    // w [K, N]: columns n0..n1 (<= kBlock = 8 vectors), k ascending
+    __m256 acc[8];
+    const int64_t cols = n1 - n0, nv = (cols + 7) / 8;
+    for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < p.K; ++k) {
+      const __m256 xs = _mm256_set1_ps(xf[k]);
+      const char* wr = w + k * w_row_bytes + n0 * we;
+      for (int64_t j = 0; j < nv; ++j) {
+        const int64_t left = cols - 8 * j;
+        const __m256 wv = left >= 8 ? load8(wr + 8 * j * we, p.w_dtype) : load8_tail(wr + 8 * j * we, p.w_dtype, left);
+        acc[j] = _mm256_fmadd_ps(xs, wv, acc[j]);
+      }
+    }
+    for (int64_t j = 0; j < nv; ++j)
+      store8(orow + (n0 + 8 * j) * oe, acc[j], p.out_dtype, std::min<int64_t>(8, cols - 8 * j));
+  }
+}
+#undef IC_AVX2
 #endif
 
 void run(const RowsMatmulParams& p, void (*task)(const RowsMatmulParams&, int64_t, int64_t, int64_t)) {
@@ -167,12 +250,6 @@ void run(const RowsMatmulParams& p, void (*task)(const RowsMatmulParams&, int64_
   if (work < kParallelWork) return body(0, tasks);
   const int64_t per_task = std::max<int64_t>(work / tasks, 1);
   at::parallel_for(0, tasks, std::max<int64_t>(kChunkWork / per_task, 1), body);
-}
-
-DType float_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-  return t.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
 }
 
 void rows_matmul_op(const at::Tensor& x, const at::Tensor& w, bool w_nk, at::Tensor& out) {
@@ -230,7 +307,9 @@ void rows_matmul_cpu(const RowsMatmulParams& p) {
     return;
   }
 #if defined(__x86_64__)
-  if (cpu_op_path(CpuOp::kRowsMatmul, p.w_dtype) == CpuPath::kAvx512Bf16) return run(p, avx512_task);
+  const CpuPath path = cpu_op_path(CpuOp::kRowsMatmul, p.w_dtype);
+  if (path == CpuPath::kAvx512Bf16) return run(p, avx512_task);
+  if (path == CpuPath::kAvx2) return run(p, avx2_task);
 #endif
   run(p, portable_task);
 }

@@ -6,8 +6,31 @@
 
 #include <cstdint>
 
+#include "elem_io.h"
+
 namespace indexcache {
 namespace cpu {
+
+// The first min(left, 16) lanes.
+inline __mmask16 tail16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+// 16 values from p (fp32 or bf16) as fp32, lanes past `mask` zero (and not read).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const void* p, DType dt, __mmask16 mask) {
+  if (dt == DType::kFloat32) return _mm512_maskz_loadu_ps(mask, p);
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The lanes under `mask` to p as fp32, or as bf16 rounded by c10::BFloat16 (store_f: nearest even,
+// subnormals kept, every NaN 0x7FC0), so the result is the portable loops' to the bit.
+// (vcvtneps2bf16 would flush subnormals to zero and keep NaN payloads: norm_rope.cpp's own store.)
+__attribute__((target("avx512f"))) inline void store16(void* p, __m512 v, DType dt, __mmask16 mask) {
+  if (dt == DType::kFloat32) return _mm512_mask_storeu_ps(p, mask, v);
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) store_f(p, i, tmp[i], dt);
+}
 
 // exp(x) for x <= 0 (softmax numerators): 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial
 // for e^r; inputs below -87 (where exp is under ~1.6e-38) give 0, as a softmax term far under its

@@ -34,12 +34,13 @@ def few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     for w in weights:
         name = _ISA_DTYPE.get(w.dtype)
-        if name is None or _C._cpu_isa("rows_matmul", name) != "avx512bf16":
+        if name is None or _C._cpu_isa("rows_matmul", name) not in _VECTOR_PATHS:
             return False
     return True
 
 
 _ISA_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # rows_matmul's dtypes, as _cpu_isa names them
+_VECTOR_PATHS = ("avx512bf16", "avx2")  # the paths with a vectorised rows_matmul kernel (not portable)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
