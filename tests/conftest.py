@@ -1,5 +1,6 @@
 import functools
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,11 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture
+def rng():
+    """A random.Random with a fresh seed per test, printed so a failure can be replayed."""
+    seed = random.randrange(2 ** 31)
+    print(f"inputs seed {seed}")
+    return random.Random(seed)

@@ -12,7 +12,6 @@ layer: the two must give the same logits bit for bit, and on every other row the
 plain step. Requests join at different times (different histories, counters out of phase)."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -55,13 +54,6 @@ def make(family, reuse=None, seed=3, **extra):
     if reuse is not None:
         over["index_reuse_steps"] = reuse
     return cls.from_config(cfg, over, seed=seed)
-
-
-@pytest.fixture
-def rng():
-    seed = random.randrange(2 ** 31)
-    print(f"inputs seed {seed}")
-    return random.Random(seed)
 
 
 class Layout:

@@ -4,7 +4,6 @@ recomputations and the reuse rule, in batches of requests at different steps; th
 lifetime; the key's validation; generation."""
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -33,13 +32,6 @@ def make(reuse=None, freq=2, **kw):
     if reuse is not None:
         over["index_reuse_steps"] = reuse
     return DeepseekV32ForCausalLM.from_config(CFG, over, seed=3, **kw)
-
-
-@pytest.fixture
-def rng():
-    seed = random.randrange(2 ** 31)
-    print(f"inputs seed {seed}")
-    return random.Random(seed)
 
 
 class Recorder:
