@@ -11,6 +11,7 @@ the family's layout, written here) from the twin's own last computation for that
 layer: the two must give the same logits bit for bit, and on every other row the twin runs its
 plain step. Requests join at different times (different histories, counters out of phase)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -318,3 +319,16 @@ def test_generate_command_runs_it(family, tmp_path, capsys):
                  "--hf-overrides", r4]) == 0
     out = capsys.readouterr().out
     assert "F layers recompute every 4 decode steps" in out and "decode:" in out
+
+
+@pytest.mark.parametrize("family", ["glm", "qwen"])
+@pytest.mark.parametrize("reuse", [None, 4])
+def test_paged_batch_without_request_ids_is_refused(family, reuse):
+    """The linear-attention state (and step reuse) is kept per request id: a paged batch that
+    carries none is refused by name, not a TypeError deep in the slot code."""
+    model = make(family, reuse)
+    cache = model.allocate_cache(4, "auto", BS)
+    cache.manager.allocate(7, 16)
+    meta = dataclasses.replace(BatchMeta.paged_batch(cache, [7], [0], [5]), rids=None)
+    with pytest.raises(ValueError, match="request id"):
+        model.forward_tokens(torch.tensor([5, 6, 7, 8, 9]), meta, cache, reuse=False)
