@@ -5,8 +5,11 @@
 // The AVX-512 and portable paths compute the same roundings in the same order (an RMSNorm row's
 // sum of squares in 16 lanes, k ascending per lane, then the lanes in a fixed tree; products and
 // rotation's fused products as written in the header; the products are fused explicitly, so no
-// compiler contraction can tell the paths apart), so their results are bit-identical, and a row
-// never depends on which thread runs it. isa.h's cpu_op_path(CpuOp::kNormRope, x dtype) picks.
+// compiler contraction can tell the paths apart), so their fp32 results are bit-identical, and so
+// are bf16 results but two kinds: the AVX-512 path's bf16 store (vcvtneps2bf16, store16_cvt below)
+// writes a subnormal result as zero and keeps a NaN's payload bits, where the portable path (c10's
+// rounding) keeps the subnormal and writes 0x7FC0. A row never depends on which thread runs it.
+// isa.h's cpu_op_path(CpuOp::kNormRope, x dtype) picks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
