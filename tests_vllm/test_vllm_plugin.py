@@ -92,10 +92,24 @@ def run_vllm(path, token_prompts, overrides=None, new_tokens=NEW_TOKENS, **engin
         gc.collect()
 
 
+NEAR_TIE_SHARE = 0.25  # positions of a request that may part from our model by a flipped fp8 near-tie
+NEAR_TIE_MAX = 0.1    # and by at most this much
+
+
 def check_against_ours(path, token_prompts, results, overrides=None):
-    """Every log-prob within LOGPROB_TOL of this project's model and its greedy tokens; the prompt
-    log-probs of the first TOPK tokens (each query sees at most TOPK keys, so top-k selects them all
-    whatever the indexer scores) also against transformers' own class of the checkpoint."""
+    """The log-probs of this project's model and its greedy tokens; the prompt log-probs of the
+    first TOPK tokens (each query sees at most TOPK keys, so top-k selects them all whatever the
+    indexer scores) within LOGPROB_TOL of transformers' own class of the checkpoint.
+
+    Against our model, per position: both engines score keys with the fp8 indexer (e4m3 queries and
+    keys, 3 mantissa bits), where many keys tie or nearly tie, and a 1e-6 difference upstream (the
+    sparse-MLA sums' order on the avx2 path, vLLM's paged slots vs our contiguous rows) can move a
+    query's fp8 rounding and swap one tied key for another: on a Zen 3 (avx2) 7 of 72 positions of
+    the all-F case part by 0.002-0.017, the median position by 8e-6 (docs/vllm.md). So the median
+    position stays within LOGPROB_TOL / 10, at most NEAR_TIE_SHARE of the positions exceed
+    LOGPROB_TOL and none NEAR_TIE_MAX; a wrong cache, dense attention or a wrong selection rule
+    moves most positions past the request's first TOPK by far more (the all-F case's dense
+    control below)."""
     worst = worst_hf = 0.0
     model = load_ours(path, overrides)
     for p, (plp, gen, glp) in zip(token_prompts, results):
@@ -103,12 +117,16 @@ def check_against_ours(path, token_prompts, results, overrides=None):
         ref, greedy = ours_logprobs(path, seq, model=model)
         got = torch.tensor(plp[1:] + glp)
         assert torch.isfinite(got).all()
-        worst = max(worst, float((got - ref).abs().max()))
+        diff = (got - ref).abs()
+        worst = max(worst, float(diff.max()))
+        over = int((diff > LOGPROB_TOL).sum())
+        assert float(diff.median()) < LOGPROB_TOL / 10, f"median |log-prob difference| {float(diff.median()):.3g}"
+        assert over <= NEAR_TIE_SHARE * diff.numel() and worst < NEAR_TIE_MAX, \
+            f"{over} of {diff.numel()} positions over {LOGPROB_TOL}, max |log-prob difference| {worst:.3g}"
         # greedy tokens: each generated token is our model's argmax after the tokens before it
         assert greedy_gap(p, gen, greedy) is None, greedy_gap(p, gen, greedy)
         hf = transformers_logprobs(path, p[:TOPK + 1])
         worst_hf = max(worst_hf, float((got[:TOPK] - hf).abs().max()))
-    assert worst < LOGPROB_TOL, f"max |log-prob difference| {worst:.3g}"
     assert worst_hf < LOGPROB_TOL, f"max |log-prob difference| against transformers {worst_hf:.3g}"
     return worst
 
@@ -181,7 +199,10 @@ def test_glm5_matches_our_model(glm_path, glm_prompts, overrides):
         seq = glm_prompts[0] + results[0][1]
         dense, _ = ours_logprobs(glm_path, seq, {"index_topk": 4096})
         got = torch.tensor(results[0][0][1:] + results[0][2])
-        assert float((got - dense).abs().max()) > 10 * LOGPROB_TOL
+        far = (got - dense).abs()
+        assert float(far.max()) > 10 * LOGPROB_TOL
+        # and check_against_ours' per-position bars reject it (measured: median 0.19, 56 of 72 over)
+        assert float(far.median()) > LOGPROB_TOL / 10 and int((far > LOGPROB_TOL).sum()) > NEAR_TIE_SHARE * far.numel()
 
 
 def test_glm5_shipped_indexer_types(tmp_path, glm_prompts):
