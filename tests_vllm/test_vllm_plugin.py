@@ -103,8 +103,8 @@ def check_against_ours(path, token_prompts, results, overrides=None):
 
     Against our model, per position: both engines score keys with the fp8 indexer (e4m3 queries and
     keys, 3 mantissa bits), where many keys tie or nearly tie, and a 1e-6 difference upstream (the
-    sparse-MLA sums' order on the avx2 path, vLLM's paged slots vs our contiguous rows) can move a
-    query's fp8 rounding and swap one tied key for another: on a Zen 3 (avx2) 7 of 72 positions of
+    avx2 sparse-MLA kernel sums in another order than the portable loops) can move a query's fp8
+    rounding in one engine and not the other and swap one tied key for another: on a Zen 3 (avx2) 7 of 72 positions of
     the all-F case part by 0.002-0.017, the median position by 8e-6 (docs/vllm.md). So the median
     position stays within LOGPROB_TOL / 10, at most NEAR_TIE_SHARE of the positions exceed
     LOGPROB_TOL and none NEAR_TIE_MAX; a wrong cache, dense attention or a wrong selection rule
