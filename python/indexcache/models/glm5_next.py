@@ -439,11 +439,9 @@ class Glm5NextForCausalLM(DSAForCausalLM):
             raise ValueError("GLM-5.3-Flash has no sync-free (CUDA graph) decode step yet: use decode_step='eager'")
         ctx = super().forward_context(meta, cache, timer, sync_free=sync_free, full=full)
         if meta.paged:
-            if meta.rids is None:
-                raise ValueError("GLM-5.3-Flash keeps each request's linear-attention state by request id: build a "
-                                 "paged forward's batch with BatchMeta.paged_batch(cache, rids, ...)")
+            rids = meta.request_ids("GLM-5.3-Flash keeps each request's linear-attention state")
             store = cache.linear
-            ctx.linear_slots = store.slots(meta.rids, meta.ctx_lens)
+            ctx.linear_slots = store.slots(rids, meta.ctx_lens)
         else:
             if any(meta.ctx_lens):
                 raise ValueError("a forward without a cache starts every request at position 0")

@@ -127,10 +127,8 @@ class Qwen4ExpDecoderLayer(nn.Module):
         meta = ctx.meta
         if ctx.cache is None:
             return list(range(len(meta.q_lens)))
-        if meta.rids is None:
-            raise ValueError("Qwen3.8-Flash-Next keeps each request's linear-attention state by request id: build a "
-                             "paged forward's batch with BatchMeta.paged_batch(cache, rids, ...)")
-        return [ctx.cache.slot(rid, c == 0) for rid, c in zip(meta.rids, meta.ctx_lens)]
+        rids = meta.request_ids("Qwen3.8-Flash-Next keeps each request's linear-attention state")
+        return [ctx.cache.slot(rid, c == 0) for rid, c in zip(rids, meta.ctx_lens)]
 
     def _states(self, ctx: ForwardContext, name: str, shapes, dtypes, slots: list) -> list:
         """This layer's per-request state tensors (the cache's rows, new requests' rows zeroed; or,

@@ -45,6 +45,14 @@ class BatchMeta:
     def uniform_q(self) -> Optional[int]:
         return self.q_lens[0] if len(set(self.q_lens)) == 1 else None
 
+    def request_ids(self, why: str) -> tuple:
+        """``rids``, which a paged forward keyed on them needs (``why``: what keeps state by them);
+        a batch built without them is refused by name."""
+        if self.rids is None:
+            raise ValueError(f"{why} by request id: build a paged forward's batch with "
+                             "BatchMeta.paged_batch(cache, rids, ...)")
+        return self.rids
+
     def row_offsets(self) -> list:
         out, acc = [], 0
         for n in self.q_lens:

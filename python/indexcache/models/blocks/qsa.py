@@ -65,8 +65,15 @@ class QSAIndexer(nn.Module):
         """Rows ``[N, hidden]`` -> (queries ``[N, H, D]`` normed and rotated, raw keys ``[N, D]``)."""
         n = x.shape[0]
         q, k = self.index_qk_proj(x).split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
-        q = partial_rope(self.q_layernorm(q.reshape(n, self.n_heads, self.head_dim)), ctx.cos, ctx.sin)
-        return q, k.contiguous()
+        return self._queries(q, ctx.cos, ctx.sin), k.contiguous()
+
+    def _queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The query part of ``index_qk_proj`` ``[N, H * D]`` -> queries ``[N, H, D]`` normed and rotated."""
+        return partial_rope(self.q_layernorm(q.reshape(q.shape[0], self.n_heads, self.head_dim)), cos, sin)
+
+    def _tail(self, pos: torch.Tensor) -> torch.Tensor:
+        """Each row's own incomplete block id at positions ``pos`` (-1 where its block is complete)."""
+        return torch.where((pos + 1) % self.ratio != 0, pos // self.ratio, -1).to(torch.int32)
 
     def block_keys(self, raw: torch.Tensor) -> torch.Tensor:
         """A request's raw keys ``[S, D]`` -> its complete blocks' keys ``[S // r, D]`` (mean, norm, RoPE)."""
@@ -88,8 +95,7 @@ class QSAIndexer(nn.Module):
         ke = ks + ((pos + 1) // self.ratio).to(torch.int32)
         ones = torch.ones(n, self.n_heads, dtype=torch.float32, device=q.device)
         ops.indexer_topk(q.float().contiguous(), keys, None, ones, ks, ke, self.topk_blocks, out=out[:n])
-        tail = (pos + 1) % self.ratio != 0
-        out[:n, -1] = torch.where(tail, pos // self.ratio, -1).to(torch.int32)
+        out[:n, -1] = self._tail(pos)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, index_k: torch.Tensor | None) -> torch.Tensor:
         """Write this forward's selections into the shared rows; returns them ``[N, topk_blocks + 1]``.
@@ -124,15 +130,13 @@ class QSAIndexer(nn.Module):
             self._cache_keys(k, index_k, meta)
             rows.fill_(-1)
             if plan.meta is not None:
-                q = torch.nn.functional.linear(x[sub], weight[:hd]).reshape(-1, self.n_heads, self.head_dim)
-                q = partial_rope(self.q_layernorm(q), ctx.cos[sub], ctx.sin[sub])
+                q = self._queries(torch.nn.functional.linear(x[sub], weight[:hd]), ctx.cos[sub], ctx.sin[sub])
                 block_keys = self._block_keys(k, index_k, meta, plan.computing())
                 out = torch.full((sub.numel(), rows.shape[1]), -1, dtype=rows.dtype, device=rows.device)
                 self.select(q, block_keys, list(plan.meta.q_lens), plan.meta.positions, out)
                 rows[sub] = out
             step_reuse.write_reused(plan, rows[:, :self.topk_blocks])
-            pos = meta.positions[:n]
-            rows[:, -1] = torch.where((pos + 1) % self.ratio != 0, pos // self.ratio, -1).to(rows.dtype)
+            rows[:, -1] = self._tail(meta.positions[:n]).to(rows.dtype)
             step_reuse.check(plan, rows[:, :self.topk_blocks])
             step_reuse.save(plan, rows[:, :self.topk_blocks])
         ctx.topk_valid = True
