@@ -189,7 +189,15 @@ def test_production_latent_attends_through_the_kernel(tmp_path, dtype, monkeypat
     if dtype == torch.float32:
         assert rel(got, hf_logits(hf, ids)) < 1e-4
     paged = run_paged(model, [ids[0].tolist()], [12], chunk=10_000)[0]
-    assert rel(paged, got[0]) < (1e-5 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.float32:
+        assert rel(paged, got[0]) < 1e-5
+    else:
+        # Per position (as test_hy_v4's bf16 cache check): the paged decode rows (ops.rows_matmul,
+        # fused norms) and the 29-row forward (torch's GEMM) round a few elements a bf16 ulp apart,
+        # which can flip a near-tie of the indexer's top-k at a position (on an AMX Xeon: one
+        # position at 0.15 over the whole sequence). A wrong cache or chunk join moves every one.
+        per_pos = torch.tensor([rel(a, b) for a, b in zip(paged, got[0])])
+        assert per_pos.median() < 0.02 and int((per_pos > 0.1).sum()) <= 2, per_pos
     assert not calls
 
 

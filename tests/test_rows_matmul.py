@@ -247,5 +247,8 @@ def test_decode_logits_close_to_torch_matmul_bf16(monkeypatch, seed):
         prompt = torch.randint(0, model.args.vocab_size, (70,), generator=g).tolist()
         a, b = step_logits(model, prompt, monkeypatch, 8), step_logits(model, prompt, monkeypatch, 0)
         assert torch.isfinite(a).all()
-        # bf16 activations round at every projection either way; the two differ by those roundings
-        assert (a - b).norm() <= 2e-2 * b.norm()
+        # bf16 activations round at every projection either way; the two differ by those roundings.
+        # How far apart two correct bf16 runs land depends on torch's GEMM: on an AMX Xeon (oneDNN's
+        # tile kernels) seed 21's V3.2 model is 0.0245 apart while torch's own bf16 run is 0.033 from
+        # the same weights in fp32 (2026-12-03); a wrong row or weight moves the logits by O(1).
+        assert (a - b).norm() <= 4e-2 * b.norm()
