@@ -32,6 +32,7 @@
 #include "indexcache/rows_matmul.h"
 #include "isa.h"
 #include "registry.h"
+#include "serial_work.h"
 
 namespace indexcache {
 namespace {
@@ -247,7 +248,10 @@ void run(const RowsMatmulParams& p, void (*task)(const RowsMatmulParams&, int64_
       task(p, g, b * kBlock, std::min(p.N, (b + 1) * kBlock));
     }
   };
-  if (work < kParallelWork) return body(0, tasks);
+  static const int64_t bound = cpu::serial_work_bound("INDEXCACHE_ROWS_MATMUL_SERIAL_WORK", kParallelWork);
+  TORCH_CHECK(bound >= 0, "INDEXCACHE_ROWS_MATMUL_SERIAL_WORK must be a non-negative integer (multiply-adds), got '",
+              std::getenv("INDEXCACHE_ROWS_MATMUL_SERIAL_WORK"), "'");
+  if (work < bound) return body(0, tasks);
   const int64_t per_task = std::max<int64_t>(work / tasks, 1);
   at::parallel_for(0, tasks, std::max<int64_t>(kChunkWork / per_task, 1), body);
 }

@@ -18,7 +18,9 @@
 #include <vector>
 
 #include "../checks.h"
+#include "mla_slots.h"
 #include "registry.h"
+#include "serial_work.h"
 #include "avx2.h"
 #include "blas.h"
 #include "sparse_mla_avx512.h"
@@ -467,6 +469,18 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 
 }  // namespace
 
+// Below this many multiply-adds (mla_work) a call runs on the calling thread: a 16-head decode
+// row over 512 keys (9.4M) is 0.15 ms on one Xeon core, and 7-30 ms at 2 threads when another
+// process holds the other core (docs/profiling.md, seventh round).
+constexpr int64_t kMlaSerialWork = int64_t{1} << 25;
+
+int64_t mla_serial_work() {
+  static const int64_t bound = cpu::serial_work_bound("INDEXCACHE_SPARSE_MLA_SERIAL_WORK", kMlaSerialWork);
+  TORCH_CHECK(bound >= 0, "INDEXCACHE_SPARSE_MLA_SERIAL_WORK must be a non-negative integer (multiply-adds), got '",
+              std::getenv("INDEXCACHE_SPARSE_MLA_SERIAL_WORK"), "'");
+  return bound;
+}
+
 void sparse_mla_cpu(const SparseMlaParams& p) {
   if (p.s_q == 0 || p.h_q == 0) return;  // nothing to write (zero heads once divided by zero below)
   // isa.h: bf16 / fp8 on blas or avx512bf16 where the CPU has them, fp32 on avx512bf16 (its FMA
@@ -489,7 +503,7 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
   const bool bf16 = path == CpuPath::kAvx512Bf16;
   const int64_t hb = bf16 ? p.h_q : std::min<int64_t>(p.h_q, kHeadBlock);
   const int64_t head_blocks = (p.h_q + hb - 1) / hb;
-  at::parallel_for(0, p.s_q * head_blocks, 1, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     std::vector<int32_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / head_blocks;
@@ -517,7 +531,12 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
         row_f32(p, t, h0, nh, slots);
       }
     }
-  });
+  };
+  if (mla_runs_inline(p)) {
+    body(0, p.s_q * head_blocks);
+  } else {
+    at::parallel_for(0, p.s_q * head_blocks, 1, body);
+  }
 }
 
 namespace {

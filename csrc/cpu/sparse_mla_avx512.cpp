@@ -323,7 +323,7 @@ void sparse_mla_avx512_f32(const SparseMlaParams& p) {
     sp.left.reset(new std::atomic<int>[p.s_q * hblocks]);
     for (int64_t i = 0; i < p.s_q * hblocks; ++i) sp.left[i].store(static_cast<int>(sp.n));
   }
-  at::parallel_for(0, p.s_q * hblocks * sp.n, 1, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     static thread_local MlaState s;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t k = task % sp.n, t = task / sp.n / hblocks, hb = task / sp.n % hblocks;
@@ -370,7 +370,12 @@ void sparse_mla_avx512_f32(const SparseMlaParams& p) {
         for (int64_t h = h0; h < h0 + nh; ++h) merge_splits(p, t * p.h_q + h, sp, s.alpha.data());
       }
     }
-  });
+  };
+  if (mla_runs_inline(p)) {
+    body(0, p.s_q * hblocks * sp.n);
+  } else {
+    at::parallel_for(0, p.s_q * hblocks * sp.n, 1, body);
+  }
 }
 
 }  // namespace indexcache

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "blas.h"
+#include "mla_slots.h"
 #include "indexcache/fp8.h"
 #include "simd.h"
 
@@ -216,7 +217,7 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
       store_row(p, t, hh, o.data(), m, l, bad);
     }
   };
-  at::parallel_for(0, p.s_q * splits, 1, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     TileRelease release;
     static thread_local Work w;
     w.deq.resize(kBlock * kMlaDim);
@@ -257,7 +258,12 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
       std::copy(w.z.begin(), w.z.end(), dst + h * dv + 2 * h);
       if (done[t].fetch_add(1, std::memory_order_acq_rel) + 1 == splits) merge_row(t, merged);
     }
-  });
+  };
+  if (mla_runs_inline(p)) {
+    body(0, p.s_q * splits);
+  } else {
+    at::parallel_for(0, p.s_q * splits, 1, body);
+  }
   return true;
 }
 
