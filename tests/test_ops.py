@@ -790,7 +790,9 @@ _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/
 _NO_AVX2 = {"quantize/fp32", "quantize/bf16", "norm_rope/fp32", "norm_rope/bf16", "kpool_pool/fp32", "kpool_pool/bf16"}
 KERNELS = {"portable": _ALL, "avx2": _ALL - _NO_AVX2,
            "avx512bf16": _ALL,
-           "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}}
+           "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}
+           # bf16 block_sparse_attention on the AMX tiles (block_sparse_amx.cpp), where the CPU has them
+           | ({"block_sparse/bf16"} if _C._cpu_features()["amx_bf16"] and _C._cpu_features()["avx512bf16"] else set())}
 FALLBACK = ["blas", "avx512bf16", "avx2", "portable"]
 
 

@@ -10,6 +10,7 @@
 // the caller then runs its own kernels.
 #pragma once
 
+#include "indexcache/block_sparse.h"
 #include "indexcache/ops.h"
 #include "isa.h"
 
@@ -26,5 +27,8 @@ bool indexer_logits_paged_blas(const PagedIndexerParams& p, const LogitsOut& o);
 bool indexer_topk_blas(const IndexerParams& p, const TopkOut& o);
 bool indexer_topk_paged_blas(const PagedIndexerParams& p, const TopkOut& o);
 bool sparse_mla_blas(const SparseMlaParams& p);
+// bf16 block_sparse_attention on the AMX tiles (block_sparse_amx.cpp, not oneDNN): needs
+// cpu_features().amx_bf16 and avx512bf16 (isa.cpp routes nothing else here).
+void block_sparse_attention_amx(const BlockSparseAttnParams& p);
 
 }  // namespace indexcache

@@ -17,10 +17,11 @@
 // Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
 // whatever the grouping or thread count.
 //
-// ISA paths: the kernel bodies (block_sparse_impl.h) are compiled three times: portable
-// (baseline x86-64 / any CPU), AVX2+FMA (the avx2 path) and AVX-512 (the avx512bf16 path; blas has
-// none of its own and goes on to it), from generic-vector lane loops plus FMA / vdpbf16ps
-// intrinsics in the micro-kernels; isa.h's cpu_op_path() picks one at run time.
+// ISA paths: the kernel bodies (block_sparse_impl.h) are compiled three times here: portable
+// (baseline x86-64 / any CPU), AVX2+FMA (the avx2 path) and AVX-512 (the avx512bf16 path), from
+// generic-vector lane loops plus FMA / vdpbf16ps intrinsics in the micro-kernels, and once more in
+// block_sparse_amx.cpp with AMX tiles for bf16 attention (the blas path on AMX CPUs; its
+// block_topk is the avx512bf16 one); isa.h's cpu_op_path() picks one at run time.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -44,6 +45,7 @@
 #include "../block_sparse_checks.h"
 #include "../checks.h"
 #include "indexcache/block_sparse.h"
+#include "blas.h"
 #include "isa.h"
 #include "registry.h"
 
@@ -213,7 +215,8 @@ void register_block_sparse_cpu(torch::Library& m) {
 void block_topk_cpu(const BlockTopkParams& p) {
 #if defined(__x86_64__)
   const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.qk_dtype);
-  if (path == CpuPath::kAvx512Bf16) return avx512::block_topk(p);
+  // blas (AMX) has an attention kernel of its own only; its block_topk is the avx512bf16 one.
+  if (path == CpuPath::kAvx512Bf16 || path == CpuPath::kBlas) return avx512::block_topk(p);
   if (path == CpuPath::kAvx2) return avx2::block_topk(p);
 #endif
   portable::block_topk(p);
@@ -222,6 +225,7 @@ void block_topk_cpu(const BlockTopkParams& p) {
 void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
 #if defined(__x86_64__)
   const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.dtype);
+  if (path == CpuPath::kBlas) return block_sparse_attention_amx(p);
   if (path == CpuPath::kAvx512Bf16) return avx512::attention(p);
   if (path == CpuPath::kAvx2) return avx2::attention(p);
 #endif

@@ -379,6 +379,9 @@ inline void panel_scores_bf16_n(int mr, const uint32_t* qp2, int64_t ldq, int64_
 }
 
 #include "block_sparse_bf16.h"
+#if defined(IC_AMX)
+#include "block_sparse_amx.h"
+#endif
 #endif
 
 // One query vector's scores of one block, in place: s[j] *= scale, then p[j] = exp(s[j] - m) for
@@ -525,6 +528,23 @@ inline void attention(const BlockSparseAttnParams& p) {
 #endif
   at::parallel_for(0, ngroups * p.h_kv, 1, [&](int64_t w0, int64_t w1) {
     AttnScratch w(mv, max_rows, p.topk, d, dp, ss, dot_bf16);
+#if defined(IC_AMX)
+    // The blas path: AMX tiles for both products (block_sparse_amx.h). Tiles read whole 16-row,
+    // 32-column panels: channel pairs up to d32 / 2 (zero past d / 2), score and P rows up to a
+    // multiple of 16 vectors.
+    const int64_t d32 = (d + 31) / 32 * 32, mv16 = (mv + kAmxRows - 1) / kAmxRows * kAmxRows;
+    std::vector<uint16_t> qa(dot_bf16 ? kAmxRows * d32 : 0, 0);
+    std::vector<int64_t> tk(mv16), rank(mv16);
+    alignas(64) float tmp[kAmxRows * 32];
+    if (dot_bf16) {
+      w.kt2.assign(d32 / 2 * ss, 0u);
+      w.s.resize(mv16 * ss);
+      w.ph.resize(mv16 * ss);
+      w.pl.resize(mv16 * ss);
+      amx_configure();
+    }
+    TileRelease release_tiles;
+#endif
     for (int64_t task = w0; task < w1; ++task) {
       const int64_t kh = task / ngroups, gi = task % ngroups, t0 = starts[gi], rows = starts[gi + 1] - t0;
       const int32_t* bt = p.block_table + static_cast<int64_t>(p.req[t0]) * p.max_pages;
@@ -603,6 +623,13 @@ inline void attention(const BlockSparseAttnParams& p) {
           pack_keys_bf16(row(kc), nk_max, d2, w.zero.data(), w.kt2.data(), ss);
           pack_values_bf16(row(vc), nk_max, d, dp, w.vt2.data());
           prefetch_block(b);
+#if defined(IC_AMX)
+          for (int64_t m0 = 0; m0 < m_n; m0 += kAmxRows) {
+            for (int64_t j = 0; j < kAmxRows && m0 + j < m_n; ++j)  // rows past m_n: never read
+              std::memcpy(&qa[j * d32], q_of(row_of(m0 + j), (m0 + j) % g), d * es);
+            amx_scores(qa.data(), d32, w.kt2.data(), ss, ncols, &w.s[m0 * ss], ss);
+          }
+#else
           const uint32_t* qrows[kQChunk];
           for (int64_t c0 = 0; c0 < m_n; c0 += kQChunk) {
             for (int64_t j = 0; j < kQChunk; ++j)
@@ -615,6 +642,7 @@ inline void attention(const BlockSparseAttnParams& p) {
             panel_scores_bf16_n(static_cast<int>(w.pst[pn + 1] - m0), &w.qp2[m0 / kQChunk * kQChunk * d2 + m0 % kQChunk],
                                 kQChunk, d2, w.kt2.data(), ss, ncols, &w.s[m0 * ss], ss);
           }
+#endif
         } else
 #endif
         {
@@ -631,6 +659,19 @@ inline void attention(const BlockSparseAttnParams& p) {
                            &w.s[m0 * ss], ss);
           }
         }
+#if defined(IC_AMX)
+        // Each 16-vector tile's P rows go in the order of their tile key counts, descending (ties:
+        // vector order): rank[m] is vector m's P row.
+        if (dot_bf16)
+          for (int64_t m0 = 0; m0 < m_n; m0 += kAmxRows) {
+            const int64_t m1 = std::min(m_n, m0 + kAmxRows);
+            for (int64_t m = m0; m < m1; ++m) tk[m] = w.nk[m] / 32 * 32;
+            for (int64_t m = m0; m < m1; ++m) {
+              rank[m] = m0;
+              for (int64_t o = m0; o < m1; ++o) rank[m] += tk[o] > tk[m] || (tk[o] == tk[m] && o < m);
+            }
+          }
+#endif
         for (int64_t m = 0; m < m_n; ++m) {
           const int64_t gm = row_of(m) * g + m % g;
           bool bm = w.bad[gm];
@@ -638,10 +679,31 @@ inline void attention(const BlockSparseAttnParams& p) {
           w.bad[gm] = bm;
           w.run_sum[gm] = w.run_sum[gm] * w.alpha[m] + sum;
 #if defined(IC_BF16_DOT)
+#if defined(IC_AMX)
+          if (dot_bf16) split_p_bf16(&w.s[m * ss], ncols, &w.ph[rank[m] * ss], &w.pl[rank[m] * ss]);
+#else
           if (dot_bf16) split_p_bf16(&w.s[m * ss], ncols, &w.ph[m * ss], &w.pl[m * ss]);
 #endif
+#endif
         }
+#if defined(IC_AMX)
+        // P·V on the tiles over each vector's first tk keys, the rest of its keys alone (vdpbf16ps).
+        if (dot_bf16)
+          for (int64_t m0 = 0; m0 < m_n; m0 += kAmxRows) {
+            const int64_t m1 = std::min(m_n, m0 + kAmxRows);
+            int64_t tks[kAmxRows] = {}, nat[kAmxRows] = {};
+            for (int64_t m = m0; m < m1; ++m) tks[rank[m] - m0] = tk[m], nat[rank[m] - m0] = m;
+            amx_pv(&w.ph[m0 * ss], &w.pl[m0 * ss], ss, tks, nat, w.vt2.data(), dp, w.ob.data(), tmp);
+            for (int64_t m = m0; m < m1; ++m)
+              if (tk[m] < w.nk[m])
+                panel_pv_bf16<1>(reinterpret_cast<const uint32_t*>(&w.ph[rank[m] * ss]),
+                                 reinterpret_cast<const uint32_t*>(&w.pl[rank[m] * ss]), ss / 2, &w.s[m * ss], ss,
+                                 w.vt2.data(), dp, tk[m] / 2, w.nk[m], tk[m] > 0, &w.ob[m * dp]);
+          }
+        for (int64_t pn = 0; pn < (dot_bf16 ? 0 : n_pan); ++pn) {
+#else
         for (int64_t pn = 0; pn < n_pan; ++pn) {
+#endif
           const int64_t m0 = w.pst[pn], mr = w.pst[pn + 1] - m0;
           int64_t nk_min = w.nk[m0], nk_top = w.nk[m0];
           for (int64_t m = m0 + 1; m < m0 + mr; ++m) {

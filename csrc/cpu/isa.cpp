@@ -182,8 +182,12 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // RMSNorm and rotation, bit-identical to its portable loops. kpool_pool.cpp: 16 channels a vector.
     case CpuPath::kAvx512Bf16:
       return true;
-    // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h).
+    // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h); bf16
+    // block_sparse on the AMX tiles where the CPU has them (block_sparse_amx.cpp; its block_topk
+    // is the avx512bf16 one).
     case CpuPath::kBlas:
+      if (op == CpuOp::kBlockSparse)
+        return dt == DType::kBFloat16 && cpu_features().amx_bf16 && cpu_features().avx512bf16;
       return (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && dt != DType::kFloat32;
     case CpuPath::kAuto: return false;
   }
