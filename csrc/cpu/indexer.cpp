@@ -47,7 +47,8 @@ constexpr int64_t kRowBlock = 8;      // query rows sharing one packed key tile
 constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 
 // The indexer's path for inputs of dt (isa.h: blas declines fp32, which then runs avx512bf16's
-// fp32 tile loop); the vdpbf16ps tiles run on the avx512bf16 path for bf16 and fp8 inputs.
+// FMA tiles); the vdpbf16ps tiles run on the avx512bf16 path for bf16 and fp8 inputs, the AVX2
+// FMA tiles on the avx2 path for every dtype.
 CpuPath indexer_path(DType dt) { return cpu_op_path(CpuOp::kIndexer, dt); }
 
 // The tile kernel scores run on: vdpbf16ps on bf16 pairs, AVX-512 FMAs on fp32 (both the
