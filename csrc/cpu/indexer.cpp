@@ -4,8 +4,9 @@
 // Scores are computed 32 keys at a time. With AVX-512 BF16 the key tile is packed as
 // bf16 pairs ([d/2][32 keys][2], exact for e4m3 and bf16 inputs) and each query head's
 // pair is broadcast into vdpbf16ps with fp32 accumulation; fp32 inputs there run an AVX-512 FMA
-// kernel of the same shape on a [d][32] fp32 tile (8 heads x 32 keys in registers); otherwise a
-// portable fp32 loop runs on that tile. The fused and plain ops call the same tile
+// kernel of the same shape on a [d][32] fp32 tile (8 heads x 32 keys in registers). On the avx2
+// path every dtype's keys are widened to that fp32 tile and scored by AVX2 FMAs, 6 heads x 16 keys
+// in registers (indexer_avx2.cpp); otherwise a portable fp32 loop runs on the tile. The fused and plain ops call the same tile
 // routine, so they select from bit-identical scores.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,14 +47,18 @@ constexpr int64_t kRowBlock = 8;      // query rows sharing one packed key tile
 constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 
 // The indexer's path for inputs of dt (isa.h: blas declines fp32, which then runs avx512bf16's
-// fp32 tile loop); the vdpbf16ps tiles run on the avx512bf16 path for bf16 and fp8 inputs.
+// FMA tiles); the vdpbf16ps tiles run on the avx512bf16 path for bf16 and fp8 inputs, the AVX2
+// FMA tiles on the avx2 path for every dtype.
 CpuPath indexer_path(DType dt) { return cpu_op_path(CpuOp::kIndexer, dt); }
 
 // The tile kernel scores run on: vdpbf16ps on bf16 pairs, AVX-512 FMAs on fp32 (both the
-// avx512bf16 path's), or the portable fp32 loop (its target_clones build for the CPU).
-enum class Tiles { kF32, kF32Avx512, kBf16 };
+// avx512bf16 path's), AVX2 FMAs on fp32 tiles of any key dtype (the avx2 path's), or the portable
+// fp32 loop (its target_clones build for the CPU).
+enum class Tiles { kF32, kF32Avx512, kBf16, kF32Avx2 };
 Tiles tiles_for(DType dt) {
-  if (indexer_path(dt) != CpuPath::kAvx512Bf16) return Tiles::kF32;
+  const CpuPath path = indexer_path(dt);
+  if (path == CpuPath::kAvx2) return Tiles::kF32Avx2;
+  if (path != CpuPath::kAvx512Bf16) return Tiles::kF32;
   return dt == DType::kFloat32 ? Tiles::kF32Avx512 : Tiles::kBf16;
 }
 
@@ -110,7 +115,14 @@ template <typename Keys>
 void pack_tile(const Keys& keys, DType dt, int64_t d, int64_t s0, int n, Tiles kind, KeyTile& t) {
   t.n = n;
   for (int j = 0; j < kTile; ++j) t.scale[j] = j < n ? keys.scale_of(s0 + j) : 0.f;
-  if (kind != Tiles::kF32 && d % 32 == 0 && d <= kMaxIndexerHeadDim) {
+  if (kind == Tiles::kF32Avx2 && d % 8 == 0) {
+    t.f32.resize(d * kTile);
+    const void* rows[kTile];
+    for (int j = 0; j < n; ++j) rows[j] = keys.row(s0 + j);
+    indexer_pack_tile_avx2(rows, n, dt, d, t.f32.data());
+    return;
+  }
+  if ((kind == Tiles::kBf16 || kind == Tiles::kF32Avx512) && d % 32 == 0 && d <= kMaxIndexerHeadDim) {
     if (kind == Tiles::kF32Avx512) t.f32.resize(d * kTile);
     pack_tile_avx512(keys, dt, d, s0, n, kind, t);
     return;
@@ -259,6 +271,7 @@ inline void score_tile(const QueryRow& q, const KeyTile& t, int64_t h, int64_t d
   switch (kind) {
     case Tiles::kBf16: score_tile_bf16(q, t, h, d, out); break;
     case Tiles::kF32Avx512: score_tile_f32_avx512(q, t, h, d, out); break;
+    case Tiles::kF32Avx2: indexer_score_tile_avx2(q.f32.data(), q.w, h, d, t.f32.data(), t.scale, out); break;
     case Tiles::kF32: score_tile_f32(q, t, h, d, out); break;
   }
 }

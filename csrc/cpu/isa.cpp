@@ -166,7 +166,8 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
   if (!cpu_op_takes(op, dt)) return false;
   switch (p) {
     case CpuPath::kPortable: return true;
-    // avx2.cpp: sparse MLA in every dtype and the top-k filter; the indexer's fp32 tile loop,
+    // avx2.cpp: sparse MLA in every dtype and the top-k filter; indexer_avx2.cpp: the indexer's
+    // FMA tiles for every key dtype (fp32, bf16, fp8 widened to fp32 once per tile);
     // block_sparse_impl.h and delta_rule_impl.h compiled for AVX2 + FMA; rows_matmul's 8-lane
     // widening + FMA kernel (rows_matmul.cpp). No AVX2 quantizer: quantize goes on to portable,
     // and so do norm_rope (its portable loops for decode rows, torch's ops beyond) and kpool_pool
