@@ -148,7 +148,8 @@ def test_hy_v4_chunked_prefill_and_prefix_cache(hy_full, hy_prompts):
     toks = [hy_prompts[0], hy_prompts[0][:32] + hy_prompts[1][:9]]
     llm = LLM(model=str(hy_full), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, max_num_seqs=2, hf_overrides=overrides,
-              enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=True)
+              enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=True,
+              block_size=16)  # vLLM's CPU default is 16 for MLA without AMX, 128 with: a 32-token prefix is 2 blocks
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, detokenize=False, ignore_eos=True)
         outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in toks]

@@ -1,7 +1,10 @@
 // Sparse MLA on the "blas" path (blas.h): per query row, the selected cache rows are
 // gathered kBlock at a time into the layouts oneDNN's brgemm takes for B (bf16 pairs), and
 //   S = Q[h, d_qk] · Kᵀ         (one brgemm, fp32 out; d_qk 576, or 512 for DeepSeek-V4)
-//   O += P[h, kBlock] · V        (one brgemm, accumulating in fp32)
+//   O += P[h, kBlock] · V        (two brgemms, accumulating in fp32: P = P_hi + P_lo, each bf16)
+// P is split into two bf16 parts as the avx512bf16 path does, so P·V carries P to ~16 bits
+// (one bf16 P moved a bf16 model's attention 1.7e-3 from the other paths' on an AMX Xeon, and
+// prefill, on this path, from decode over an fp32 cache, which runs avx512bf16's kernels).
 // with an online softmax between them (running max and sum per head, O rescaled when the
 // max grows). Rows with few query rows split their selected keys across threads; the task
 // that finishes a row's last split merges the partial (max, sum, O) in split order, so results
@@ -41,7 +44,8 @@ struct Work {
   std::vector<uint32_t> kb;   // Kᵀ as pairs [d_qk / 2][kBlock]
   std::vector<uint32_t> vb;   // V as key pairs [kBlock/2][d_v]
   std::vector<float> s;       // [h][kBlock]
-  std::vector<uint16_t> pb;   // P bf16 [h][kBlock]
+  std::vector<uint16_t> pb;   // P's bf16 high part [h][kBlock]
+  std::vector<uint16_t> pl;   // P - P_hi rounded to bf16 [h][kBlock]
   std::vector<float> o;       // [h][d_v] unnormalised
   std::vector<float> m, l, z; // per head: running max, sum, NaN once a score is non-finite
 };
@@ -56,11 +60,11 @@ const uint16_t* kv_row(const SparseMlaParams& p, int64_t slot, uint16_t* tmp) {
 }
 
 // One head's block of scores s[0:n) (n <= kBlock): scales them, folds them into the
-// running max / sum / NaN flag, writes P = exp(s - m) as bf16 (0 past n), and returns the
+// running max / sum / NaN flag, writes P = exp(s - m) as bf16 hi + lo parts (0 past n), and returns the
 // factor the head's O must be multiplied by (0 on the first block).
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) float softmax_block_avx512(float* s, int64_t n, float scale,
                                                                                      float& m, float& l, float& z,
-                                                                                     uint16_t* pb) {
+                                                                                     uint16_t* pb, uint16_t* pl) {
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zz = _mm512_setzero_ps();
   for (int64_t j = 0; j < kBlock; j += 16) {
@@ -81,14 +85,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) float softmax_block_avx51
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
     const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
     sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
+    const __m256bh hi = _mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pl + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_cvtpbh_ps(hi))));
   }
   l = l * alpha + _mm512_reduce_add_ps(sum);
   m = m_new;
   return alpha;
 }
 
-float softmax_block_scalar(float* s, int64_t n, float scale, float& m, float& l, float& z, uint16_t* pb) {
+float softmax_block_scalar(float* s, int64_t n, float scale, float& m, float& l, float& z, uint16_t* pb,
+                           uint16_t* pl) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     s[j] *= scale;
@@ -102,6 +110,7 @@ float softmax_block_scalar(float* s, int64_t n, float scale, float& m, float& l,
     const float e = j < n ? std::exp(s[j] - m_new) : 0.f;
     sum += e;
     pb[j] = float_to_bf16(e);
+    pl[j] = float_to_bf16(e - bf16_to_float(pb[j]));
   }
   l = l * alpha + sum;
   m = m_new;
@@ -145,8 +154,9 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
     for (int64_t hh = 0; hh < h; ++hh) {
       float* srow = w.s.data() + hh * kBlock;
       uint16_t* prow = w.pb.data() + hh * kBlock;
-      const float alpha = avx512 ? softmax_block_avx512(srow, nb, p.sm_scale, w.m[hh], w.l[hh], w.z[hh], prow)
-                                 : softmax_block_scalar(srow, nb, p.sm_scale, w.m[hh], w.l[hh], w.z[hh], prow);
+      uint16_t* lrow = w.pl.data() + hh * kBlock;
+      const float alpha = avx512 ? softmax_block_avx512(srow, nb, p.sm_scale, w.m[hh], w.l[hh], w.z[hh], prow, lrow)
+                                 : softmax_block_scalar(srow, nb, p.sm_scale, w.m[hh], w.l[hh], w.z[hh], prow, lrow);
       if (!first && alpha != 1.f) {
         float* orow = w.o.data() + hh * dv;
         for (int64_t c = 0; c < dv; ++c) orow[c] *= alpha;
@@ -154,6 +164,9 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
     }
     at::native::cpublas::brgemm(h, dv, kBlock, kBlock, dv, dv, !first,
                                 reinterpret_cast<const at::BFloat16*>(w.pb.data()),
+                                reinterpret_cast<const at::BFloat16*>(w.vb.data()), w.o.data(), true);
+    at::native::cpublas::brgemm(h, dv, kBlock, kBlock, dv, dv, true,
+                                reinterpret_cast<const at::BFloat16*>(w.pl.data()),
                                 reinterpret_cast<const at::BFloat16*>(w.vb.data()), w.o.data(), true);
   }
 }
@@ -225,6 +238,7 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
     w.vb.resize(kBlock / 2 * dv);
     w.s.resize(h * kBlock);
     w.pb.resize(h * kBlock);
+    w.pl.resize(h * kBlock);
     w.o.resize(h * dv);
     w.m.resize(h);
     w.l.resize(h);
