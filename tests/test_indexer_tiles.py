@@ -10,22 +10,9 @@ import torch
 
 from indexcache import ops
 from indexcache import reference as ref
+from test_indexer_widths import inputs
 
 POISON_I = -7777
-
-
-def inputs(s_q, s_kv, h, d, dtype, gen):
-    q = torch.randn(s_q, h, d, generator=gen) * 2 + 0.1
-    k = torch.randn(s_kv, d, generator=gen) + 0.05
-    w = torch.randn(s_q, h, generator=gen)
-    if dtype == "fp8":
-        qs = q.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
-        kscale = k.abs().amax(-1).clamp(min=1e-4) / 448.0
-        qv = (q / qs).to(torch.float8_e4m3fn)
-        kv = (k / kscale.unsqueeze(-1)).to(torch.float8_e4m3fn)
-        return qv, kv, kscale, (w * qs[..., 0]).contiguous()
-    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    return q.to(dt), k.to(dt), None, w
 
 
 def causal_tails(s_q, s_kv):
