@@ -352,12 +352,19 @@ def test_disable_undoes_every_change(tmp_path):
 @needs_supported
 def test_bf16_model(glm_path, lower_position_ties, cpu_isa):
     # a bf16 model: bf16 latent cache and sparse MLA; with transformers' fp32 scores of the same bf16
-    # q / k it selects what transformers selects, and attends in bf16 (absorbed vs its expanded form)
+    # q / k it selects what transformers selects, and attends in bf16 (absorbed vs its expanded form).
+    # Read per position: the two forms differ by bf16 noise (median 1.4-1.8e-2 over prompt seeds
+    # 19-30, on every CPU path), and that noise flips a near-tie of a later layer's top-16 or expert
+    # routing at a few positions, whose logits then move 0.1-1.2 (which positions, and how many, differs
+    # by path: 2 of 80 on avx512bf16 and 5 on an AMX Xeon's blas path for this seed). A wrong layer plan
+    # (FSSS instead of the shipped FSFS) reads median 0.09-0.19, 75th percentile 0.29-0.36.
     ids = prompts(2, 40, seed=19)
     want = logits(load(glm_path, "glm_moe_dsa").to(torch.bfloat16), ids)
     model = enable(load(glm_path, "glm_moe_dsa").to(torch.bfloat16), indexer_fp8=False)
     got = logits(model, ids)
-    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and rel(got, want) < 3e-2
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    per_position = (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)
+    assert per_position.median() < 2.5e-2 and per_position.quantile(0.75) < 6e-2, per_position
     # fp8 indexer from bf16 q / k, the model converted after enable (the absorbed weights follow)
     model = enable(load(glm_path, "glm_moe_dsa")).to(torch.bfloat16)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
