@@ -63,14 +63,14 @@ REPEAT = 1        # interleaved repeats per path (--repeat)
 SINKS = False     # --sinks: sparse MLA also with attention sinks, interleaved with the sink-free call
 
 
-def time_ours(fn, device, op="", dtype="", **kw):
+def time_ours(fn, device, op="", dtype="", heads=0, **kw):
     """Times fn on every path in ISAS, interleaved REPEAT times: {isa: (median, min, max, path)};
-    path is the one the op's kernels took for inputs of dtype (_C._cpu_isa(op, dtype)), or the
-    request with no op."""
-    return {isa: t for (isa, _), t in time_variants({"": fn}, device, op, dtype, **kw).items()}
+    path is the one the op's kernels took for inputs of dtype in a call of `heads` query heads
+    (_C._cpu_isa(op, dtype, heads); 0: the op's path for any call), or the request with no op."""
+    return {isa: t for (isa, _), t in time_variants({"": fn}, device, op, dtype, heads, **kw).items()}
 
 
-def time_variants(fns, device, op="", dtype="", **kw):
+def time_variants(fns, device, op="", dtype="", heads=0, **kw):
     """Like time_ours for several functions {name: fn}, interleaved within each repeat and path
     (so they meet the same machine load): {(isa, name): (median, min, max, path)}."""
     runs = {(isa, name): [] for isa in ISAS for name in fns}
@@ -79,7 +79,7 @@ def time_variants(fns, device, op="", dtype="", **kw):
         for isa in ISAS:
             if device == "cpu":
                 _C._set_cpu_isa(isa)
-                paths[isa] = _C._cpu_isa(op, dtype)
+                paths[isa] = _C._cpu_isa(op, dtype, heads)
             try:
                 for name, fn in fns.items():
                     runs[(isa, name)].append(timeit(fn, device, **kw))
@@ -499,7 +499,7 @@ def matrix_sparse_mla(records, device, rows, fp32_rate, select="random"):
             idx = mla_selection(rows, n, 512, select)
             out, lse = torch.empty(rows, h, 512, dtype=dt), torch.empty(rows, h)
             ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse), device, "sparse_mla", dtype,
-                             min_time=0.3, max_iters=5)
+                             h, min_time=0.3, max_iters=5)
             shape = f"{rows}q k512" + ("" if select == "random" else f" {select}")
             matrix_record(records, "sparse_mla", dtype, h, shape, 2 * rows * h * 512 * 1088, ours, fp32_rate)
 
@@ -513,7 +513,7 @@ def matrix_indexer(records, device, rows, fp32_rate, select=None):
                                                               None, ref.indexer_weights(w))
             buf = torch.empty(rows, 2048, dtype=torch.int32)
             ours = time_ours(lambda: ops.indexer_topk(*args, ks, ke, 2048, out=buf), device, "indexer", dtype,
-                             min_time=0.3, max_iters=5)
+                             h, min_time=0.3, max_iters=5)
             matrix_record(records, "indexer_topk", dtype, h, f"{rows}q x {n}", 2 * rows * h * n * 128, ours, fp32_rate)
 
 

@@ -93,17 +93,20 @@ PYBIND11_MODULE(_C, mod) {
       "that says why (_cpu_paths()).");
   mod.def(
       "_cpu_isa",
-      [](const std::string& op, const std::string& dtype) {
+      [](const std::string& op, const std::string& dtype, int64_t heads) {
         if (op.empty()) return std::string(indexcache::cpu_path_name(indexcache::cpu_path()));
         const auto [o, dt] = cpu_op_key(op, dtype.empty() ? (op == "topk" ? "fp32" : "bf16") : dtype);
-        return std::string(indexcache::cpu_path_name(indexcache::cpu_op_path(o, dt)));
+        if (heads < 0) throw py::value_error("heads must be positive (a call's query heads), got " + std::to_string(heads));
+        return std::string(indexcache::cpu_path_name(heads ? indexcache::cpu_op_path(o, dt, heads) : indexcache::cpu_op_path(o, dt)));
       },
-      py::arg("op") = "", py::arg("dtype") = "",
+      py::arg("op") = "", py::arg("dtype") = "", py::arg("heads") = 0,
       "The CPU path requested ('auto' resolved to this CPU's first choice); with op (indexer, topk, "
       "sparse_mla, block_sparse, quantize, delta_rule, rows_matmul, norm_rope, kpool_pool) and dtype (fp32, bf16, fp8; default bf16, "
       "fp32 for topk) "
       "the path that op takes for inputs of that dtype: where the requested path has no kernel of its "
-      "own for them, the next of blas, avx512bf16, avx2, portable that this CPU runs and has one.");
+      "own for them, the next of blas, avx512bf16, avx2, portable that this CPU runs and has one. With "
+      "heads (a call's query heads), the path such a call takes: 'auto' sends indexer and sparse_mla "
+      "calls of fewer than 16 heads from blas to the next path (isa.h, kBlasMinHeads).");
   mod.def(
       "_cpu_dispatch",
       []() {

@@ -813,7 +813,10 @@ def test_cpu_dispatch_per_op_and_dtype():
             assert got == _expected_dispatch(auto if name == "auto" else name), name
             for key, path in got.items():
                 op, dt = key.split("/")
-                assert _C._cpu_isa(op, dt) == path
+                assert _C._cpu_isa(op, dt) == path == _C._cpu_isa(op, dt, 16)
+                # a thin call (fewer than 16 heads) leaves blas for the next path, under 'auto' only
+                thin = name == "auto" and path == "blas" and op in ("indexer", "sparse_mla")
+                assert _C._cpu_isa(op, dt, 8) == (_expected_dispatch("avx512bf16")[key] if thin else path), key
         finally:
             _C._set_cpu_isa("auto")
     got = _C._cpu_dispatch()
@@ -829,18 +832,21 @@ def test_cpu_dispatch_per_op_and_dtype():
         _C._cpu_isa("topk", "bf16")
     with pytest.raises(ValueError, match="unknown CPU op 'mla': choose one of indexer, topk, sparse_mla"):
         _C._cpu_isa("mla", "bf16")
+    with pytest.raises(ValueError, match="heads must be positive"):
+        _C._cpu_isa("indexer", "bf16", -1)
 
 
 @pytest.mark.parametrize("q_dtype,cache_kind", [(torch.float32, "fp32"), (torch.float32, "bf16"),
                                                 (torch.bfloat16, "bf16"), (torch.bfloat16, "fp8")])
-def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind):
-    """The op really takes the path _cpu_isa reports: 'auto' is bit-identical to that path forced
-    (each path's kernels sum in their own order, so another path would almost surely differ in the
-    last bits)."""
+@pytest.mark.parametrize("heads", [8, 32])
+def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind, heads):
+    """The op really takes the path _cpu_isa reports for a call of this many heads: 'auto' is
+    bit-identical to that path forced (each path's kernels sum in their own order, so another path
+    would almost surely differ in the last bits). On AMX CPUs the two head counts take two paths."""
     dt = "fp32" if q_dtype == torch.float32 or cache_kind == "fp32" else cache_kind
-    path = _C._cpu_isa("sparse_mla", dt)
-    cache, idx = make_mla("cpu", cache_kind, 3, 32, 256)
-    q = torch.randn(3, 32, 576).to(q_dtype)
+    path = _C._cpu_isa("sparse_mla", dt, heads)
+    cache, idx = make_mla("cpu", cache_kind, 3, heads, 256)
+    q = torch.randn(3, heads, 576).to(q_dtype)
     scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
     want = ops.sparse_mla(q, cache, idx, scale)
     _C._set_cpu_isa(path)
@@ -851,6 +857,26 @@ def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     ro, _ = ref.sparse_mla(q, cache, idx, scale)
     assert rel_err(want[0], ro.to(want[0].dtype)) < (1e-5 if q_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [8, 32])
+def test_indexer_runs_the_path_dispatch_names(dtype, heads):
+    """As above for the indexer: 'auto' scores bit-identically to the path _cpu_isa names for a call
+    of this many heads, forced; and those scores are the reference's."""
+    path = _C._cpu_isa("indexer", dtype, heads)
+    q, k, k_scale, w = make_indexer_inputs(12, 300, heads, "cpu", dtype)
+    ks, ke = causal_windows(12, 300, "cpu")
+    want = ops.indexer_logits(q, k, k_scale, w, ks, ke)
+    _C._set_cpu_isa(path)
+    try:
+        got = ops.indexer_logits(q, k, k_scale, w, ks, ke)
+    finally:
+        _C._set_cpu_isa("auto")
+    assert torch.equal(got, want)
+    scores = ref.indexer_logits(q, k, k_scale, w, ks, ke)
+    live = torch.isfinite(scores)
+    assert torch.equal(live, torch.isfinite(want)) and rel_err(want[live], scores[live]) < 1e-5
 
 
 # ------------------------------------------------------------------ registration

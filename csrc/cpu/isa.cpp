@@ -195,18 +195,31 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
   return false;
 }
 
-CpuPath cpu_op_path(CpuOp op, DType dt) {
-  // The fallback order: blas, avx512bf16, avx2, portable; a request starts the walk at its path.
+namespace {
+
+// The first path from `want` on, in the fallback order blas, avx512bf16, avx2, portable, that this
+// CPU runs and that has a kernel for (op, dt).
+CpuPath first_path_from(CpuPath want, CpuOp op, DType dt) {
   static constexpr CpuPath kOrder[] = {CpuPath::kBlas, CpuPath::kAvx512Bf16, CpuPath::kAvx2, CpuPath::kPortable};
   static const bool runs[4] = {cpu_path_unavailable(kOrder[0]).empty(), cpu_path_unavailable(kOrder[1]).empty(),
                                cpu_path_unavailable(kOrder[2]).empty(), true};
-  const CpuPath want = cpu_path();
   bool started = false;
   for (int i = 0; i < 4; ++i) {
     started = started || kOrder[i] == want;
     if (started && runs[i] && cpu_path_has_kernel(kOrder[i], op, dt)) return kOrder[i];
   }
   return CpuPath::kPortable;
+}
+
+}  // namespace
+
+CpuPath cpu_op_path(CpuOp op, DType dt) { return first_path_from(cpu_path(), op, dt); }
+
+CpuPath cpu_op_path(CpuOp op, DType dt, int64_t heads) {
+  const CpuPath path = cpu_op_path(op, dt);
+  const bool thin = (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && heads < kBlasMinHeads;
+  if (path != CpuPath::kBlas || !thin || static_cast<CpuPath>(g_request.load()) != CpuPath::kAuto) return path;
+  return first_path_from(CpuPath::kAvx512Bf16, op, dt);
 }
 
 TileRelease::~TileRelease() {
