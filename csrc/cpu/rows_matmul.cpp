@@ -138,20 +138,27 @@ IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int
     }
     return;
   }
-  // w [K, N]: columns n0..n1 (<= kBlock = 4 vectors) accumulated over k in order
+  // w [K, N]: columns n0..n1 (<= kBlock = 4 vectors) accumulated over k in order, in four named
+  // registers (an array indexed by a run-time count went to the stack); a vector past the block's
+  // columns has an empty mask, so it reads nothing and adds zeros.
   const int64_t cols = n1 - n0;
   __mmask16 mask[4];
   for (int j = 0; j < 4; ++j) mask[j] = tail16(std::max<int64_t>(cols - 16 * j, 0));
-  const int nv = static_cast<int>((cols + 15) / 16);
+  const int64_t wv = 16 * we;
   for (int64_t m = 0; m < p.M; ++m) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const char* xr = x + m * p.x_sm * xe;
     for (int64_t k = 0; k < p.K; ++k) {
       const __m512 xs = _mm512_set1_ps(load_f(xr, k, p.x_dtype));
       const char* wr = w + k * w_row_bytes + n0 * we;
-      for (int j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(xs, load16(wr + 16 * j * we, p.w_dtype, mask[j]), acc[j]);
+      a0 = _mm512_fmadd_ps(xs, load16(wr, p.w_dtype, mask[0]), a0);
+      a1 = _mm512_fmadd_ps(xs, load16(wr + wv, p.w_dtype, mask[1]), a1);
+      a2 = _mm512_fmadd_ps(xs, load16(wr + 2 * wv, p.w_dtype, mask[2]), a2);
+      a3 = _mm512_fmadd_ps(xs, load16(wr + 3 * wv, p.w_dtype, mask[3]), a3);
     }
-    for (int j = 0; j < nv; ++j) store16(out + (m * p.o_sm + n0 + 16 * j) * oe, acc[j], p.out_dtype, mask[j]);
+    char* orow = out + (m * p.o_sm + n0) * oe;
+    const __m512 acc[4] = {a0, a1, a2, a3};
+    for (int j = 0; j < 4 && 16 * j < cols; ++j) store16(orow + 16 * j * oe, acc[j], p.out_dtype, mask[j]);
   }
 }
 #undef IC_AVX512
@@ -218,6 +225,26 @@ inline void widen_row(const char* x, int64_t K, DType xd, std::vector<float>& xf
   for (int64_t k = 0; k < K; ++k) xf[k] = load_f(x, k, xd);
 }
 
+// w [K, N], a block of NV full 8-column vectors: the NV sums stay in registers (the generic loop
+// below indexes its array by a run-time count, which keeps it on the stack: a store and a reload
+// per FMA); k ascending per column, as there.
+template <int NV>
+IC_AVX2 inline void kn_full_block(const float* xf, const char* w, int64_t w_row_bytes, int64_t K, DType wd,
+                                  char* o, DType od) {
+  const int64_t wv = 8 * esize(wd), ov = 8 * esize(od);
+  __m256 a[NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 xs = _mm256_set1_ps(xf[k]);
+    const char* wr = w + k * w_row_bytes;
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(xs, load8(wr + j * wv, wd), a[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) store8(o + j * ov, a[j], od, 8);
+}
+
 IC_AVX2 void avx2_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
   const char* x = elem_ptr(p.x, g * p.x_sg, p.x_dtype);
   const char* w = elem_ptr(p.w, g * p.w_sg, p.w_dtype);
@@ -234,8 +261,12 @@ IC_AVX2 void avx2_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t
       continue;
     }
     // w [K, N]: columns n0..n1 (<= kBlock = 8 vectors), k ascending
-    __m256 acc[8];
     const int64_t cols = n1 - n0, nv = (cols + 7) / 8;
+    if (cols == kBlock) {
+      kn_full_block<kBlock / 8>(xf.data(), w + n0 * we, w_row_bytes, p.K, p.w_dtype, orow + n0 * oe, p.out_dtype);
+      continue;
+    }
+    __m256 acc[8];
     for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < p.K; ++k) {
       const __m256 xs = _mm256_set1_ps(xf[k]);
