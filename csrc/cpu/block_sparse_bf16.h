@@ -74,22 +74,82 @@ inline void split_p_bf16(const float* s, int64_t n, uint16_t* hi, uint16_t* lo) 
   }
 }
 
-// ob[r][:dp] (+)= Σ_{2·kp0 <= i < nk} P[r][i] · V[i][:dp] for r < MR (added to ob's values when add,
-// else written): ph / pl the P_hi / P_lo rows as key-pair words (row stride ldw), vt2 the value
-// tile of key pairs (row stride dp, a multiple of 32), ob rows of stride dp. Pairs kp0 <= kp < nk / 2
-// by vdpbf16ps (P_hi then P_lo); an odd last key alone by an fp32 FMA with its fp32 P (pf rows of
-// stride lds), since its pair's other key is one the row does not read (a value there, even inf or
-// NaN, must not reach it). Pairs go in ascending order, so a split at an even key is bit-exact.
+// Lanes j .. j + 15 of a row that are below nk.
+inline __mmask16 lanes_below(int64_t j, int64_t nk) {
+  return nk >= j + 16 ? static_cast<__mmask16>(0xFFFF) : (nk <= j ? 0 : static_cast<__mmask16>((1u << (nk - j)) - 1));
+}
+
+// block_softmax (below) for one query vector's scores s [ncols] (a multiple of 32), with the split
+// of split_p_bf16 in the same pass: hi / lo [ncols] get P_hi / P_lo (0 past nk); s keeps the
+// scores but for an odd nk, where s[nk - 1 rounded down to 32 ..] gets the fp32 P that
+// panel_pv_bf16 reads for the odd key. Reductions across lanes by halving trees (fixed order).
+inline float block_softmax_split_bf16(float* s, int64_t nk, int64_t ncols, float scale, float* run_max, float* alpha,
+                                      bool* bad, uint16_t* hi, uint16_t* lo) {
+  const __m512 vs = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 kbad = 0;
+  for (int64_t j = 0; j < ncols; j += kVecLanes) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + j), vs);
+    const __mmask16 ok = lanes_below(j, nk);
+    kbad |= ok & ~_mm512_cmp_ps_mask(_mm512_sub_ps(v, v), zero, _CMP_EQ_OQ);  // v - v is 0 exactly when finite
+    vmax = _mm512_mask_mov_ps(vmax, ok & _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ), v);
+  }
+  const float red = _mm512_reduce_max_ps(vmax), mx = red > *run_max ? red : *run_max;
+  *bad = *bad || kbad != 0;
+  *alpha = std::exp(*run_max - mx);
+  *run_max = mx;
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 vsum = zero;
+  const int64_t odd = nk & 1 ? (nk - 1) / 32 * 32 : -1;
+  for (int64_t j = 0; j < ncols; j += 32) {
+    const __m512 x0 = _mm512_maskz_mov_ps(lanes_below(j, nk),
+                                          exp_v(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vs), vm)));
+    const __m512 x1 = _mm512_maskz_mov_ps(lanes_below(j + 16, nk),
+                                          exp_v(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j + 16), vs), vm)));
+    vsum = _mm512_add_ps(_mm512_add_ps(vsum, x0), x1);
+    if (j == odd) {
+      _mm512_storeu_ps(s + j, x0);
+      _mm512_storeu_ps(s + j + 16, x1);
+    }
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  // words 0..15 from x0, 16..31 from x1
+    const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    _mm512_storeu_si512(hi + j, h);
+    _mm512_storeu_si512(lo + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0)));
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+// How panel_pv_bf16 starts a vector's accumulators: zero, its out row as it is, or its out row times
+// the vector's softmax rescale alpha (o = o·alpha + P·V in one pass over o).
+enum class PvInit { kZero, kLoad, kScale };
+
+// o[r][:dp] = init(o[r]) + Σ_{2·kp0 <= i < nk} P[r][i] · V[i][:dp] for r < MR, o[r] = orow[r] (dp
+// floats; init per PvInit, alpha[r] for kScale): ph / pl the P_hi / P_lo rows as key-pair words
+// (row stride ldw), vt2 the value tile of key pairs (row stride dp, a multiple of 32). Pairs
+// kp0 <= kp < nk / 2 by vdpbf16ps (P_hi then P_lo); an odd last key alone by an fp32 FMA with its
+// fp32 P (pf rows of stride lds), since its pair's other key is one the row does not read (a value
+// there, even inf or NaN, must not reach it). Pairs go in ascending order, so a split at an even
+// key continued with kLoad is bit-exact.
 template <int MR>
 inline void panel_pv_bf16(const uint32_t* __restrict ph, const uint32_t* __restrict pl, int64_t ldw,
                           const float* __restrict pf, int64_t lds, const uint32_t* __restrict vt2, int64_t dp,
-                          int64_t kp0, int64_t nk, bool add, float* __restrict ob) {
+                          int64_t kp0, int64_t nk, PvInit init, const float* alpha, float* const* orow) {
   const int64_t np = nk / 2;
   for (int64_t c = 0; c < dp; c += kNW) {
     __m512 a0[MR], a1[MR];
     for (int r = 0; r < MR; ++r) {
-      a0[r] = add ? _mm512_loadu_ps(ob + r * dp + c) : _mm512_setzero_ps();
-      a1[r] = add ? _mm512_loadu_ps(ob + r * dp + c + kVecLanes) : _mm512_setzero_ps();
+      if (init == PvInit::kZero) {
+        a0[r] = a1[r] = _mm512_setzero_ps();
+        continue;
+      }
+      a0[r] = _mm512_loadu_ps(orow[r] + c);
+      a1[r] = _mm512_loadu_ps(orow[r] + c + kVecLanes);
+      if (init == PvInit::kScale) {
+        const __m512 al = _mm512_set1_ps(alpha[r]);
+        a0[r] = _mm512_mul_ps(a0[r], al);
+        a1[r] = _mm512_mul_ps(a1[r], al);
+      }
     }
     const uint32_t* v = vt2 + kp0 * dp + c;
     for (int64_t kp = kp0; kp < np; ++kp, v += dp) {
@@ -115,17 +175,18 @@ inline void panel_pv_bf16(const uint32_t* __restrict ph, const uint32_t* __restr
       }
     }
     for (int r = 0; r < MR; ++r) {
-      _mm512_storeu_ps(ob + r * dp + c, a0[r]);
-      _mm512_storeu_ps(ob + r * dp + c + kVecLanes, a1[r]);
+      _mm512_storeu_ps(orow[r] + c, a0[r]);
+      _mm512_storeu_ps(orow[r] + c + kVecLanes, a1[r]);
     }
   }
 }
 
 template <int MR = kMR>
 inline void panel_pv_bf16_n(int mr, const uint32_t* ph, const uint32_t* pl, int64_t ldw, const float* pf, int64_t lds,
-                            const uint32_t* vt2, int64_t dp, int64_t kp0, int64_t nk, bool add, float* ob) {
+                            const uint32_t* vt2, int64_t dp, int64_t kp0, int64_t nk, PvInit init, const float* alpha,
+                            float* const* orow) {
   if constexpr (MR > 1) {
-    if (mr < MR) return panel_pv_bf16_n<MR - 1>(mr, ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, add, ob);
+    if (mr < MR) return panel_pv_bf16_n<MR - 1>(mr, ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, init, alpha, orow);
   }
-  panel_pv_bf16<MR>(ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, add, ob);
+  panel_pv_bf16<MR>(ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, init, alpha, orow);
 }

@@ -456,17 +456,18 @@ inline void panel_starts(int64_t m_n, int64_t chunk, std::vector<int64_t>& pst) 
 struct AttnScratch {
   std::vector<float> qg, o, run_max, run_sum, alpha, kt, vt, qp, s, ob, kstage;
   std::vector<const float*> krow, vrow;
+  std::vector<const char*> kr, vr;  // the current block's key / value rows (bf16 path)
   std::vector<uint32_t> kt2, vt2, qp2, zero;  // bf16 pairs (avx512bf16 path)
   std::vector<uint16_t> ph, pl;               // P_hi, P_lo (avx512bf16 path)
   std::vector<char> bad, has;
   std::vector<std::pair<int32_t, int32_t>> sel;  // (block, row in group)
-  std::vector<int64_t> nk, pst;
+  std::vector<int64_t> nk, vg, pst;  // per block vector: keys seen, index in the group's [rows][g]
   AttnScratch(int64_t mv, int64_t max_rows, int64_t topk, int64_t d, int64_t dp, int64_t ss, bool bf16)
       : qg(bf16 ? 0 : mv * d), o(mv * dp), run_max(mv), run_sum(mv), alpha(mv), kt(bf16 ? 0 : d * ss, 0.0f),
         vt(bf16 ? 0 : ss * dp, 0.0f), qp(bf16 ? 0 : (mv + kMR - 1) / kMR * d * kMR), s(mv * ss), ob(mv * dp),
-        kstage(bf16 ? 0 : kNW * d), krow(kNW), vrow(ss), kt2(bf16 ? d / 2 * ss : 0, 0u),
+        kstage(bf16 ? 0 : kNW * d), krow(kNW), vrow(ss), kr(ss), vr(ss), kt2(bf16 ? d / 2 * ss : 0, 0u),
         vt2(bf16 ? ss / 2 * dp : 0, 0u), qp2(bf16 ? (mv + 15) / 16 * 16 * (d / 2) : 0, 0u)  /* kQChunk-vector chunks */, zero(d / 2 + 16, 0u),
-        ph(bf16 ? mv * ss : 0), pl(bf16 ? mv * ss : 0), bad(mv), has(max_rows), sel(max_rows * topk), nk(mv) {}
+        ph(bf16 ? mv * ss : 0), pl(bf16 ? mv * ss : 0), bad(mv), has(max_rows), sel(max_rows * topk), nk(mv), vg(mv) {}
 };
 
 // One block's fp32 tiles: Kᵀ [d][ss] written kNW keys at a time from rows staged in L1 (a
@@ -526,6 +527,11 @@ inline void attention(const BlockSparseAttnParams& p) {
 #else
   const bool dot_bf16 = false;
 #endif
+#if defined(IC_BF16_DOT) && !defined(IC_AMX)
+  const bool fused = dot_bf16;  // softmax + P split in one pass, P·V writes o = o·alpha + P·V
+#else
+  const bool fused = false;
+#endif
   at::parallel_for(0, ngroups * p.h_kv, 1, [&](int64_t w0, int64_t w1) {
     AttnScratch w(mv, max_rows, p.topk, d, dp, ss, dot_bf16);
 #if defined(IC_AMX)
@@ -573,12 +579,16 @@ inline void attention(const BlockSparseAttnParams& p) {
         return static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;
       };
       // ob[m..m+mr) (+)= P · V over keys [k0, nk) of the current block (k0 even on the bf16 path).
+      // Fused (bf16 without AMX): straight into the vectors' o rows, o·alpha first unless add.
       auto pv_keys = [&](int mr, int64_t m, int64_t k0, int64_t nk, bool add) {
 #if defined(IC_BF16_DOT)
-        if (dot_bf16)
+        if (dot_bf16) {
+          float* orow[kMR];
+          for (int r = 0; r < mr; ++r) orow[r] = &w.o[w.vg[m + r] * dp];
           return panel_pv_bf16_n(mr, reinterpret_cast<const uint32_t*>(&w.ph[m * ss]),
                                  reinterpret_cast<const uint32_t*>(&w.pl[m * ss]), ss / 2, &w.s[m * ss], ss,
-                                 w.vt2.data(), dp, k0 / 2, nk, add, &w.ob[m * dp]);
+                                 w.vt2.data(), dp, k0 / 2, nk, add ? PvInit::kLoad : PvInit::kScale, &w.alpha[m], orow);
+        }
 #endif
         panel_pv_n(mr, &w.s[m * ss], ss, w.vrow.data(), dp, k0, nk, add, &w.ob[m * dp]);
       };
@@ -590,26 +600,37 @@ inline void attention(const BlockSparseAttnParams& p) {
           nk = std::max(nk, std::min<int64_t>(p.pos[t0 + w.sel[*b].second] + 1, i0 + bsz) - i0);
         return nk;
       };
+      // f(i, byte offset of key i0 + i's row of KV head kh in the caches) for i < nk: a walk over
+      // the pages, no division per row.
+      auto each_row = [&](int64_t i0, int64_t nk, auto&& f) {
+        int64_t pg = i0 / p.page_size, in = i0 % p.page_size;
+        for (int64_t i = 0; i < nk; ++i) {
+          f(i, ((static_cast<int64_t>(bt[pg]) * p.page_size + in) * p.h_kv + kh) * d * es);
+          if (++in == p.page_size) in = 0, ++pg;
+        }
+      };
       // The next block's key and value rows into L2 while this one is computed: a KV head's rows
       // lie h_kv * d apart in pages spread over the cache, which the hardware prefetch misses.
       auto prefetch_block = [&](int64_t a) {
         if (a >= nsel) return;
         int64_t b;
         const int64_t nk = block_run(a, &b), i0 = static_cast<int64_t>(w.sel[a].first) * bsz;
-        for (int64_t i = 0; i < nk; ++i) {
-          const int64_t off = (slot_of(i0 + i) * p.h_kv + kh) * d * es;
+        each_row(i0, nk, [&](int64_t, int64_t off) {
           for (int64_t l = 0; l < d * es; l += 64) {
             __builtin_prefetch(static_cast<const char*>(p.k_cache) + off + l, 0, 2);
             __builtin_prefetch(static_cast<const char*>(p.v_cache) + off + l, 0, 2);
           }
-        }
+        });
       };
       for (int64_t a = 0; a < nsel;) {
         int64_t b;
         const int64_t i0 = static_cast<int64_t>(w.sel[a].first) * bsz, nk_max = block_run(a, &b);
         const int64_t m_n = (b - a) * g, ncols = (nk_max + kNW - 1) / kNW * kNW;
         auto row_of = [&](int64_t m) { return static_cast<int64_t>(w.sel[a + m / g].second); };
-        for (int64_t m = 0; m < m_n; ++m) w.nk[m] = std::min<int64_t>(p.pos[t0 + row_of(m)] + 1, i0 + bsz) - i0;
+        for (int64_t m = 0; m < m_n; ++m) {
+          w.nk[m] = std::min<int64_t>(p.pos[t0 + row_of(m)] + 1, i0 + bsz) - i0;
+          w.vg[m] = row_of(m) * g + m % g;
+        }
         panel_starts(m_n, dot_bf16 ? 16 : std::max<int64_t>(m_n, 1), w.pst);  // bf16: kQChunk
         const int64_t n_pan = static_cast<int64_t>(w.pst.size()) - 1;
 #if defined(IC_BF16_DOT)
@@ -617,11 +638,9 @@ inline void attention(const BlockSparseAttnParams& p) {
           const int64_t d2 = d / 2;
           const char* kc = static_cast<const char*>(p.k_cache);
           const char* vc = static_cast<const char*>(p.v_cache);
-          auto row = [&](const char* base) {
-            return [&, base](int64_t i) { return base + (slot_of(i0 + i) * p.h_kv + kh) * d * es; };
-          };
-          pack_keys_bf16(row(kc), nk_max, d2, w.zero.data(), w.kt2.data(), ss);
-          pack_values_bf16(row(vc), nk_max, d, dp, w.vt2.data());
+          each_row(i0, nk_max, [&](int64_t i, int64_t off) { w.kr[i] = kc + off, w.vr[i] = vc + off; });
+          pack_keys_bf16([&](int64_t i) { return w.kr[i]; }, nk_max, d2, w.zero.data(), w.kt2.data(), ss);
+          pack_values_bf16([&](int64_t i) { return w.vr[i]; }, nk_max, d, dp, w.vt2.data());
           prefetch_block(b);
 #if defined(IC_AMX)
           for (int64_t m0 = 0; m0 < m_n; m0 += kAmxRows) {
@@ -673,16 +692,20 @@ inline void attention(const BlockSparseAttnParams& p) {
           }
 #endif
         for (int64_t m = 0; m < m_n; ++m) {
-          const int64_t gm = row_of(m) * g + m % g;
+          const int64_t gm = w.vg[m];
           bool bm = w.bad[gm];
+#if defined(IC_BF16_DOT)
+          const float sum = fused ? block_softmax_split_bf16(&w.s[m * ss], w.nk[m], ncols, p.scale, &w.run_max[gm],
+                                                             &w.alpha[m], &bm, &w.ph[m * ss], &w.pl[m * ss])
+                                  : block_softmax(&w.s[m * ss], w.nk[m], ncols, p.scale, &w.run_max[gm], &w.alpha[m], &bm);
+#else
           const float sum = block_softmax(&w.s[m * ss], w.nk[m], ncols, p.scale, &w.run_max[gm], &w.alpha[m], &bm);
+#endif
           w.bad[gm] = bm;
           w.run_sum[gm] = w.run_sum[gm] * w.alpha[m] + sum;
 #if defined(IC_BF16_DOT)
 #if defined(IC_AMX)
           if (dot_bf16) split_p_bf16(&w.s[m * ss], ncols, &w.ph[rank[m] * ss], &w.pl[rank[m] * ss]);
-#else
-          if (dot_bf16) split_p_bf16(&w.s[m * ss], ncols, &w.ph[m * ss], &w.pl[m * ss]);
 #endif
 #endif
         }
@@ -694,11 +717,14 @@ inline void attention(const BlockSparseAttnParams& p) {
             int64_t tks[kAmxRows] = {}, nat[kAmxRows] = {};
             for (int64_t m = m0; m < m1; ++m) tks[rank[m] - m0] = tk[m], nat[rank[m] - m0] = m;
             amx_pv(&w.ph[m0 * ss], &w.pl[m0 * ss], ss, tks, nat, w.vt2.data(), dp, w.ob.data(), tmp);
-            for (int64_t m = m0; m < m1; ++m)
+            for (int64_t m = m0; m < m1; ++m) {
+              float* obm = &w.ob[m * dp];
               if (tk[m] < w.nk[m])
                 panel_pv_bf16<1>(reinterpret_cast<const uint32_t*>(&w.ph[rank[m] * ss]),
                                  reinterpret_cast<const uint32_t*>(&w.pl[rank[m] * ss]), ss / 2, &w.s[m * ss], ss,
-                                 w.vt2.data(), dp, tk[m] / 2, w.nk[m], tk[m] > 0, &w.ob[m * dp]);
+                                 w.vt2.data(), dp, tk[m] / 2, w.nk[m], tk[m] > 0 ? PvInit::kLoad : PvInit::kZero,
+                                 nullptr, &obm);
+            }
           }
         for (int64_t pn = 0; pn < (dot_bf16 ? 0 : n_pan); ++pn) {
 #else
@@ -717,8 +743,8 @@ inline void attention(const BlockSparseAttnParams& p) {
           if (k_common < nk_top)
             for (int64_t m = m0; m < m0 + mr; ++m) pv_keys(1, m, k_common, w.nk[m], true);
         }
-        for (int64_t m = 0; m < m_n; ++m) {
-          float* acc = &w.o[(row_of(m) * g + m % g) * dp];
+        for (int64_t m = 0; m < (fused ? 0 : m_n); ++m) {  // fused: P·V wrote o
+          float* acc = &w.o[w.vg[m] * dp];
           const float* add = &w.ob[m * dp];
           const vnf al = vnf{} + w.alpha[m];
           for (int64_t c = 0; c < dp; c += kVecLanes) store_v(acc + c, fma_v(load_v(acc + c), al, load_v(add + c)));
