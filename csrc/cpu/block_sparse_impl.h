@@ -631,12 +631,13 @@ inline void attention(const BlockSparseAttnParams& p) {
         if (a >= nsel) return;
         int64_t b;
         const int64_t nk = block_run(a, &b), i0 = static_cast<int64_t>(w.sel[a].first) * bsz;
-        each_row(i0, nk, [&](int64_t, int64_t off) {
+        for (int64_t i = 0; i < nk; ++i) {
+          const int64_t off = (slot_of(i0 + i) * p.h_kv + kh) * d * es;
           for (int64_t l = 0; l < d * es; l += 64) {
             __builtin_prefetch(static_cast<const char*>(p.k_cache) + off + l, 0, 2);
             __builtin_prefetch(static_cast<const char*>(p.v_cache) + off + l, 0, 2);
           }
-        });
+        }
       };
       for (int64_t a = 0; a < nsel;) {
         int64_t b;
