@@ -8,6 +8,9 @@
 //       in fp32) carries P to 2^-17 relative instead of bf16's 2^-9: the result stays within a few
 //       fp32 roundings of the fp32-P paths, at half vdpbf16ps's rate, which is still twice that of
 //       fp32 FMAs.
+// Without AMX the softmax writes P_hi / P_lo in the pass that takes the exponentials
+// (block_softmax_split_bf16), and the P·V kernel starts from o·alpha and stores o itself, so the
+// online softmax's rescale costs no pass of its own.
 // A query vector's arithmetic is its own (broadcast values, fixed key order), whatever else shares
 // its panel.
 
@@ -61,7 +64,7 @@ inline void pack_values_bf16(Val val, int64_t nk, int64_t d, int64_t dp, uint32_
   }
 }
 
-// P rows split for vdpbf16ps: hi[j] = bf16(s[j]) (round to nearest even), lo[j] = bf16(s[j] - hi[j])
+// P rows split for vdpbf16ps (the AMX path; the avx512bf16 one splits in block_softmax_split_bf16): hi[j] = bf16(s[j]) (round to nearest even), lo[j] = bf16(s[j] - hi[j])
 // for j < n (a multiple of 32).
 inline void split_p_bf16(const float* s, int64_t n, uint16_t* hi, uint16_t* lo) {
   for (int64_t j = 0; j < n; j += 32) {
