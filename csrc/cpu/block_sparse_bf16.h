@@ -8,6 +8,9 @@
 //       in fp32) carries P to 2^-17 relative instead of bf16's 2^-9: the result stays within a few
 //       fp32 roundings of the fp32-P paths, at half vdpbf16ps's rate, which is still twice that of
 //       fp32 FMAs.
+// Without AMX the softmax writes P_hi / P_lo in the pass that takes the exponentials
+// (block_softmax_split_bf16), and the P·V kernel starts from o·alpha and stores o itself, so the
+// online softmax's rescale costs no pass of its own.
 // A query vector's arithmetic is its own (broadcast values, fixed key order), whatever else shares
 // its panel.
 
@@ -61,7 +64,7 @@ inline void pack_values_bf16(Val val, int64_t nk, int64_t d, int64_t dp, uint32_
   }
 }
 
-// P rows split for vdpbf16ps: hi[j] = bf16(s[j]) (round to nearest even), lo[j] = bf16(s[j] - hi[j])
+// P rows split for vdpbf16ps (the AMX path; the avx512bf16 one splits in block_softmax_split_bf16): hi[j] = bf16(s[j]) (round to nearest even), lo[j] = bf16(s[j] - hi[j])
 // for j < n (a multiple of 32).
 inline void split_p_bf16(const float* s, int64_t n, uint16_t* hi, uint16_t* lo) {
   for (int64_t j = 0; j < n; j += 32) {
@@ -74,22 +77,101 @@ inline void split_p_bf16(const float* s, int64_t n, uint16_t* hi, uint16_t* lo) 
   }
 }
 
-// ob[r][:dp] (+)= Σ_{2·kp0 <= i < nk} P[r][i] · V[i][:dp] for r < MR (added to ob's values when add,
-// else written): ph / pl the P_hi / P_lo rows as key-pair words (row stride ldw), vt2 the value
-// tile of key pairs (row stride dp, a multiple of 32), ob rows of stride dp. Pairs kp0 <= kp < nk / 2
-// by vdpbf16ps (P_hi then P_lo); an odd last key alone by an fp32 FMA with its fp32 P (pf rows of
-// stride lds), since its pair's other key is one the row does not read (a value there, even inf or
-// NaN, must not reach it). Pairs go in ascending order, so a split at an even key is bit-exact.
+// exp_v (block_sparse_impl.h) with AVX-512's FMAs and vscalefps: the same clamp at -87, the same
+// degree-6 polynomial on r = x - n·ln2 (n rounded to nearest even), 2^n applied by scalef: 11 vector
+// operations where the generic form takes ~25 (no contraction of a * b + c under -std=c++20).
+inline __m512 exp_fma(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // vmaxps returns its second operand for a NaN: NaN stays
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 q = _mm512_set1_ps(1.0f / 720);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(q, n);
+}
+
+// Lanes j .. j + 15 of a row that are below nk.
+inline __mmask16 lanes_below(int64_t j, int64_t nk) {
+  return nk >= j + 16 ? static_cast<__mmask16>(0xFFFF) : (nk <= j ? 0 : static_cast<__mmask16>((1u << (nk - j)) - 1));
+}
+
+// block_softmax (below) for one query vector's scores s [ncols] (a multiple of 32), with the split
+// of split_p_bf16 in the same pass: hi / lo [ncols] get P_hi / P_lo (0 past nk); s keeps the
+// scores but for an odd nk, where s[nk - 1 rounded down to 32 ..] gets the fp32 P that
+// panel_pv_bf16 reads for the odd key. Reductions across lanes by halving trees (fixed order).
+inline float block_softmax_split_bf16(float* s, int64_t nk, int64_t ncols, float scale, float* run_max, float* alpha,
+                                      bool* bad, uint16_t* hi, uint16_t* lo) {
+  const __m512 vs = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 kbad = 0;
+  for (int64_t j = 0; j < ncols; j += kVecLanes) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + j), vs);
+    const __mmask16 ok = lanes_below(j, nk);
+    kbad |= ok & ~_mm512_cmp_ps_mask(_mm512_sub_ps(v, v), zero, _CMP_EQ_OQ);  // v - v is 0 exactly when finite
+    vmax = _mm512_mask_mov_ps(vmax, ok & _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ), v);
+  }
+  const float red = _mm512_reduce_max_ps(vmax), mx = red > *run_max ? red : *run_max;
+  *bad = *bad || kbad != 0;
+  *alpha = std::exp(*run_max - mx);
+  *run_max = mx;
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 vsum = zero;
+  const int64_t odd = nk & 1 ? (nk - 1) / 32 * 32 : -1;
+  for (int64_t j = 0; j < ncols; j += 32) {
+    const __m512 x0 = _mm512_maskz_mov_ps(lanes_below(j, nk),
+                                          exp_fma(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vs), vm)));
+    const __m512 x1 = _mm512_maskz_mov_ps(lanes_below(j + 16, nk),
+                                          exp_fma(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j + 16), vs), vm)));
+    vsum = _mm512_add_ps(_mm512_add_ps(vsum, x0), x1);
+    if (j == odd) {
+      _mm512_storeu_ps(s + j, x0);
+      _mm512_storeu_ps(s + j + 16, x1);
+    }
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  // words 0..15 from x0, 16..31 from x1
+    const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    _mm512_storeu_si512(hi + j, h);
+    _mm512_storeu_si512(lo + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0)));
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+// How panel_pv_bf16 starts a vector's accumulators: zero, its out row as it is, or its out row times
+// the vector's softmax rescale alpha (o = o·alpha + P·V in one pass over o).
+enum class PvInit { kZero, kLoad, kScale };
+
+// o[r][:dp] = init(o[r]) + Σ_{2·kp0 <= i < nk} P[r][i] · V[i][:dp] for r < MR, o[r] = orow[r] (dp
+// floats; init per PvInit, alpha[r] for kScale): ph / pl the P_hi / P_lo rows as key-pair words
+// (row stride ldw), vt2 the value tile of key pairs (row stride dp, a multiple of 32). Pairs
+// kp0 <= kp < nk / 2 by vdpbf16ps (P_hi then P_lo); an odd last key alone by an fp32 FMA with its
+// fp32 P (pf rows of stride lds), since its pair's other key is one the row does not read (a value
+// there, even inf or NaN, must not reach it). Pairs go in ascending order, so a split at an even
+// key continued with kLoad is bit-exact.
 template <int MR>
 inline void panel_pv_bf16(const uint32_t* __restrict ph, const uint32_t* __restrict pl, int64_t ldw,
                           const float* __restrict pf, int64_t lds, const uint32_t* __restrict vt2, int64_t dp,
-                          int64_t kp0, int64_t nk, bool add, float* __restrict ob) {
+                          int64_t kp0, int64_t nk, PvInit init, const float* alpha, float* const* orow) {
   const int64_t np = nk / 2;
   for (int64_t c = 0; c < dp; c += kNW) {
     __m512 a0[MR], a1[MR];
     for (int r = 0; r < MR; ++r) {
-      a0[r] = add ? _mm512_loadu_ps(ob + r * dp + c) : _mm512_setzero_ps();
-      a1[r] = add ? _mm512_loadu_ps(ob + r * dp + c + kVecLanes) : _mm512_setzero_ps();
+      if (init == PvInit::kZero) {
+        a0[r] = a1[r] = _mm512_setzero_ps();
+        continue;
+      }
+      a0[r] = _mm512_loadu_ps(orow[r] + c);
+      a1[r] = _mm512_loadu_ps(orow[r] + c + kVecLanes);
+      if (init == PvInit::kScale) {
+        const __m512 al = _mm512_set1_ps(alpha[r]);
+        a0[r] = _mm512_mul_ps(a0[r], al);
+        a1[r] = _mm512_mul_ps(a1[r], al);
+      }
     }
     const uint32_t* v = vt2 + kp0 * dp + c;
     for (int64_t kp = kp0; kp < np; ++kp, v += dp) {
@@ -115,17 +197,18 @@ inline void panel_pv_bf16(const uint32_t* __restrict ph, const uint32_t* __restr
       }
     }
     for (int r = 0; r < MR; ++r) {
-      _mm512_storeu_ps(ob + r * dp + c, a0[r]);
-      _mm512_storeu_ps(ob + r * dp + c + kVecLanes, a1[r]);
+      _mm512_storeu_ps(orow[r] + c, a0[r]);
+      _mm512_storeu_ps(orow[r] + c + kVecLanes, a1[r]);
     }
   }
 }
 
 template <int MR = kMR>
 inline void panel_pv_bf16_n(int mr, const uint32_t* ph, const uint32_t* pl, int64_t ldw, const float* pf, int64_t lds,
-                            const uint32_t* vt2, int64_t dp, int64_t kp0, int64_t nk, bool add, float* ob) {
+                            const uint32_t* vt2, int64_t dp, int64_t kp0, int64_t nk, PvInit init, const float* alpha,
+                            float* const* orow) {
   if constexpr (MR > 1) {
-    if (mr < MR) return panel_pv_bf16_n<MR - 1>(mr, ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, add, ob);
+    if (mr < MR) return panel_pv_bf16_n<MR - 1>(mr, ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, init, alpha, orow);
   }
-  panel_pv_bf16<MR>(ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, add, ob);
+  panel_pv_bf16<MR>(ph, pl, ldw, pf, lds, vt2, dp, kp0, nk, init, alpha, orow);
 }
