@@ -85,7 +85,6 @@ inline __mmask32 tail32(int64_t left) { return left >= 32 ? __mmask32(0xFFFFFFFF
 // a register), and every load prefetches kPrefetchBytes further along the weight (rows in order, so
 // the prefetch runs ahead across 4 KB pages where the hardware's does not): 35-40 GB/s from DRAM, one
 // thread, docs/profiling.md. The sum order (k ascending, one accumulator, then a reduce) is unchanged.
-
 template <int R>
 IC_AVX512 inline void dot_rows(const void* x, const char* w, int64_t w_row_bytes, int64_t K, DType xd, DType wd,
                                float* out) {
