@@ -64,8 +64,8 @@ inline void pack_values_bf16(Val val, int64_t nk, int64_t d, int64_t dp, uint32_
   }
 }
 
-// P rows split for vdpbf16ps (the AMX path; the avx512bf16 one splits in block_softmax_split_bf16): hi[j] = bf16(s[j]) (round to nearest even), lo[j] = bf16(s[j] - hi[j])
-// for j < n (a multiple of 32).
+// P rows split for vdpbf16ps (the AMX path; the avx512bf16 one splits in block_softmax_split_bf16):
+// hi[j] = bf16(s[j]) (round to nearest even), lo[j] = bf16(s[j] - hi[j]) for j < n (a multiple of 32).
 inline void split_p_bf16(const float* s, int64_t n, uint16_t* hi, uint16_t* lo) {
   for (int64_t j = 0; j < n; j += 32) {
     const __m512 x0 = _mm512_loadu_ps(s + j), x1 = _mm512_loadu_ps(s + j + 16);
@@ -77,23 +77,12 @@ inline void split_p_bf16(const float* s, int64_t n, uint16_t* hi, uint16_t* lo) 
   }
 }
 
-// exp_v (block_sparse_impl.h) with AVX-512's FMAs and vscalefps: the same clamp at -87, the same
-// degree-6 polynomial on r = x - n·ln2 (n rounded to nearest even), 2^n applied by scalef: 11 vector
-// operations where the generic form takes ~25 (no contraction of a * b + c under -std=c++20).
+// exp_v (block_sparse_impl.h) with AVX-512's FMAs and vscalefps (simd.h's polynomial): the same
+// clamp at -87 (e^-87 below it, not simd.h exp_ps's 0) and the same polynomial, 11 vector operations
+// where the generic form takes ~25 (no contraction of a * b + c under -std=c++20).
 inline __m512 exp_fma(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // vmaxps returns its second operand for a NaN: NaN stays
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 q = _mm512_set1_ps(1.0f / 720);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(q, n);
+  // vmaxps returns its second operand for a NaN: NaN stays
+  return cpu::exp_clamped_ps(_mm512_max_ps(_mm512_set1_ps(-87.0f), x));
 }
 
 // Lanes j .. j + 15 of a row that are below nk.

@@ -32,14 +32,10 @@ __attribute__((target("avx512f"))) inline void store16(void* p, __m512 v, DType 
     if (mask >> i & 1) store_f(p, i, tmp[i], dt);
 }
 
-// exp(x) for x <= 0 (softmax numerators): 2^n · e^r, |r| <= ln2/2, degree-6 Taylor polynomial
-// for e^r; inputs below -87 (where exp is under ~1.6e-38) give 0, as a softmax term far under its
-// max (a huge attention sink) must: the clamp alone gave e^-87 there, and a row whose every key sat
-// under a 1e30 sink came out ~1e-33 instead of 0. NaN keeps the clamp's e^-87 (callers handle NaN
-// scores before this).
-__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// e^x for x >= -87 (the caller clamps): 2^n · e^r, n = x·log2(e) rounded to nearest even,
+// r = x - n·ln2 (|r| <= ln2/2, ln2 in two parts), a degree-6 Taylor polynomial for e^r, 2^n applied
+// by vscalefps. A NaN x gives NaN.
+__attribute__((target("avx512f"))) inline __m512 exp_clamped_ps(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -51,7 +47,16 @@ __attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, n));
+  return _mm512_scalef_ps(p, n);
+}
+
+// exp(x) for x <= 0 (softmax numerators), exp_clamped_ps of max(x, -87); inputs below -87 (where
+// exp is under ~1.6e-38) give 0, as a softmax term far under its max (a huge attention sink) must:
+// the clamp alone gave e^-87 there, and a row whose every key sat under a 1e30 sink came out ~1e-33
+// instead of 0. NaN keeps the clamp's e^-87 (callers handle NaN scores before this).
+__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), exp_clamped_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))));
 }
 
 // 16 e4m3 bytes -> fp32, exact (e4m3_to_float): normal values rebias the exponent (7 -> 127) as
