@@ -425,9 +425,10 @@ inline float block_softmax(float* s, int64_t nk, int64_t ncols, float scale, flo
 // Rows grouped per attention task: consecutive rows of one request, so a block that several of
 // them select is loaded (converted, transposed) once for all of them and all heads of the KV
 // group. Up to kGroupVecs query vectors per group bound the scratch (its o rows 512 KiB; a block
-// touches only the rows of the vectors that select it, in L2; 64 rows at 64 heads measured
-// ~5 % faster than 32 on Zen 4 / 5, where each block's tiles were packed twice); groups shrink while there are fewer than two tasks per thread. Grouping never changes a
-// result (each query vector's arithmetic is its own), only how often tiles are loaded.
+// touches only the rows of the vectors that select it, in L2; 64 rows at 64 heads measured ~5 %
+// faster than 32 on Zen 4 / 5, where each block's tiles were packed twice); groups shrink while
+// there are fewer than two tasks per thread. Grouping never changes a result (each query vector's
+// arithmetic is its own), only how often tiles are loaded.
 constexpr int64_t kGroupVecs = 1024, kAttnMaxRows = 64;
 
 inline void attention_groups(const BlockSparseAttnParams& p, std::vector<int64_t>& starts) {
