@@ -42,7 +42,8 @@ namespace {
 // waits for a scheduler slice when the cores are shared (docs/profiling.md: 2 threads, load 6).
 constexpr int64_t kParallelWork = int64_t{1} << 22;
 constexpr int64_t kChunkWork = int64_t{1} << 19;     // at least this much work per parallel chunk
-constexpr int64_t kBlock = 64;                        // output columns per task
+constexpr int64_t kBlock = 64;                        // output columns per task, w [N, K]
+constexpr int64_t kKnBlock = 512;                     // and w [K, N]: one fp32 sum per column in an L1 buffer
 constexpr int64_t kPrefetchBytes = 4096;              // how far ahead along a weight row's bytes a load prefetches
 
 using cpu::elem_ptr;
@@ -115,11 +116,41 @@ IC_AVX512 inline void dot_rows(const void* x, const char* w, int64_t w_row_bytes
   }
 }
 
+// w [K, N]: out[n0:n1) += x[k] w[k, n0:n1) for k ascending, one fp32 sum per column held in acc (an
+// L1 buffer of the block's columns, loaded, FMA'd and stored back per k). The weight is read row after
+// row along each row's bytes, a kKnBlock-column stretch at a time: the 64-column strips this loop
+// read before, each 128 B of every 1 KB row, ran at 6 GB/s from DRAM (docs/profiling.md).
+IC_AVX512 void kn_task_avx512(const RowsMatmulParams& p, const char* x, const char* w, char* out, int64_t n0,
+                              int64_t n1) {
+  const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype), oe = esize(p.out_dtype);
+  const int64_t w_row_bytes = p.w_sr * we, cols = n1 - n0, nv = (cols + 15) / 16, wv = 16 * we;
+  const __mmask16 last = tail16(cols - 16 * (nv - 1));
+  alignas(64) float acc[kKnBlock];
+  for (int64_t m = 0; m < p.M; ++m) {
+    std::fill(acc, acc + 16 * nv, 0.0f);
+    const char* xr = x + m * p.x_sm * xe;
+    for (int64_t k = 0; k < p.K; ++k) {
+      const __m512 xs = _mm512_set1_ps(load_f(xr, k, p.x_dtype));
+      const char* wr = w + k * w_row_bytes + n0 * we;
+      for (int64_t b = 0; b < cols * we; b += 64) _mm_prefetch(wr + b + kPrefetchBytes, _MM_HINT_T0);
+      int64_t j = 0;
+      for (; j + 1 < nv; ++j)
+        _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(xs, load16(wr + j * wv, p.w_dtype, __mmask16(0xFFFF)),
+                                                      _mm512_load_ps(acc + 16 * j)));
+      _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(xs, load16(wr + j * wv, p.w_dtype, last),
+                                                    _mm512_load_ps(acc + 16 * j)));
+    }
+    char* orow = out + (m * p.o_sm + n0) * oe;
+    for (int64_t j = 0; j < nv; ++j)
+      store16(orow + 16 * j * oe, _mm512_load_ps(acc + 16 * j), p.out_dtype, j + 1 < nv ? __mmask16(0xFFFF) : last);
+  }
+}
+
 IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
   const char* x = elem_ptr(p.x, g * p.x_sg, p.x_dtype);
   const char* w = elem_ptr(p.w, g * p.w_sg, p.w_dtype);
   char* out = const_cast<char*>(elem_ptr(p.out, g * p.o_sg, p.out_dtype));
-  const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype), oe = esize(p.out_dtype);
+  const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype);
   const int64_t w_row_bytes = p.w_sr * we;
   if (p.w_nk) {
     for (int64_t m = 0; m < p.M; ++m) {
@@ -137,28 +168,7 @@ IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int
     }
     return;
   }
-  // w [K, N]: columns n0..n1 (<= kBlock = 4 vectors) accumulated over k in order, in four named
-  // registers (an array indexed by a run-time count went to the stack); a vector past the block's
-  // columns has an empty mask, so it reads nothing and adds zeros.
-  const int64_t cols = n1 - n0;
-  __mmask16 mask[4];
-  for (int j = 0; j < 4; ++j) mask[j] = tail16(std::max<int64_t>(cols - 16 * j, 0));
-  const int64_t wv = 16 * we;
-  for (int64_t m = 0; m < p.M; ++m) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const char* xr = x + m * p.x_sm * xe;
-    for (int64_t k = 0; k < p.K; ++k) {
-      const __m512 xs = _mm512_set1_ps(load_f(xr, k, p.x_dtype));
-      const char* wr = w + k * w_row_bytes + n0 * we;
-      a0 = _mm512_fmadd_ps(xs, load16(wr, p.w_dtype, mask[0]), a0);
-      a1 = _mm512_fmadd_ps(xs, load16(wr + wv, p.w_dtype, mask[1]), a1);
-      a2 = _mm512_fmadd_ps(xs, load16(wr + 2 * wv, p.w_dtype, mask[2]), a2);
-      a3 = _mm512_fmadd_ps(xs, load16(wr + 3 * wv, p.w_dtype, mask[3]), a3);
-    }
-    char* orow = out + (m * p.o_sm + n0) * oe;
-    const __m512 acc[4] = {a0, a1, a2, a3};
-    for (int j = 0; j < 4 && 16 * j < cols; ++j) store16(orow + 16 * j * oe, acc[j], p.out_dtype, mask[j]);
-  }
+  kn_task_avx512(p, x, w, out, n0, n1);
 }
 #undef IC_AVX512
 
@@ -224,24 +234,26 @@ inline void widen_row(const char* x, int64_t K, DType xd, std::vector<float>& xf
   for (int64_t k = 0; k < K; ++k) xf[k] = load_f(x, k, xd);
 }
 
-// w [K, N], a block of NV full 8-column vectors: the NV sums stay in registers (the generic loop
-// below indexes its array by a run-time count, which keeps it on the stack: a store and a reload
-// per FMA); k ascending per column, as there.
-template <int NV>
-IC_AVX2 inline void kn_full_block(const float* xf, const char* w, int64_t w_row_bytes, int64_t K, DType wd,
-                                  char* o, DType od) {
-  const int64_t wv = 8 * esize(wd), ov = 8 * esize(od);
-  __m256 a[NV];
-#pragma GCC unroll 8
-  for (int j = 0; j < NV; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+// w [K, N]: as kn_task_avx512, 8 lanes a vector, the block's last cols % 8 columns read through
+// load8_tail's zero-padded copy; xf is x's row widened to fp32.
+IC_AVX2 void kn_row_avx2(const RowsMatmulParams& p, const float* xf, const char* w, char* orow, int64_t n0,
+                         int64_t n1) {
+  const int64_t we = esize(p.w_dtype), oe = esize(p.out_dtype);
+  const int64_t w_row_bytes = p.w_sr * we, cols = n1 - n0, full = cols / 8, left = cols % 8;
+  alignas(32) float acc[kKnBlock];
+  std::fill(acc, acc + 8 * (full + (left > 0)), 0.0f);
+  for (int64_t k = 0; k < p.K; ++k) {
     const __m256 xs = _mm256_set1_ps(xf[k]);
-    const char* wr = w + k * w_row_bytes;
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(xs, load8(wr + j * wv, wd), a[j]);
+    const char* wr = w + k * w_row_bytes + n0 * we;
+    for (int64_t b = 0; b < cols * we; b += 64) _mm_prefetch(wr + b + kPrefetchBytes, _MM_HINT_T0);
+    for (int64_t j = 0; j < full; ++j)
+      _mm256_store_ps(acc + 8 * j, _mm256_fmadd_ps(xs, load8(wr + 8 * j * we, p.w_dtype), _mm256_load_ps(acc + 8 * j)));
+    if (left)
+      _mm256_store_ps(acc + 8 * full, _mm256_fmadd_ps(xs, load8_tail(wr + 8 * full * we, p.w_dtype, left),
+                                                      _mm256_load_ps(acc + 8 * full)));
   }
-#pragma GCC unroll 8
-  for (int j = 0; j < NV; ++j) store8(o + j * ov, a[j], od, 8);
+  for (int64_t j = 0; j * 8 < cols; ++j)
+    store8(orow + (n0 + 8 * j) * oe, _mm256_load_ps(acc + 8 * j), p.out_dtype, std::min<int64_t>(8, cols - 8 * j));
 }
 
 IC_AVX2 void avx2_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t n1) {
@@ -259,37 +271,20 @@ IC_AVX2 void avx2_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int64_t
                                                p.out_dtype);
       continue;
     }
-    // w [K, N]: columns n0..n1 (<= kBlock = 8 vectors), k ascending
-    const int64_t cols = n1 - n0, nv = (cols + 7) / 8;
-    if (cols == kBlock) {
-      kn_full_block<kBlock / 8>(xf.data(), w + n0 * we, w_row_bytes, p.K, p.w_dtype, orow + n0 * oe, p.out_dtype);
-      continue;
-    }
-    __m256 acc[8];
-    for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < p.K; ++k) {
-      const __m256 xs = _mm256_set1_ps(xf[k]);
-      const char* wr = w + k * w_row_bytes + n0 * we;
-      for (int64_t j = 0; j < nv; ++j) {
-        const int64_t left = cols - 8 * j;
-        const __m256 wv = left >= 8 ? load8(wr + 8 * j * we, p.w_dtype) : load8_tail(wr + 8 * j * we, p.w_dtype, left);
-        acc[j] = _mm256_fmadd_ps(xs, wv, acc[j]);
-      }
-    }
-    for (int64_t j = 0; j < nv; ++j)
-      store8(orow + (n0 + 8 * j) * oe, acc[j], p.out_dtype, std::min<int64_t>(8, cols - 8 * j));
+    kn_row_avx2(p, xf.data(), w, orow, n0, n1);
   }
 }
 #undef IC_AVX2
 #endif
 
 void run(const RowsMatmulParams& p, void (*task)(const RowsMatmulParams&, int64_t, int64_t, int64_t)) {
-  const int64_t blocks = (p.N + kBlock - 1) / kBlock, tasks = p.G * blocks;
+  const int64_t width = p.w_nk ? kBlock : kKnBlock;
+  const int64_t blocks = (p.N + width - 1) / width, tasks = p.G * blocks;
   const int64_t work = p.G * p.M * p.N * p.K;
   auto body = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / blocks, b = t % blocks;
-      task(p, g, b * kBlock, std::min(p.N, (b + 1) * kBlock));
+      task(p, g, b * width, std::min(p.N, (b + 1) * width));
     }
   };
   static const int64_t bound = cpu::serial_work_bound("INDEXCACHE_ROWS_MATMUL_SERIAL_WORK", kParallelWork);
