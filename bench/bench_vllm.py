@@ -9,6 +9,14 @@ and layer count so that the indexer and attention are a visible share of the wor
 by transformers. For each setting and request count the engine serves ``requests`` prompts of
 ``prompt-len`` tokens: prefill tokens/s from a 1-token generation, decode tokens/s from the extra time
 of a ``decode``-token generation. Medians over ``repeats``. Prints a table and writes JSON.
+
+With ``--model DIR`` an existing checkpoint is served instead (bench/bench_llamacpp.py's, to set vLLM
+beside llama.cpp and ``indexcache generate`` on the same weights), one request at a time, each decode
+step timed alone through the engine's step loop; the engine's threads are the process's (vLLM's CPU
+worker binds ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0`` or ``0-1``)::
+
+    VLLM_CPU_OMP_THREADS_BIND=0-1 .venv-vllm/bin/python bench/bench_vllm.py \
+        --model /work/llcache/models/glm5-L8-h512-k512-s0-all-F --prompt-len 2048 --decode 64 --repeats 3
 """
 
 from __future__ import annotations
@@ -95,6 +103,42 @@ def measure(path, freq: int, requests: list[int], prompt_len: int, decode: int, 
     return rows
 
 
+def measure_steps(path, freq: int, prompt_len: int, decode: int, repeats: int, kv_mib: int, vocab: int):
+    """One request at a time through the engine's own step loop (``LLMEngine.add_request`` /
+    ``step``): prefill tokens/s from the first step, decode tokens/s from the median of the
+    ``decode`` steps after it (each step's wall time alone, so a noisy prefill does not enter it);
+    median, min and max over ``repeats`` requests."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    overrides = {"use_index_cache": True, "index_topk_freq": freq, "index_skip_topk_offset": 1}
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=prompt_len + decode + 8,
+              kv_cache_memory_bytes=kv_mib << 20, enforce_eager=True, seed=0, hf_overrides=overrides,
+              max_num_seqs=1, max_num_batched_tokens=prompt_len, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    g = torch.Generator().manual_seed(1)
+    pre, dec = [], []
+    try:
+        for rep in range(repeats + 1):  # the first request warms up
+            prompt = TokensPrompt(prompt_token_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist())
+            sp = SamplingParams(temperature=0.0, max_tokens=1 + decode, ignore_eos=True, detokenize=False)
+            engine.add_request(f"r{rep}", prompt, sp)
+            times = []
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            if rep:
+                pre.append(prompt_len / times[0])
+                dec.append(1.0 / statistics.median(times[1:]))
+    finally:
+        del llm
+        gc.collect()
+    return [{"freq": freq, "requests": 1, "context": prompt_len, "threads": torch.get_num_threads(),
+             "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dec),
+             "decode_tok_s_min": min(dec), "decode_tok_s_max": max(dec)}]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 4])
@@ -107,9 +151,22 @@ def main(argv=None):
     ap.add_argument("--freqs", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--kv-mib", type=int, default=256)
     ap.add_argument("--json", default="bench_vllm.json")
+    ap.add_argument("--model", help="serve this checkpoint (e.g. bench_llamacpp.py's) instead of writing one; "
+                                    "one request at a time, decode timed step by step (measure_steps)")
     args = ap.parse_args(argv)
     import vllm
 
+    if args.model:
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        rows = []
+        for freq in args.freqs:
+            rows += measure_steps(args.model, freq, args.prompt_len, args.decode, args.repeats, args.kv_mib, vocab)
+        for r in rows:
+            print(f"freq {r['freq']}, context {r['context']}, {r['threads']} threads: prefill {r['prefill_tok_s']:.1f} "
+                  f"tok/s, decode {r['decode_tok_s']:.1f} tok/s ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})")
+        Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "vllm": vllm.__version__, "torch": torch.__version__,
+                                               "args": vars(args), "rows": rows}, indent=2))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp), args.layers, args.hidden, args.topk)
         rows = []

@@ -67,6 +67,11 @@ TORCH_LIBRARY(indexcache, m) {
   // w[g, n, k] (w_nk, a linear layer's weight) or x[g, m, k] * w[g, k, n]; 2-D or 3-D (G first),
   // fp32 or bf16 each, last dims contiguous, summed in fp32.
   m.def("rows_matmul(Tensor x, Tensor w, bool w_nk, Tensor(a!) out) -> ()");
+  // A few rows through a weighted list of SwiGLU MLPs (a decode step's one-row MoE or a dense MLP;
+  // CPU only): out fp32 [M, D] = sum_e coef[e] * down_e(silu(x gate_e^T) * (x up_e^T)), x [M, D],
+  // gate_w / up_w [I_e, D], down_w [D, I_e], every intermediate rounded to x's dtype.
+  m.def(
+      "swiglu_rows(Tensor x, Tensor[] gate_w, Tensor[] up_w, Tensor[] down_w, float[] coef, Tensor(a!) out) -> ()");
   // A decode step's small ops (CPU only), fp32 inside, one rounding to out's dtype: RMSNorm of rows
   // x [N, D] with weight w [D] -> out [N, D]; rotary embedding of x [N, H, R] by cos / sin fp32
   // [N, R / 2] (interleaved or split-half pairs) -> out [N, H, R], which may be x itself.

@@ -124,6 +124,16 @@ def _rows_matmul_cases():
     ]
 
 
+def _swiglu_rows_cases():
+    x, g, d = torch.randn(1, 8).bfloat16(), torch.randn(6, 8).bfloat16(), torch.randn(8, 6).bfloat16()
+    return [
+        (o.swiglu_rows, (x, [g, g], [g, g], [d, d], [0.5, 1.0], torch.empty(1, 8)),
+         [(0, x.half(), "x must be"), (1, [g, torch.randn(6, 7)], r"gate_w\[1\] and up_w\[1\] must be"),
+          (3, [d, torch.randn(8, 5)], r"down_w\[1\] must be"), (4, [0.5], "one entry per expert"),
+          (5, torch.empty(1, 8).bfloat16(), "out must be float32"), (5, torch.empty(2, 8), "out must be")]),
+    ]
+
+
 def _norm_rope_cases():
     x, w = torch.randn(3, 8).bfloat16(), torch.randn(8)
     q, c = torch.randn(3, 2, 8), torch.randn(3, 4)
@@ -149,13 +159,16 @@ def _kpool_pool_cases():
     ]
 
 
-CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases(), *_rows_matmul_cases(), *_norm_rope_cases(),
+CASES = [*_indexer_cases(), *_mla_cases(), *_delta_rule_cases(), *_rows_matmul_cases(), *_swiglu_rows_cases(),
+         *_norm_rope_cases(),
          *_kpool_pool_cases()]
 
 
 def _fake_call(op, args):
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                [mode.from_tensor(t) for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a
+                for a in args]
         return op(*fake)
 
 

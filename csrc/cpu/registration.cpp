@@ -14,6 +14,7 @@ TORCH_LIBRARY_IMPL(indexcache, CPU, m) {
   register_block_sparse_cpu(m);
   register_delta_rule_cpu(m);
   register_rows_matmul_cpu(m);
+  register_swiglu_rows_cpu(m);
   register_norm_rope_cpu(m);
   register_kpool_pool_cpu(m);
 }

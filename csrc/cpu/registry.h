@@ -13,6 +13,7 @@ void register_sparse_mla_cpu(torch::Library& m);
 void register_block_sparse_cpu(torch::Library& m);
 void register_delta_rule_cpu(torch::Library& m);
 void register_rows_matmul_cpu(torch::Library& m);
+void register_swiglu_rows_cpu(torch::Library& m);
 void register_norm_rope_cpu(torch::Library& m);
 void register_kpool_pool_cpu(torch::Library& m);
 

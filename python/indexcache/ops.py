@@ -354,6 +354,23 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, w_nk: bool = True, out: torch.
     return out
 
 
+def swiglu_rows(x: torch.Tensor, experts: list, coef: list, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A few rows through a weighted list of SwiGLU MLPs, CPU only (a decode step's one-row MoE, or a
+    dense MLP with ``coef`` ``[1.0]``): ``experts`` a list of ``(gate [I, D], up [I, D], down [D, I])``
+    weights, ``coef`` one float per expert; returns fp32 ``out [M, D] = Σ_e coef[e] · down_e(silu(x
+    gate_e^T) · (x up_e^T))``, summed in list order, with every intermediate rounded to x's dtype as
+    the module's ops round them. :func:`indexcache.reference.swiglu_rows` is the definition."""
+    if len(experts) != len(coef):
+        raise ValueError(f"swiglu_rows needs one coef per expert, got {len(experts)} experts and {len(coef)} coefs")
+    if any(len(e) != 3 for e in experts):
+        raise ValueError("swiglu_rows takes each expert as a (gate, up, down) triple of weights")
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _ops.swiglu_rows(x, [e[0] for e in experts], [e[1] for e in experts], [e[2] for e in experts],
+                     [float(c) for c in coef], out)
+    return out
+
+
 def _error_word(device) -> torch.Tensor | None:
     device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":

@@ -334,6 +334,18 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, w_nk: bool = True, out_dtype: 
     return torch.matmul(x.float(), wf).to(out_dtype or x.dtype)
 
 
+def swiglu_rows(x: torch.Tensor, experts: list, coef: list) -> torch.Tensor:
+    """``Σ_e coef[e] · down_e(silu(x gate_e^T) · (x up_e^T))`` in fp32 (``ops.swiglu_rows``): each
+    projection by :func:`rows_matmul` rounded to x's dtype, silu rounded, times up rounded, the down
+    projection rounded, then widened, times ``coef[e]`` and added in list order."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for (gate, up, down), c in zip(experts, coef):
+        g, u = rows_matmul(x, gate), rows_matmul(x, up)
+        a = (torch.nn.functional.silu(g.float()).to(x.dtype).float() * u.float()).to(x.dtype)
+        out += torch.tensor(c, dtype=torch.float32) * rows_matmul(a, down).float()
+    return out
+
+
 # ----------------------------------------------------------------------------- delta-rule linear attention
 # GLM-5.3-Flash's Kimi Delta Attention (per-channel gate) and Qwen3.8-Flash-Next's Gated DeltaNet
 # (scalar gate) are one recurrence; kernels compute it chunk-wise for prefill, step-wise for decode.

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from indexcache import ops
 from indexcache.parallel import ParallelContext
-from indexcache.parallel.linear import linear
+from indexcache.parallel.linear import Linear, ShardedLinear, few_rows, linear
 
 from ..args import ModelArgs
 
@@ -34,7 +35,33 @@ class MLP(nn.Module):
         self.down_proj = par.linear(inter, dim, "down_proj", *row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = swiglu_sum(x, [self], [1.0])
+        if fused is not None:
+            return fused.to(x.dtype)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def swiglu_weights(self) -> tuple | None:
+        """(gate, up, down) weights for ``ops.swiglu_rows``, or None where a projection is not a
+        plain weight (FP8 blocks)."""
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(type(p) is Linear or (isinstance(p, ShardedLinear) and not p.fp8) for p in projs):
+            return None
+        return tuple(p.weight for p in projs)
+
+
+def swiglu_sum(x: torch.Tensor, mlps: list, coef: list) -> torch.Tensor | None:
+    """``Σ_e coef[e] · mlps[e](x)`` in fp32 by one ``ops.swiglu_rows`` call (a decode row on the CPU:
+    the same roundings as each MLP's own ops, without their 3 x E dispatches), or None where that op
+    does not apply (more rows, a gradient to record, FP8 or clamped experts, a CPU path without its
+    vectorised projections)."""
+    if x.dim() != 2:
+        return None
+    weights = [m.swiglu_weights() for m in mlps]
+    if any(w is None for w in weights) or not few_rows(x, *(t for w in weights for t in w)):
+        return None
+    if not all(t.is_contiguous() for w in weights for t in w):
+        return None
+    return ops.swiglu_rows(x, weights, coef)
 
 
 class FusedExperts(nn.Module):
@@ -120,10 +147,25 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         idx, weights = self.gate(x)
-        y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
-        if self.shared_experts is not None:
-            y += self.shared_experts(x)  # added in fp32 (y's dtype), as .float() first
+        y = None if sync_free or x.shape[0] != 1 else self._one_row_fused(x, idx, weights)
+        if y is None:
+            y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
+            if self.shared_experts is not None:
+                y += self.shared_experts(x)  # added in fp32 (y's dtype), as .float() first
         return self.par.all_reduce(y.to(x.dtype), "moe_all_reduce")
+
+    def _one_row_fused(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """``_one_row`` plus the shared expert as one ``ops.swiglu_rows`` call (the same experts, order,
+        roundings and fp32 sums), or None where that op does not apply."""
+        w = weights[0].tolist()
+        chosen = sorted((e, j) for j, e in enumerate(idx[0].tolist()) if self.e0 <= e < self.e1)
+        mlps, coef = [self.expert(e) for e, _ in chosen], [w[j] for _, j in chosen]
+        if self.shared_experts is not None:
+            mlps.append(self.shared_experts)
+            coef.append(1.0)
+        if not all(isinstance(m, MLP) for m in mlps):
+            return None
+        return swiglu_sum(x, mlps, coef)
 
     def _masked(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """No host reads (CUDA graphs): every local expert runs on every row and keeps the rows routed
@@ -175,6 +217,9 @@ class ClampedMLP(MLP):
     def __init__(self, dim: int, inter: int, limit: float, par: ParallelContext | None = None, shard: bool = False):
         super().__init__(dim, inter, par, shard)
         self.limit = limit
+
+    def swiglu_weights(self) -> tuple | None:
+        return None if self.limit > 0 else super().swiglu_weights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)

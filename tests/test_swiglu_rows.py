@@ -1,0 +1,168 @@
+"""ops.swiglu_rows (a few rows through a weighted list of SwiGLU MLPs: a decode step's one-row MoE on
+the CPU) against its definition (reference.swiglu_rows) and against a float64 evaluation, on every
+CPU path this machine runs, fp32 / bf16 mixes, vector tails, strided rows; bit-equal at 1 and 2
+threads; every refused input. Then the model: an MoE and a dense MLP through it give the outputs of
+their own op-by-op forward (the fused path switched off)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from indexcache import ops, reference
+from indexcache.models.blocks import moe as moe_mod
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def experts_of(gen, d, widths, dtype, scale=0.2):
+    return [tuple((torch.randn(*s, generator=gen) * scale).to(dtype) for s in ((i, d), (i, d), (d, i)))
+            for i in widths]
+
+
+def exact(x, experts, coef):
+    """The sum in float64 from the rounded intermediates' float64 values: the definition's values
+    without its fp32 summation (the bar below covers the roundings)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for (g, u, d), c in zip(experts, coef):
+        a = F.silu(x.double() @ g.double().t()) * (x.double() @ u.double().t())
+        out += c * (a @ d.double().t())
+    return out
+
+
+def bar(x, experts, coef):
+    """|error| allowed: every intermediate rounded to x's dtype (2^-8 relative for bf16, a few fp32
+    ulps otherwise) moves each down-projection term by that share of its absolute value."""
+    rel = 2.0 ** -6 if x.dtype == torch.bfloat16 else 2.0 ** -16
+    tol = torch.zeros(x.shape, dtype=torch.float64)
+    for (g, u, d), c in zip(experts, coef):
+        ga, ua = x.double().abs() @ g.double().abs().t(), x.double().abs() @ u.double().abs().t()
+        tol += abs(c) * ((ga * ua + ga.abs() + ua.abs()) @ d.double().abs().t())
+    return tol * rel + 1e-6
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", DTYPES)
+@pytest.mark.parametrize("m,d,widths", [(1, 512, [256, 256, 256]), (3, 70, [33, 17]), (8, 129, [64]), (1, 16, [])])
+def test_matches_definition(cpu_isa, x_dtype, w_dtype, m, d, widths):
+    gen = torch.Generator().manual_seed(m * 1000 + d + len(widths))
+    x = torch.randn(m, d, generator=gen).to(x_dtype)
+    experts = experts_of(gen, d, widths, w_dtype)
+    coef = torch.randn(len(widths), generator=gen).tolist()
+    out = torch.full((m, d), float("nan"))
+    ops.swiglu_rows(x, experts, coef, out=out)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - exact(x, experts, coef)).abs() <= bar(x, experts, coef)).all()
+    ref = reference.swiglu_rows(x, experts, coef)
+    assert ((out.double() - ref.double()).abs() <= bar(x, experts, coef)).all()
+    if not widths:
+        assert torch.equal(out, torch.zeros(m, d))
+
+
+def test_strided_rows_and_out_view(cpu_isa):
+    """x rows and out rows a view into wider buffers (last dims contiguous); the rest left alone."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 48, generator=gen).bfloat16()[:, :40]
+    experts = experts_of(gen, 40, [24, 8], torch.bfloat16)
+    buf = torch.full((3, 45), float("nan"))
+    ops.swiglu_rows(x, experts, [0.7, -0.2], out=buf[:, :40])
+    ref = reference.swiglu_rows(x.contiguous(), experts, [0.7, -0.2])
+    assert ((buf[:, :40].double() - ref.double()).abs() <= bar(x, experts, [0.7, -0.2])).all()
+    assert torch.isnan(buf[:, 40:]).all()
+
+
+def test_thread_count_does_not_change_results():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 1024, generator=gen).bfloat16()
+    experts = experts_of(gen, 1024, [4096, 512], torch.bfloat16, 0.05)   # above rows_matmul's one-thread bound
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.swiglu_rows(x, experts, [0.25, 1.0])
+        torch.set_num_threads(2)
+        two = ops.swiglu_rows(x, experts, [0.25, 1.0])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def _good():
+    x, g, d = torch.ones(1, 8), torch.ones(6, 8), torch.ones(8, 6)
+    return x, [g], [g], [d], [1.0], torch.empty(1, 8)
+
+
+@pytest.mark.parametrize("i,value,msg", [
+    (0, torch.ones(1, 8, dtype=torch.int32), "x must be float32 or bfloat16"),
+    (0, torch.ones(8), r"x must be \[M, D\]"),
+    (0, torch.ones(8, 2).t()[:1], "x's last dim must be contiguous"),
+    (1, [torch.ones(6, 8, dtype=torch.float16)], r"gate_w\[0\] must be float32 or bfloat16"),
+    (1, [torch.ones(6, 7)], r"gate_w\[0\] and up_w\[0\] must be \[I, 8\]"),
+    (2, [torch.ones(5, 8)], r"gate_w\[0\] and up_w\[0\] must be \[I, 8\]"),
+    (2, [torch.ones(6, 8), torch.ones(6, 8)], "one entry per expert"),
+    (3, [torch.ones(8, 5)], r"down_w\[0\] must be \[8, 6\]"),
+    (3, [torch.ones(8, 6, 1)], r"down_w\[0\] must be 2-D"),
+    (3, [torch.ones(6, 8).t()], r"down_w\[0\]'s last dim must be contiguous"),
+    (4, [1.0, 2.0], "one entry per expert"),
+    (5, torch.empty(1, 8).bfloat16(), "out must be float32"),
+    (5, torch.empty(2, 8), r"out must be \[1, 8\]"),
+    (5, torch.empty(8, 2).t()[:1], "out's last dim must be contiguous"),
+])
+def test_refusals(i, value, msg):
+    args = list(_good())
+    args[i] = value
+    with pytest.raises(RuntimeError, match=msg):
+        torch.ops.indexcache.swiglu_rows(*args)
+
+
+def test_out_aliasing_x_refused():
+    x = torch.ones(1, 8)
+    with pytest.raises(RuntimeError, match="out must not share memory with x"):
+        torch.ops.indexcache.swiglu_rows(x, [torch.ones(6, 8)], [torch.ones(6, 8)], [torch.ones(8, 6)], [1.0], x)
+
+
+def test_wrapper_refusals():
+    x, g, d = torch.ones(1, 8), torch.ones(6, 8), torch.ones(8, 6)
+    with pytest.raises(ValueError, match="one coef per expert"):
+        ops.swiglu_rows(x, [(g, g, d)], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"\(gate, up, down\) triple"):
+        ops.swiglu_rows(x, [(g, g)], [1.0])
+
+
+GLM5 = dict(vocab_size=64, hidden_size=96, intermediate_size=160, moe_intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+            kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=4,
+            index_head_dim=16, index_n_heads=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1,
+            topk_group=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_blocks_equal_their_op_by_op_forward(monkeypatch, dtype):
+    """A GLM-5 MoE (routed experts plus the shared one) and its dense MLP at one row through the op,
+    against the same blocks with the fused path switched off: the same experts, order and roundings."""
+    transformers = pytest.importorskip("transformers")
+    from indexcache.models import GlmMoeDsaForCausalLM
+    model = GlmMoeDsaForCausalLM.from_config(transformers.GlmMoeDsaConfig(**GLM5).to_dict(), dtype=dtype, seed=3)
+    blocks = [m for m in model.modules() if isinstance(m, (moe_mod.MoE, moe_mod.MLP))]
+    assert any(isinstance(b, moe_mod.MoE) for b in blocks)
+    gen = torch.Generator().manual_seed(5)
+    calls = []
+    real = ops.swiglu_rows
+    monkeypatch.setattr(ops, "swiglu_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        for trial in range(4):
+            x = torch.randn(1, GLM5["hidden_size"], generator=gen).to(dtype)
+            for b in blocks:
+                n = len(calls)
+                fused = b(x)
+                assert len(calls) == n + 1, "the decode row did not take ops.swiglu_rows"
+                with monkeypatch.context() as mp:
+                    mp.setattr(moe_mod, "swiglu_sum", lambda *a: None)
+                    plain = b(x)
+                assert fused.dtype == plain.dtype == dtype
+                # the same roundings: fp32 within a few ulps (torch's vectorised exp against libm's in
+                # silu), bf16 equal but for an odd rounding flipped by that ulp
+                diff = (fused.float() - plain.float()).abs()
+                scale = plain.float().abs().max().item()
+                if dtype == torch.float32:
+                    assert diff.max().item() <= 1e-5 * scale
+                else:
+                    assert (diff > 0).float().mean().item() <= 0.05 and diff.max().item() <= 2 ** -6 * scale
