@@ -479,9 +479,10 @@ struct AttnScratch {
   std::vector<std::pair<int32_t, int32_t>> sel, sel2;  // (block, row in group); sort scratch
   std::vector<int64_t> cnt;                           // sort scratch: a count per block
   std::vector<int64_t> nk, vg, pst;  // per block vector: keys seen, index in the group's [rows][g]
-  AttnScratch(int64_t mv, int64_t max_rows, int64_t topk, int64_t d, int64_t dp, int64_t ss, bool bf16)
+  // fused: P·V writes the o rows itself (block_sparse_attention's fused path), so no ob rows.
+  AttnScratch(int64_t mv, int64_t max_rows, int64_t topk, int64_t d, int64_t dp, int64_t ss, bool bf16, bool fused)
       : qg(bf16 ? 0 : mv * d), o(mv * dp), run_max(mv), run_sum(mv), alpha(mv), kt(bf16 ? 0 : d * ss, 0.0f),
-        vt(bf16 ? 0 : ss * dp, 0.0f), qp(bf16 ? 0 : (mv + kMR - 1) / kMR * d * kMR), s(mv * ss), ob(mv * dp),
+        vt(bf16 ? 0 : ss * dp, 0.0f), qp(bf16 ? 0 : (mv + kMR - 1) / kMR * d * kMR), s(mv * ss), ob(fused ? 0 : mv * dp),
         kstage(bf16 ? 0 : kNW * d), krow(kNW), vrow(ss), kr(ss), vr(ss), qv(mv), kt2(bf16 ? d / 2 * ss : 0, 0u),
         vt2(bf16 ? ss / 2 * dp : 0, 0u), qp2(bf16 ? (mv + 15) / 16 * 16 * (d / 2) : 0, 0u)  /* kQChunk-vector chunks */, zero(d / 2 + 16, 0u),
         ph(bf16 ? mv * ss : 0), pl(bf16 ? mv * ss : 0), bad(mv), has(max_rows), sel(max_rows * topk), sel2(max_rows * topk), nk(mv), vg(mv) {}
@@ -550,7 +551,7 @@ inline void attention(const BlockSparseAttnParams& p) {
   const bool fused = false;
 #endif
   at::parallel_for(0, ngroups * p.h_kv, 1, [&](int64_t w0, int64_t w1) {
-    AttnScratch w(mv, max_rows, p.topk, d, dp, ss, dot_bf16);
+    AttnScratch w(mv, max_rows, p.topk, d, dp, ss, dot_bf16, fused);
 #if defined(IC_AMX)
     // The blas path: AMX tiles for both products (block_sparse_amx.h). Tiles read whole 16-row,
     // 32-column panels: channel pairs up to d32 / 2 (zero past d / 2), score and P rows up to a
@@ -596,10 +597,11 @@ inline void attention(const BlockSparseAttnParams& p) {
         return static_cast<int64_t>(bt[i / p.page_size]) * p.page_size + i % p.page_size;
       };
       // ob[m..m+mr) (+)= P · V over keys [k0, nk) of the current block (k0 even on the bf16 path).
-      // Fused (bf16 without AMX): straight into the vectors' o rows, o·alpha first unless add.
+      // Fused (bf16 without AMX): straight into the vectors' o rows, o·alpha first unless add. (The
+      // AMX build's bf16 P·V is its tiles' loop below: the panels never run there.)
       auto pv_keys = [&](int mr, int64_t m, int64_t k0, int64_t nk, bool add) {
-#if defined(IC_BF16_DOT)
-        if (dot_bf16) {
+#if defined(IC_BF16_DOT) && !defined(IC_AMX)
+        if (fused) {
           float* orow[kMR];
           for (int r = 0; r < mr; ++r) orow[r] = &w.o[w.vg[m + r] * dp];
           return panel_pv_bf16_n(mr, reinterpret_cast<const uint32_t*>(&w.ph[m * ss]),
