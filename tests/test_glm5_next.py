@@ -485,3 +485,91 @@ def test_without_the_tail_paged_equals_dense(ckpt):
     assert torch.isfinite(full).all()
     got = run_paged(model, [seq], [13], chunk=6)[0]
     assert rel(got, full) < 1e-5
+
+
+# ============================================================================ issue 34 audit additions
+
+def hf_derived(seed, **ic):
+    """transformers' model on a config whose ``indexer_types`` transformers derives itself from
+    ``ic`` (``index_topk_pattern`` per layer, or ``index_topk_freq`` / ``index_skip_topk_offset``)."""
+    cfg = transformers.Glm5NextConfig(text_config={**TEXT, **ic}, vision_config=VISION)
+    model = transformers.Glm5NextForConditionalGeneration(cfg)
+    random_weights.randomize_(model, seed)
+    model = model.float().eval()
+    model.config._attn_implementation = model.config.text_config._attn_implementation = "eager"
+    return model
+
+
+@pytest.mark.parametrize("ic,pattern", [
+    ({"index_topk_pattern": "FFSFFSF"}, "FSFSF"),  # per layer, as transformers reads it
+    ({"index_topk_freq": 2, "index_skip_topk_offset": 3}, "FFFSF"),  # over layer ids, not indexed layers
+])
+def test_checkpoint_shipping_transformers_derivation_keys(tmp_path, ids, ic, pattern):
+    """A config transformers built from ``index_topk_pattern`` / ``index_topk_freq`` /
+    ``index_skip_topk_offset`` writes those keys beside the ``indexer_types`` it derived (the only
+    key its model reads): the checkpoint loads with transformers' plan and its logits."""
+    hf = hf_derived(int(torch.randint(0, 1 << 30, ())), **ic)
+    hf.save_pretrained(tmp_path)
+    shipped = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert all(shipped[k] == v for k, v in ic.items())  # both written
+    want = "".join("F" if hf.config.text_config.indexer_types[i] == "full" else "S" for i in INDEXED)
+    assert want == pattern
+    model = from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.plan.pattern == pattern and "shipped" in model.plan_summary()
+    assert rel(model(ids), hf_logits(hf, ids)) < 1e-4
+    # a hand-written config with the derivation keys and no indexer_types: derived as transformers does
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["text_config"]["indexer_types"]
+    assert Glm5NextForCausalLM.from_config(cfg).plan.pattern == pattern
+
+
+def test_shipped_freq_over_layer_ids_and_its_errors(ckpt):
+    """transformers' default offset 2 over the layer ids (FSSFS here: S layers behind a KDA layer,
+    which transformers cannot run but this package can); bad shipped values name their field; an S
+    first indexed layer names the model layer it is."""
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    text = {k: v for k, v in cfg["text_config"].items() if k != "indexer_types"}
+
+    def build(**changes):
+        return Glm5NextForCausalLM.from_config({**cfg, "text_config": {**text, **changes}})
+
+    want = transformers.Glm5NextTextConfig(**{**TEXT, "index_topk_freq": 2}).indexer_types
+    assert build(index_topk_freq=2).plan.pattern == "".join("F" if want[i] == "full" else "S" for i in INDEXED)
+    assert build(index_topk_freq=2).plan.pattern == "FSSFS"
+    assert build().plan.pattern == "FFFFF"  # nothing shipped: IndexCache off
+    with pytest.raises(ValueError, match="index_topk_freq in config.json must be an integer"):
+        build(index_topk_freq="2")
+    with pytest.raises(ValueError, match="index_topk_pattern must have one entry per layer"):
+        build(index_topk_pattern="FSF")
+    with pytest.raises(ValueError, match="index_topk_pattern in config.json must be a string"):
+        build(index_topk_pattern=5)
+    with pytest.raises(ValueError, match="its layer 0 is model layer 1"):  # offset 1: layer 1 shared
+        build(index_topk_freq=2, index_skip_topk_offset=1)
+
+
+def test_cli_generate_equals_transformers_generate_with_a_pattern(ckpt, tmp_path, capsys):
+    """The user's path: ``indexcache generate --json`` (fp32, chunked prefill, IndexCache FSFSF as
+    an override) gives transformers' greedy ``generate()`` tokens, transformers running the same
+    pattern natively through ``indexer_types``."""
+    from indexcache.cli import main
+    src, hf = ckpt
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))
+    prompt = "IndexCache on GLM-5.3-Flash, "
+    assert main(["generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "8", "--dtype", "fp32",
+                 "--prefill-chunk-size", "11", "--no-warmup", "--json",
+                 "--hf-overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFSF"}']) == 0
+    got = json.loads(capsys.readouterr().out)
+    ids = list(prompt.encode())  # bytes; no BOS (bos_token_id None)
+    assert got["prompt_tokens"] == len(ids)
+    shared = hf_model(0, pattern="FSFSF", state=hf.state_dict())
+    with torch.no_grad(), lower_index_ties():
+        want = shared.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        plain = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(ids):].tolist()
+    assert got["tokens"] == want
+    assert want != plain or rel(hf_logits(shared, torch.tensor([ids])), hf_logits(hf, torch.tensor([ids]))) > 1e-3

@@ -63,7 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         indexed, ic_keys = _family_reading(config) if args.layers is None else (None, config)
         indexed = csa if v4 else indexed
         cfg = IndexCacheConfig.from_config(ic_keys, args.hf_overrides)
-        plan = cfg.plan() if indexed is None else cfg.plan(len(indexed), 0)
+        plan = cfg.plan() if indexed is None else cfg.plan(len(indexed), 0, indexed)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     widths = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # a VL config's text tower
     dims = {k: widths[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in widths}
