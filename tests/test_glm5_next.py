@@ -573,3 +573,86 @@ def test_cli_generate_equals_transformers_generate_with_a_pattern(ckpt, tmp_path
                             pad_token_id=0)[0, len(ids):].tolist()
     assert got["tokens"] == want
     assert want != plain or rel(hf_logits(shared, torch.tensor([ids])), hf_logits(hf, torch.tensor([ids]))) > 1e-3
+
+
+def test_pattern_tools_against_transformers(ckpt, tmp_path, capsys):
+    """``overlap``: each entry is the share of indexed layer i's positions (the selected pools' and
+    the tail's) that layer j also reads, over the rows whose query sees more complete pools than it
+    keeps, counted here from transformers' own selections. ``search`` (greedy, JSON): every step's and
+    candidate's loss is the cross-entropy of a model loaded with that pattern, and of transformers'
+    logits where transformers can run the pattern (each S right after an F indexed layer). ``eval``:
+    its loss is transformers' cross-entropy under the same indexer_types."""
+    from indexcache.cli import main
+    from indexcache.tools.patterns import load_all_full, overlap_matrix, text_windows
+    src, hf = ckpt
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))
+    sample = tmp_path / "t.txt"
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    sample.write_bytes(bytes(torch.randint(32, 127, (400,), generator=g).tolist()))
+    windows = text_windows(sample.read_bytes(), 40, 2)
+    inputs, targets = windows[:, :-1], windows[:, 1:].reshape(-1)
+    m = overlap_matrix(load_all_full(path), windows)
+    hooks, choices = recorded_choices(hf.model.language_model.layers, lambda layer: False,
+                                      lambda layer: getattr(layer.self_attn, "indexer", None) is not None)
+    with hooks:
+        hf_logits(hf, inputs)
+    pos = torch.arange(40).repeat(2)
+    real = (pos + 1) // 4 > 8 // 4
+    sets = [[{int(p) for p in row if p >= 0} for row in choices[("selection", layer)].reshape(80, -1)[real]]
+            for layer in INDEXED]
+    for i in range(5):
+        for j in range(5):
+            want = sum(len(a & b) / len(a) for a, b in zip(sets[i], sets[j])) / len(sets[i])
+            assert float(m[i, j]) == pytest.approx(want, abs=1e-6), (i, j)
+    assert m.min() < 0.99  # the layers' choices differ somewhere
+
+    def runnable(p):  # transformers hands an S layer only the previous layer's selection
+        return all(c == "F" or (INDEXED[k] - 1 == INDEXED[k - 1] and p[k - 1] == "F") for k, c in enumerate(p))
+
+    def hf_loss(p):
+        model = hf if p == "FFFFF" else hf_model(0, pattern=p, state=hf.state_dict())
+        return float(F.cross_entropy(hf_logits(model, inputs).reshape(80, -1), targets))
+
+    common = ["--model", str(path), "--text", str(sample), "--context", "40", "--windows", "2"]
+    assert main(["search", *common, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [s["num_full"] for s in steps] == [5, 4, 3, 2, 1]
+    trials = {s["pattern"]: s["loss"] for s in steps}
+    for prev, s in zip(steps, steps[1:]):  # the candidates: the previous step's pattern with one more S
+        trials |= {prev["pattern"][:int(k)] + "S" + prev["pattern"][int(k) + 1:]: v for k, v in s["candidates"].items()}
+    checked = 0
+    for p, loss in trials.items():
+        model = from_pretrained(path, dtype=torch.float32, hf_overrides={"use_index_cache": True,
+                                                                         "index_topk_pattern": p})
+        assert loss == pytest.approx(float(F.cross_entropy(model(inputs).reshape(80, -1), targets)), rel=1e-5), p
+        if runnable(p):
+            assert loss == pytest.approx(hf_loss(p), rel=1e-4), p
+            checked += 1
+    assert checked >= 3
+    assert main(["eval", *common, "--json", "--overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFSF"}'
+                 ]) == 0
+    got = json.loads(capsys.readouterr().out)
+    row = next(r for r in got["rows"] if r["pattern"] == "FSFSF")
+    assert row["loss_nats"] == pytest.approx(hf_loss("FSFSF"), rel=1e-4)
+
+
+def test_overlap_without_the_tail_counts_rows_with_a_choice(ckpt):
+    """``index_kpool_always_select_tail: false``: a row is a choice once its query sees more
+    complete pools than it keeps (here 12 tokens or more), not once it has more than index_topk
+    tokens (9-11 tokens see only 2 pools and read both, which would count as full overlap)."""
+    from indexcache.tools.patterns import PatternRunner, overlap_matrix, text_windows
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"] = {**cfg["text_config"], "index_kpool_always_select_tail": False}
+    model = Glm5NextForCausalLM.from_config(cfg, seed=int(torch.randint(0, 1 << 30, ())))
+    windows = text_windows(bytes(range(32, 127)) * 2, 20, 2)
+    m = overlap_matrix(model, windows)
+    rows = PatternRunner(model, windows).run("FFFFF").rows
+    real = (torch.arange(20).repeat(2) + 1) // 4 > 2
+    sets = [[{int(p) for p in r if p >= 0} for r in rows[k][real]] for k in range(5)]
+    for i, j in ((0, 1), (4, 2), (1, 3)):
+        want = sum(len(a & b) / len(a) for a, b in zip(sets[i], sets[j])) / len(sets[i])
+        assert float(m[i, j]) == pytest.approx(want, abs=1e-6)

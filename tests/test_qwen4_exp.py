@@ -489,3 +489,28 @@ def test_another_shape_equals_transformers(tmp_path):
     assert rel(shared(ids), hf_logits(ref, ids, "FS")) < 1e-4
     seq = ids[0].tolist()
     assert rel(run_paged(shared, [seq], [11], chunk=5)[0], shared(ids)[0]) < 1e-5
+
+
+# ============================================================================ issue 34 audit additions
+
+def test_cli_generate_equals_transformers_generate(text, tmp_path, capsys, monkeypatch):
+    """The user's path: ``indexcache generate --json`` (fp32, chunked prefill, no IndexCache) gives
+    transformers' greedy ``generate()`` tokens (its own cache path; ties toward the lower block)."""
+    from indexcache.cli import main
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(text[0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))
+    prompt = "Qwen3.8-Flash-Next, "
+    assert main(["generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "8", "--dtype", "fp32",
+                 "--prefill-chunk-size", "7", "--no-warmup", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ids = [TEXT["bos_token_id"]] + list(prompt.encode())  # the byte tokenizer puts the config's BOS first
+    assert got["prompt_tokens"] == len(ids) and max(ids) < TEXT["vocab_size"]
+    patch(monkeypatch, text[1])
+    with torch.no_grad():
+        want = text[1].generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = want[0, len(ids):].tolist()
+    assert got["tokens"] == want, (got["tokens"], want, got["finish_reason"])
+    assert len(want) == 8 or want[-1] == TEXT["eos_token_id"]
