@@ -656,3 +656,18 @@ def test_overlap_without_the_tail_counts_rows_with_a_choice(ckpt):
     for i, j in ((0, 1), (4, 2), (1, 3)):
         want = sum(len(a & b) / len(a) for a, b in zip(sets[i], sets[j])) / len(sets[i])
         assert float(m[i, j]) == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_decode_across_pages_equals_the_full_forward(ckpt, block_size):
+    """Pages of 1 and 2 pools (the other decode tests' 64-token pages hold a whole request): the
+    latent, ``key | gate`` and pooled rows of a request spread over several blocks, pools completing
+    on a page's last token, chunks and decode steps crossing pages."""
+    path, _ = ckpt
+    model = from_pretrained(path, dtype=torch.float32, hf_overrides={"use_index_cache": True,
+                                                                       "index_topk_pattern": "FSSFS"})
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    seqs = [torch.randint(0, TEXT["vocab_size"], (n,), generator=g).tolist() for n in (41, 23)]
+    full = [model(torch.tensor([s]))[0] for s in seqs]
+    for got, want in zip(run_paged(model, seqs, [19, 6], chunk=7, block_size=block_size), full):
+        assert rel(got, want) < 1e-5

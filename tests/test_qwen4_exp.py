@@ -565,3 +565,15 @@ def test_pattern_tools_against_transformers(text, tmp_path, capsys):
                  ]) == 0
     row = next(r for r in json.loads(capsys.readouterr().out)["rows"] if r["pattern"] == "FSFS")
     assert row["loss_nats"] == pytest.approx(hf_loss("FSFS"), rel=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [4, 6])
+def test_decode_across_pages_equals_the_full_forward(text, block_size):
+    """Pages of 4 and 6 tokens (the other decode tests' 64-token pages hold a whole request; 6: QSA
+    blocks of 4 straddle pages): K, V and raw index keys of a request over several blocks."""
+    model = ours(text[0], {"use_index_cache": True, "index_topk_pattern": "FSSF"})
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    seqs = [torch.randint(3, TEXT["vocab_size"], (n,), generator=g).tolist() for n in (37, 22)]
+    full = [model(torch.tensor([s]))[0] for s in seqs]
+    for got, want in zip(run_paged(model, seqs, [19, 6], chunk=7, block_size=block_size), full):
+        assert rel(got, want) < 1e-5
