@@ -671,3 +671,20 @@ def test_decode_across_pages_equals_the_full_forward(ckpt, block_size):
     full = [model(torch.tensor([s]))[0] for s in seqs]
     for got, want in zip(run_paged(model, seqs, [19, 6], chunk=7, block_size=block_size), full):
         assert rel(got, want) < 1e-5
+
+
+def test_transformers_writes_the_released_names(ckpt):
+    """What ``save_pretrained`` wrote (and ``from_pretrained`` above read) is the released layout,
+    transformers' conversion mapping run backwards: per-expert matrices, three convs, the forget
+    gate and hyper-connection tensors under their original names, the vision tower beside."""
+    from safetensors import safe_open
+    path, _ = ckpt
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    lm = "model.language_model.layers"
+    for name in (f"{lm}.0.self_attn.f_a_proj.weight", f"{lm}.0.self_attn.A_log", f"{lm}.0.self_attn.q_conv1d.weight",
+                 f"{lm}.0.hc_attn_fn", f"{lm}.1.mlp.experts.3.gate_proj.weight", f"{lm}.1.mlp.experts.0.down_proj.weight",
+                 f"{lm}.1.self_attn.indexer.index_kpool_compress_ape"):
+        assert name in names, (name, sorted(n for n in names if n.startswith(name.rsplit(".", 2)[0]))[:8])
+    assert not any("gate_up_proj" in n or "forget_gate" in n or ".conv1d." in n for n in names)
+    assert any(n.startswith("model.visual.") for n in names)
