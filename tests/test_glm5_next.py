@@ -485,3 +485,206 @@ def test_without_the_tail_paged_equals_dense(ckpt):
     assert torch.isfinite(full).all()
     got = run_paged(model, [seq], [13], chunk=6)[0]
     assert rel(got, full) < 1e-5
+
+
+# ============================================================================ issue 34 audit additions
+
+def hf_derived(seed, **ic):
+    """transformers' model on a config whose ``indexer_types`` transformers derives itself from
+    ``ic`` (``index_topk_pattern`` per layer, or ``index_topk_freq`` / ``index_skip_topk_offset``)."""
+    cfg = transformers.Glm5NextConfig(text_config={**TEXT, **ic}, vision_config=VISION)
+    model = transformers.Glm5NextForConditionalGeneration(cfg)
+    random_weights.randomize_(model, seed)
+    model = model.float().eval()
+    model.config._attn_implementation = model.config.text_config._attn_implementation = "eager"
+    return model
+
+
+@pytest.mark.parametrize("ic,pattern", [
+    ({"index_topk_pattern": "FFSFFSF"}, "FSFSF"),  # per layer, as transformers reads it
+    ({"index_topk_freq": 2, "index_skip_topk_offset": 3}, "FFFSF"),  # over layer ids, not indexed layers
+])
+def test_checkpoint_shipping_transformers_derivation_keys(tmp_path, ids, ic, pattern):
+    """A config transformers built from ``index_topk_pattern`` / ``index_topk_freq`` /
+    ``index_skip_topk_offset`` writes those keys beside the ``indexer_types`` it derived (the only
+    key its model reads): the checkpoint loads with transformers' plan and its logits."""
+    hf = hf_derived(int(torch.randint(0, 1 << 30, ())), **ic)
+    hf.save_pretrained(tmp_path)
+    shipped = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert all(shipped[k] == v for k, v in ic.items())  # both written
+    want = "".join("F" if hf.config.text_config.indexer_types[i] == "full" else "S" for i in INDEXED)
+    assert want == pattern
+    model = from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.plan.pattern == pattern and "shipped" in model.plan_summary()
+    assert rel(model(ids), hf_logits(hf, ids)) < 1e-4
+    # a hand-written config with the derivation keys and no indexer_types: derived as transformers does
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["text_config"]["indexer_types"]
+    assert Glm5NextForCausalLM.from_config(cfg).plan.pattern == pattern
+
+
+def test_shipped_freq_over_layer_ids_and_its_errors(ckpt):
+    """transformers' default offset 2 over the layer ids (FSSFS here: S layers behind a KDA layer,
+    which transformers cannot run but this package can); bad shipped values name their field; an S
+    first indexed layer names the model layer it is."""
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    text = {k: v for k, v in cfg["text_config"].items() if k != "indexer_types"}
+
+    def build(**changes):
+        return Glm5NextForCausalLM.from_config({**cfg, "text_config": {**text, **changes}})
+
+    want = transformers.Glm5NextTextConfig(**{**TEXT, "index_topk_freq": 2}).indexer_types
+    assert build(index_topk_freq=2).plan.pattern == "".join("F" if want[i] == "full" else "S" for i in INDEXED)
+    assert build(index_topk_freq=2).plan.pattern == "FSSFS"
+    assert build().plan.pattern == "FFFFF"  # nothing shipped: IndexCache off
+    with pytest.raises(ValueError, match="index_topk_freq in config.json must be an integer"):
+        build(index_topk_freq="2")
+    with pytest.raises(ValueError, match="index_topk_pattern must have one entry per layer"):
+        build(index_topk_pattern="FSF")
+    with pytest.raises(ValueError, match="index_topk_pattern in config.json must be a string"):
+        build(index_topk_pattern=5)
+    with pytest.raises(ValueError, match="its layer 0 is model layer 1"):  # offset 1: layer 1 shared
+        build(index_topk_freq=2, index_skip_topk_offset=1)
+
+
+def test_cli_generate_equals_transformers_generate_with_a_pattern(ckpt, tmp_path, capsys):
+    """The user's path: ``indexcache generate --json`` (fp32, chunked prefill, IndexCache FSFSF as
+    an override) gives transformers' greedy ``generate()`` tokens, transformers running the same
+    pattern natively through ``indexer_types``."""
+    from indexcache.cli import main
+    src, hf = ckpt
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))
+    prompt = "IndexCache on GLM-5.3-Flash, "
+    assert main(["generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "8", "--dtype", "fp32",
+                 "--prefill-chunk-size", "11", "--no-warmup", "--json",
+                 "--hf-overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFSF"}']) == 0
+    got = json.loads(capsys.readouterr().out)
+    ids = list(prompt.encode())  # bytes; no BOS (bos_token_id None)
+    assert got["prompt_tokens"] == len(ids)
+    shared = hf_model(0, pattern="FSFSF", state=hf.state_dict())
+    with torch.no_grad(), lower_index_ties():
+        want = shared.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        plain = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(ids):].tolist()
+    assert got["tokens"] == want
+    assert want != plain or rel(hf_logits(shared, torch.tensor([ids])), hf_logits(hf, torch.tensor([ids]))) > 1e-3
+
+
+def test_pattern_tools_against_transformers(ckpt, tmp_path, capsys):
+    """``overlap``: each entry is the share of indexed layer i's positions (the selected pools' and
+    the tail's) that layer j also reads, over the rows whose query sees more complete pools than it
+    keeps, counted here from transformers' own selections. ``search`` (greedy, JSON): every step's and
+    candidate's loss is the cross-entropy of a model loaded with that pattern, and of transformers'
+    logits where transformers can run the pattern (each S right after an F indexed layer). ``eval``:
+    its loss is transformers' cross-entropy under the same indexer_types."""
+    from indexcache.cli import main
+    from indexcache.tools.patterns import load_all_full, overlap_matrix, text_windows
+    src, hf = ckpt
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))
+    sample = tmp_path / "t.txt"
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    sample.write_bytes(bytes(torch.randint(32, 127, (400,), generator=g).tolist()))
+    windows = text_windows(sample.read_bytes(), 40, 2)
+    inputs, targets = windows[:, :-1], windows[:, 1:].reshape(-1)
+    m = overlap_matrix(load_all_full(path), windows)
+    hooks, choices = recorded_choices(hf.model.language_model.layers, lambda layer: False,
+                                      lambda layer: getattr(layer.self_attn, "indexer", None) is not None)
+    with hooks:
+        hf_logits(hf, inputs)
+    pos = torch.arange(40).repeat(2)
+    real = (pos + 1) // 4 > 8 // 4
+    sets = [[{int(p) for p in row if p >= 0} for row in choices[("selection", layer)].reshape(80, -1)[real]]
+            for layer in INDEXED]
+    for i in range(5):
+        for j in range(5):
+            want = sum(len(a & b) / len(a) for a, b in zip(sets[i], sets[j])) / len(sets[i])
+            assert float(m[i, j]) == pytest.approx(want, abs=1e-6), (i, j)
+    assert m.min() < 0.99  # the layers' choices differ somewhere
+
+    def runnable(p):  # transformers hands an S layer only the previous layer's selection
+        return all(c == "F" or (INDEXED[k] - 1 == INDEXED[k - 1] and p[k - 1] == "F") for k, c in enumerate(p))
+
+    def hf_loss(p):
+        model = hf if p == "FFFFF" else hf_model(0, pattern=p, state=hf.state_dict())
+        return float(F.cross_entropy(hf_logits(model, inputs).reshape(80, -1), targets))
+
+    common = ["--model", str(path), "--text", str(sample), "--context", "40", "--windows", "2"]
+    assert main(["search", *common, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [s["num_full"] for s in steps] == [5, 4, 3, 2, 1]
+    trials = {s["pattern"]: s["loss"] for s in steps}
+    for prev, s in zip(steps, steps[1:]):  # the candidates: the previous step's pattern with one more S
+        trials |= {prev["pattern"][:int(k)] + "S" + prev["pattern"][int(k) + 1:]: v for k, v in s["candidates"].items()}
+    checked = 0
+    for p, loss in trials.items():
+        model = from_pretrained(path, dtype=torch.float32, hf_overrides={"use_index_cache": True,
+                                                                         "index_topk_pattern": p})
+        assert loss == pytest.approx(float(F.cross_entropy(model(inputs).reshape(80, -1), targets)), rel=1e-5), p
+        if runnable(p):
+            assert loss == pytest.approx(hf_loss(p), rel=1e-4), p
+            checked += 1
+    assert checked >= 3
+    assert main(["eval", *common, "--json", "--overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFSF"}'
+                 ]) == 0
+    got = json.loads(capsys.readouterr().out)
+    row = next(r for r in got["rows"] if r["pattern"] == "FSFSF")
+    assert row["loss_nats"] == pytest.approx(hf_loss("FSFSF"), rel=1e-4)
+
+
+def test_overlap_without_the_tail_counts_rows_with_a_choice(ckpt):
+    """``index_kpool_always_select_tail: false``: a row is a choice once its query sees more
+    complete pools than it keeps (here 12 tokens or more), not once it has more than index_topk
+    tokens (9-11 tokens see only 2 pools and read both, which would count as full overlap)."""
+    from indexcache.tools.patterns import PatternRunner, overlap_matrix, text_windows
+    path, _ = ckpt
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"] = {**cfg["text_config"], "index_kpool_always_select_tail": False}
+    model = Glm5NextForCausalLM.from_config(cfg, seed=int(torch.randint(0, 1 << 30, ())))
+    windows = text_windows(bytes(range(32, 127)) * 2, 20, 2)
+    m = overlap_matrix(model, windows)
+    rows = PatternRunner(model, windows).run("FFFFF").rows
+    real = (torch.arange(20).repeat(2) + 1) // 4 > 2
+    sets = [[{int(p) for p in r if p >= 0} for r in rows[k][real]] for k in range(5)]
+    for i, j in ((0, 1), (4, 2), (1, 3)):
+        want = sum(len(a & b) / len(a) for a, b in zip(sets[i], sets[j])) / len(sets[i])
+        assert float(m[i, j]) == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_decode_across_pages_equals_the_full_forward(ckpt, block_size):
+    """Pages of 1 and 2 pools (the other decode tests' 64-token pages hold a whole request): the
+    latent, ``key | gate`` and pooled rows of a request spread over several blocks, pools completing
+    on a page's last token, chunks and decode steps crossing pages."""
+    path, _ = ckpt
+    model = from_pretrained(path, dtype=torch.float32, hf_overrides={"use_index_cache": True,
+                                                                       "index_topk_pattern": "FSSFS"})
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    seqs = [torch.randint(0, TEXT["vocab_size"], (n,), generator=g).tolist() for n in (41, 23)]
+    full = [model(torch.tensor([s]))[0] for s in seqs]
+    for got, want in zip(run_paged(model, seqs, [19, 6], chunk=7, block_size=block_size), full):
+        assert rel(got, want) < 1e-5
+
+
+def test_transformers_writes_the_released_names(ckpt):
+    """What ``save_pretrained`` wrote (and ``from_pretrained`` above read) is the released layout,
+    transformers' conversion mapping run backwards: per-expert matrices, three convs, the forget
+    gate and hyper-connection tensors under their original names, the vision tower beside."""
+    from safetensors import safe_open
+    path, _ = ckpt
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    lm = "model.language_model.layers"
+    for name in (f"{lm}.0.self_attn.f_a_proj.weight", f"{lm}.0.self_attn.A_log", f"{lm}.0.self_attn.q_conv1d.weight",
+                 f"{lm}.0.hc_attn_fn", f"{lm}.1.mlp.experts.3.gate_proj.weight", f"{lm}.1.mlp.experts.0.down_proj.weight",
+                 f"{lm}.1.self_attn.indexer.index_kpool_compress_ape"):
+        assert name in names, (name, sorted(n for n in names if n.startswith(name.rsplit(".", 2)[0]))[:8])
+    assert not any("gate_up_proj" in n or "forget_gate" in n or ".conv1d." in n for n in names)
+    assert any(n.startswith("model.visual.") for n in names)

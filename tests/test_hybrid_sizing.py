@@ -143,3 +143,27 @@ def test_configs_it_cannot_size_are_refused(ckpts, tmp_path):
         plan("--config", str(flat), "--gpu-mem", "1", "--num-seqs", "2")
     with pytest.raises(ValueError, match="a DSA latent cache is fp8_ds_mla or bf16"):
         plan("--config", str(flat), "--gpu-mem", "1", "--kv-cache-dtype", "fp32")
+
+
+@pytest.mark.parametrize("family,pattern", CASES)
+def test_plan_reports_the_whole_sequence_cache(ckpts, family, pattern, capsys):
+    """``plan --config`` (no --gpu-mem): one request's whole cache at the context, all F and under
+    the plan, equals the paged cache the real model allocates (pages per token x context + one
+    slot of linear-attention state); IndexCache removes only the S layers' index caches."""
+    path = ckpts[family]
+    cfg = load_config(path)
+    context = BLOCKS * BLOCK * 7
+    overrides = [] if pattern is None else ["--hf-overrides", json.dumps({"use_index_cache": True,
+                                                                            "index_topk_pattern": pattern})]
+    assert main(["plan", "--config", str(path), "--json", "--context", str(context), *overrides]) == 0
+    costs = json.loads(capsys.readouterr().out)["costs"]
+    seq = costs["sequence_cache_bytes"]
+    _, per_token, state = measured(cfg, pattern, 1, 1, 0)
+    _, all_f_token, all_f_state = measured(cfg, None, 1, 1, 0)
+    assert seq["linear_state_bytes"] == state == all_f_state > 0
+    assert seq["plan"] == round(state + context * per_token) and seq["all_f"] == round(state + context * all_f_token)
+    assert seq["removed"] == costs["index_k_cache_bytes_per_sequence"]["removed"]  # the index caches, nothing else
+    assert (seq["removed"] > 0) == (pattern is not None)
+    assert main(["plan", "--config", str(path), "--context", str(context), *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "whole cache per sequence (attention in bf16)" in out and "of which linear-attention state" in out

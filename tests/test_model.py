@@ -298,11 +298,13 @@ def test_e_missing_and_misshaped_tensors(tmp_path):
 
 # ============================================================================ (f) paged caches
 
-def run_paged(model, seqs, prefill_lens, chunk, kv_cache_dtype="fp32"):
+def run_paged(model, seqs, prefill_lens, chunk, kv_cache_dtype="fp32", block_size=None):
     """Prefill ``prefill_lens[i]`` tokens of each sequence in chunks of <= ``chunk`` tokens per
     forward (requests mixed in one flattened batch), then decode the rest one token per step
-    with all unfinished requests batched. Returns the logits of every position per request."""
-    cache = model.allocate_cache(sum(-(-len(s) // 64) for s in seqs), kv_cache_dtype)
+    with all unfinished requests batched. Returns the logits of every position per request.
+    ``block_size``: the cache's page size (default: the family's, 64)."""
+    kw = {} if block_size is None else {"block_size": block_size}
+    cache = model.allocate_cache(sum(-(-len(s) // (block_size or 64)) for s in seqs), kv_cache_dtype, **kw)
     for i, s in enumerate(seqs):
         cache.manager.allocate(i, len(s))
     out = [[None] * len(s) for s in seqs]

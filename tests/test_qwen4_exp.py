@@ -489,3 +489,91 @@ def test_another_shape_equals_transformers(tmp_path):
     assert rel(shared(ids), hf_logits(ref, ids, "FS")) < 1e-4
     seq = ids[0].tolist()
     assert rel(run_paged(shared, [seq], [11], chunk=5)[0], shared(ids)[0]) < 1e-5
+
+
+# ============================================================================ issue 34 audit additions
+
+def test_cli_generate_equals_transformers_generate(text, tmp_path, capsys, monkeypatch):
+    """The user's path: ``indexcache generate --json`` (fp32, chunked prefill, no IndexCache) gives
+    transformers' greedy ``generate()`` tokens (its own cache path; ties toward the lower block)."""
+    from indexcache.cli import main
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(text[0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))
+    prompt = "Qwen3.8-Flash-Next, "
+    assert main(["generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "8", "--dtype", "fp32",
+                 "--prefill-chunk-size", "7", "--no-warmup", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ids = [TEXT["bos_token_id"]] + list(prompt.encode())  # the byte tokenizer puts the config's BOS first
+    assert got["prompt_tokens"] == len(ids) and max(ids) < TEXT["vocab_size"]
+    patch(monkeypatch, text[1])
+    with torch.no_grad():
+        want = text[1].generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = want[0, len(ids):].tolist()
+    assert got["tokens"] == want, (got["tokens"], want, got["finish_reason"])
+    assert len(want) == 8 or want[-1] == TEXT["eos_token_id"]
+
+
+def test_pattern_tools_against_transformers(text, tmp_path, capsys):
+    """``overlap`` counted from transformers' own QSA selections (its token masks as block rows);
+    every greedy-search loss (steps and candidates) and eval's loss equal the cross-entropy of
+    transformers' logits under that pattern (patched to reuse) and of a model loaded with it."""
+    from indexcache.cli import main
+    from indexcache.tools.patterns import load_all_full, overlap_matrix, text_windows
+    import shutil
+    path, ref = text[0], text[1]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(path, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "indexcache_tokenizer": "bytes"}))
+    sample = tmp_path / "t.txt"
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    sample.write_bytes(bytes(torch.randint(32, 127, (400,), generator=g).tolist()))
+    windows = text_windows(sample.read_bytes(), 40, 2)
+    inputs, targets = windows[:, :-1], windows[:, 1:].reshape(-1)
+    m = overlap_matrix(load_all_full(ckpt), windows)
+    want_logits, choices = fp32_choices(ref, inputs)
+    pos = torch.arange(40).repeat(2)
+    real = (pos + 1) // 4 > 2
+    sets = [[{int(b) for b in row if b >= 0} for row in block_rows(choices[("selection", layer)], 4, 2)[real]]
+            for layer in INDEXED]
+    for i in range(4):
+        for j in range(4):
+            want = sum(len(a & b) / len(a) for a, b in zip(sets[i], sets[j])) / len(sets[i])
+            assert float(m[i, j]) == pytest.approx(want, abs=1e-6), (i, j)
+    assert m.min() < 0.99
+
+    def hf_loss(p):
+        return float(torch.nn.functional.cross_entropy(hf_logits(ref, inputs, p).reshape(80, -1), targets))
+
+    common = ["--model", str(ckpt), "--text", str(sample), "--context", "40", "--windows", "2"]
+    assert main(["search", *common, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [s["num_full"] for s in steps] == [4, 3, 2, 1]
+    trials = {s["pattern"]: s["loss"] for s in steps}
+    for prev, s in zip(steps, steps[1:]):
+        trials |= {prev["pattern"][:int(k)] + "S" + prev["pattern"][int(k) + 1:]: v for k, v in s["candidates"].items()}
+    assert len(trials) == 7
+    for p, loss in trials.items():
+        model = ours(ckpt, {"use_index_cache": True, "index_topk_pattern": p})
+        assert loss == pytest.approx(float(torch.nn.functional.cross_entropy(model(inputs).reshape(80, -1), targets)),
+                                     rel=1e-5), p
+        assert loss == pytest.approx(hf_loss(p), rel=1e-4), p
+    assert main(["eval", *common, "--json", "--overrides", '{"use_index_cache": true, "index_topk_pattern": "FSFS"}'
+                 ]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out)["rows"] if r["pattern"] == "FSFS")
+    assert row["loss_nats"] == pytest.approx(hf_loss("FSFS"), rel=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [4, 6])
+def test_decode_across_pages_equals_the_full_forward(text, block_size):
+    """Pages of 4 and 6 tokens (the other decode tests' 64-token pages hold a whole request; 6: QSA
+    blocks of 4 straddle pages): K, V and raw index keys of a request over several blocks."""
+    model = ours(text[0], {"use_index_cache": True, "index_topk_pattern": "FSSF"})
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    seqs = [torch.randint(3, TEXT["vocab_size"], (n,), generator=g).tolist() for n in (37, 22)]
+    full = [model(torch.tensor([s]))[0] for s in seqs]
+    for got, want in zip(run_paged(model, seqs, [19, 6], chunk=7, block_size=block_size), full):
+        assert rel(got, want) < 1e-5

@@ -158,23 +158,32 @@ class IndexCacheConfig:
             replaced=replaced,
         )
 
-    def plan(self, num_hidden_layers: Optional[int] = None, num_nextn_predict_layers: Optional[int] = None) -> LayerPlan:
-        """The layer plan; layer counts default to the config's own."""
+    def plan(self, num_hidden_layers: Optional[int] = None, num_nextn_predict_layers: Optional[int] = None,
+             layer_ids: Optional[list] = None) -> LayerPlan:
+        """The layer plan; layer counts default to the config's own. ``layer_ids``: the main layer id
+        of each plan position when the plan covers some layers only (the hybrids' indexed layers),
+        named in an error about a position."""
         if num_hidden_layers is None:
             if self.num_hidden_layers is None:
                 raise ValueError("num_hidden_layers is not in the config; pass it to plan()")
             num_hidden_layers = self.num_hidden_layers
         if num_nextn_predict_layers is None:
             num_nextn_predict_layers = self.num_nextn_predict_layers
-        return build_layer_plan(
-            num_hidden_layers,
-            num_nextn_predict_layers,
-            use_index_cache=self.use_index_cache,
-            index_topk_freq=self.index_topk_freq,
-            index_topk_pattern=self.index_topk_pattern,
-            index_skip_topk_offset=self.index_skip_topk_offset,
-            indexer_types=self.indexer_types,
-        )
+        try:
+            return build_layer_plan(
+                num_hidden_layers,
+                num_nextn_predict_layers,
+                use_index_cache=self.use_index_cache,
+                index_topk_freq=self.index_topk_freq,
+                index_topk_pattern=self.index_topk_pattern,
+                index_skip_topk_offset=self.index_skip_topk_offset,
+                indexer_types=self.indexer_types,
+            )
+        except ValueError as e:
+            if layer_ids is None or list(layer_ids) == list(range(len(layer_ids))):
+                raise
+            raise ValueError(f"{e} (the plan has one entry per indexed layer: its layer 0 is model layer "
+                             f"{layer_ids[0]}, the indexed layers are {', '.join(map(str, layer_ids))})") from None
 
     def require_one_entry_per_layer(self, indexed: list) -> None:
         """For the hybrid families (GLM-5.3-Flash, Qwen3.8-Flash-Next): a pattern or ``indexer_types``
@@ -224,3 +233,28 @@ class IndexCacheConfig:
             if self.index_reuse_min_recall is not None:
                 out["index_reuse_min_recall"] = self.index_reuse_min_recall
         return json.dumps(out)
+
+
+def shipped_indexer_types(c: dict, n: int) -> tuple[Optional[list], str]:
+    """config.json's ``indexer_types`` as transformers' ``Glm5NextTextConfig`` (GLM-5.3-Flash) makes it (the only key
+    its model reads) and the key it came from: shipped as is, else derived from a shipped
+    ``index_topk_pattern`` (one entry per layer) or ``index_topk_freq`` / ``index_skip_topk_offset``
+    over the layer ids, not the indexed layers (full where ``max(i - offset + 1, 0) % freq == 0``,
+    offset 2 by default). The derivation inputs are dropped from ``c``: transformers writes them
+    beside the list they made."""
+    types = c.get("indexer_types")
+    pattern, freq, offset = (c.pop(k, None) for k in ("index_topk_pattern", "index_topk_freq",
+                                                         "index_skip_topk_offset"))
+    if types is not None:
+        return types, "indexer_types"
+    if pattern is not None:
+        if not isinstance(pattern, (str, list)):
+            raise ValueError(f"index_topk_pattern in config.json must be a string of F / S, got {pattern!r}")
+        return [{"F": "full", "S": "shared"}.get(t, t) for t in pattern], "index_topk_pattern"
+    for key, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{key} in config.json must be an integer, got {value!r}")
+    if freq is None and offset is None:
+        return None, ""
+    freq, offset = max(1 if freq is None else freq, 1), 2 if offset is None else offset
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)], "index_topk_freq"

@@ -43,8 +43,6 @@ def _family_reading(config: dict) -> tuple[Optional[list], dict]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from indexcache.config import IndexCacheConfig
-    from indexcache.plan import indexer_costs
-
     if args.config is None and args.layers is None:
         raise ValueError("give --config PATH or --layers N")
     if args.gpu_mem and args.config is None:
@@ -63,20 +61,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         indexed, ic_keys = _family_reading(config) if args.layers is None else (None, config)
         indexed = csa if v4 else indexed
         cfg = IndexCacheConfig.from_config(ic_keys, args.hf_overrides)
-        plan = cfg.plan() if indexed is None else cfg.plan(len(indexed), 0)
+        plan = cfg.plan() if indexed is None else cfg.plan(len(indexed), 0, indexed)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     widths = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # a VL config's text tower
     dims = {k: widths[k] for k in ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim") if k in widths}
-    if v4:
-        costs = _deepseek_v4_costs(config, plan, args.context)
-    elif config.get("model_type") in ("qwen4_exp", "qwen4_exp_text") and args.layers is None:
-        from indexcache.models.qwen4_exp import qsa_indexer_costs  # QSA: one key per block of tokens
-        costs = qsa_indexer_costs(config, plan, args.context)
-    elif config.get("model_type") in ("glm5_next", "glm5_next_text") and indexed is not None:
-        from indexcache.models.glm5_next import kpool_indexer_costs  # scores pools of keys, not keys
-        costs = kpool_indexer_costs(config, plan, args.context)
-    else:
-        costs = indexer_costs(plan, args.context, dims)
+    costs = _deepseek_v4_costs(config, plan, args.context) if v4 else _costs(config, plan, args, indexed, dims)
     main_id = (lambda i: i) if indexed is None else (lambda i: indexed[i])  # plan position -> main layer id
     layers = []
     for layer, (skip, src) in enumerate(zip(plan.skip_topk, plan.source_layer)):
@@ -131,6 +120,25 @@ def _deepseek_v4_csa(config: dict, args: argparse.Namespace) -> Optional[list]:
     return csa_layers_of(config)
 
 
+def _costs(config: dict, plan, args: argparse.Namespace, indexed: Optional[list], dims: dict) -> dict:
+    """What the plan removes, in the family's own terms; for the hybrids also one request's whole
+    cache, its constant linear-attention state apart."""
+    from indexcache.models.hybrid_sizing import hybrid_sequence_cache
+    from indexcache.plan import indexer_costs
+
+    if config.get("model_type") in ("qwen4_exp", "qwen4_exp_text") and args.layers is None:
+        from indexcache.models.qwen4_exp import qsa_indexer_costs  # QSA: one key per block of tokens
+        costs = qsa_indexer_costs(config, plan, args.context)
+    elif config.get("model_type") in ("glm5_next", "glm5_next_text") and indexed is not None:
+        from indexcache.models.glm5_next import kpool_indexer_costs  # scores pools of keys, not keys
+        costs = kpool_indexer_costs(config, plan, args.context)
+    else:
+        return indexer_costs(plan, args.context, dims)
+    costs["sequence_cache_bytes"] = hybrid_sequence_cache(config, plan.pattern, args.context,
+                                                          args.kv_cache_dtype or "auto")
+    return costs
+
+
 def _deepseek_v4_costs(config: dict, plan, context: int) -> dict:
     from indexcache.models.deepseek_v4 import csa_indexer_costs
     return csa_indexer_costs(config, plan, context)
@@ -149,10 +157,17 @@ def _print_costs(costs: dict, context: int, csa: Optional[list]) -> None:
             ("index_k_cache_bytes_per_sequence", k_label, "B")]
     if csa is not None:
         rows.append(("index_k_bytes_per_token", "index-K bytes per token of context", "B"))
+    seq = costs.get("sequence_cache_bytes")
+    if seq is not None:
+        what = {"auto": "bf16"}.get(seq["kv_cache_dtype"], seq["kv_cache_dtype"])
+        rows.append(("sequence_cache_bytes", f"whole cache per sequence (attention in {what})", "B"))
     for key, label, unit in rows:
         c = costs[key]
         print(f"  {label:<50} {_human(c['all_f'], unit):>12} -> {_human(c['plan'], unit):>12}"
               f"  (removes {_human(c['removed'], unit)}, {100 * c['removed_fraction']:.1f}%)")
+    if seq is not None:
+        print(f"    of which linear-attention state {_human(seq['linear_state_bytes'], 'B')} per request "
+              "(constant in context; IndexCache leaves it)")
 
 
 def _scaleout(args, config: dict, plan) -> dict:

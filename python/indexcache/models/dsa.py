@@ -186,7 +186,7 @@ class DSAForCausalLM(nn.Module):
                              f"{args.qk_rope_head_dim}, index_head_dim {args.index_head_dim} (run it on the CPU)")
         ic = IndexCacheConfig.from_config(cls.index_cache_config(config), ic_overrides)
         indexed = cls.indexed_layers(args)
-        plan = ic.plan(len(indexed), args.num_nextn_predict_layers)
+        plan = ic.plan(len(indexed), args.num_nextn_predict_layers, indexed)
         par = parallel or ParallelContext()
         step_reuse.check_family(cls, ic.index_reuse_steps)
         if pp_stage_starts_full and par.pp_size > 1:

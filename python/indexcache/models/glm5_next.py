@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from indexcache.config import INDEX_CACHE_KEYS
+from indexcache.config import INDEX_CACHE_KEYS, shipped_indexer_types
 from indexcache.parallel import ParallelContext, check_divisible, dense_weight
 
 from .args import ModelArgs
@@ -376,17 +376,19 @@ class Glm5NextForCausalLM(DSAForCausalLM):
 
     @classmethod
     def index_cache_config(cls, config: dict) -> dict:
-        """IndexCache keys from the text tower (outer keys win), ``indexer_types`` cut to the indexed
-        layers' entries when it lists every layer."""
+        """IndexCache keys from the text tower (outer keys win): the checkpoint's plan is the
+        ``indexer_types`` transformers runs (``config.shipped_indexer_types``), cut to the indexed layers'
+        entries when it lists every layer."""
         text = text_config_of(config)
         out = {**config, **{k: v for k, v in text.items() if k in INDEX_CACHE_KEYS}}
-        types = out.get("indexer_types")
+        n = int(text["num_hidden_layers"])
+        types, key = shipped_indexer_types(out, n)
         if types is not None:
-            n = int(text["num_hidden_layers"])
+            out["indexer_types"] = types
             layer_types = _layer_types(text, n)
             indexed = [i for i, t in enumerate(layer_types) if t == INDEXED]
             if not isinstance(types, list) or len(types) not in (n, len(indexed)):
-                raise ValueError(f"indexer_types must have one entry per layer ({n}) or per indexed layer "
+                raise ValueError(f"{key} must have one entry per layer ({n}) or per indexed layer "
                                  f"({len(indexed)}), got {types!r}")
             if len(types) == n:
                 out["indexer_types"] = [types[i] for i in indexed]

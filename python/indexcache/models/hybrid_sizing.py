@@ -136,3 +136,35 @@ def print_hybrid_scaleout(so: dict) -> None:
     more = m["tokens_fit"] - base["tokens_fit"]
     print(f"    plan: {m['tokens_fit']} tokens of context per GPU, {more:+d} against all F "
           f"({100 * more / max(base['tokens_fit'], 1):+.1f}%)")
+
+
+def hybrid_sequence_cache(config: dict, pattern: str, context: int, kv_cache_dtype: str = "auto") -> dict:
+    """One request's paged cache at ``context`` tokens under ``pattern`` (one F/S per indexed layer)
+    and with every indexed layer F (``indexcache plan --config``), one process, counted as
+    ``hybrid_budget`` counts it: the indexed layers' pages grow with the context (an S layer keeps
+    its latent or K/V, not its index cache), the linear-attention state does not. Bytes per token
+    are exact where ``context`` fills whole blocks (GLM-5.3-Flash's pooled rows: one per pool)."""
+    if kv_cache_dtype not in _DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: {config.get('model_type')} caches its "
+                         f"attention in {', '.join(_DTYPES)} (no FP8 MLA format)")
+    cls = model_class(config)
+    glm = config["model_type"].startswith("glm5_next")
+    stage = _glm_stage if glm else _qwen_stage
+    nested = isinstance(config.get("text_config"), dict)
+    text = config["text_config"] if nested else config
+    # no cache depends on the MLPs: built without routed experts (GLM-5.3-Flash's 256 per layer as
+    # meta modules took 10 s a build, now about 1 s)
+    cheap = {"mlp_layer_types": ["dense"] * int(text["num_hidden_layers"])} if glm else \
+        {"num_experts": 1, "num_experts_per_tok": 1}
+    config = {**config, **{k: v for k, v in cheap.items() if k in config or not nested}}
+    if nested:
+        config["text_config"] = {**text, **cheap}
+    out = {}
+    for name, p in (("all_f", "F" * len(pattern)), ("plan", pattern)):
+        model = cls.from_config(config, {"use_index_cache": True, "index_topk_pattern": p}, dtype=torch.bfloat16,
+                                init="meta")
+        per_token, state = stage(model, _DTYPES[kv_cache_dtype])
+        out[name] = int(round(state + context * per_token))
+    removed = out["all_f"] - out["plan"]
+    return {**out, "removed": removed, "removed_fraction": removed / out["all_f"] if out["all_f"] else 0.0,
+            "linear_state_bytes": state, "kv_cache_dtype": kv_cache_dtype}

@@ -173,8 +173,9 @@ def cross_entropy(model: DSAForCausalLM, normed_hidden: torch.Tensor, targets: t
 
 def _selections(model: DSAForCausalLM, rows: torch.Tensor, pos: torch.Tensor, t: int) -> torch.Tensor:
     """One indexed layer's choices as bool masks over what it selects from, one mask per query row
-    whose window offers a real choice: tokens ``[R, t]`` (DSA), or with a block indexer
-    (MiniMax-M3) key blocks per KV head ``[R * kv_heads, ceil(t / block)]``."""
+    whose window offers a real choice: tokens ``[R, t]`` (DSA; with pooled keys, GLM-5.3-Flash, the
+    rows whose query sees more complete pools than it keeps, whether or not the tail is selected too),
+    or with a block indexer (MiniMax-M3) key blocks per KV head ``[R * kv_heads, ceil(t / block)]``."""
     a = model.args
     if getattr(a, "indexer_compress_ratio", 0):  # QSA (Qwen3.8-Flash-Next): block ids, the query's own block last
         bs = a.indexer_compress_ratio
@@ -184,6 +185,9 @@ def _selections(model: DSAForCausalLM, rows: torch.Tensor, pos: torch.Tensor, t:
         h, kb, bs = a.num_kv_heads, a.index_topk_blocks, a.index_block_size
         units, real = -(-t // bs), (pos // bs + 1) > kb
         r = rows[real].long().view(-1, h, kb).reshape(-1, kb)
+    elif getattr(a, "index_kpool", 1) > 1:  # GLM-5.3-Flash: a choice once more pools are complete than it keeps
+        units, real = t, (pos + 1) // a.index_kpool > a.index_topk_tokens // a.index_kpool
+        r = rows[real].long()
     else:
         units, real = t, (pos + 1) > a.index_topk
         r = rows[real].long()
