@@ -3,13 +3,14 @@
     python bench/bench_rows_matmul.py [--threads 1] [--repeat 7] [--rows 1] [--json OUT]
 
 Each shape is a projection of a decode step (the GLM-5 checkpoint of bench_llamacpp.py, 8 layers x
-hidden 512, and DeepSeek-V3.2's production widths); every call reads a different copy of the weight
+hidden 512, and DeepSeek-V3.2's production widths; the absorbed MLA heads, 16 per-head matrices
+against torch.bmm); every call reads a different copy of the weight
 (copies cycled until more than 256 MB have been read), so the weight comes from DRAM as it does in
 a decode step, where ~100 MB of weights are read once each. The machine's own ceiling beside them:
 one ``copy_`` of a 256 MB buffer (bytes read + written per second, measured before and after).
 The variants run interleaved, ``--repeat`` rounds; each figure is the median of the rounds with
 min / max. Prints one table (GB/s of weight read, and ours / torch) and, with --json, one record
-per shape: {"shape", "dtype", "rows", "threads", "ours_gb_s", "ours_min", "ours_max", "torch_gb_s",
+per shape: {"shape", "g", "w_nk", "dtype", "rows", "threads", "ours_gb_s", "ours_min", "ours_max", "torch_gb_s",
 "torch_min", "torch_max", "ratio", "copy_gb_s", "cpu_model"}.
 """
 
@@ -38,12 +39,18 @@ SHAPES = [
     ("v3.2 expert gate/up", 2048, 7168),
     ("v3.2 expert down", 7168, 2048),
 ]
+# (name, G, N, K, w_nk): the absorbed MLA heads, one [K, N] (W_UK: q_nope into the latent) or [N, K]
+# (W_UV: the latent out to v) matrix per head, bf16 of the GLM-5 bench checkpoint's 16 heads
+HEAD_SHAPES = [
+    ("glm5 bench W_UK heads [K, N]", 16, 512, 64, False),
+    ("glm5 bench W_UV heads [N, K]", 16, 64, 512, True),
+]
 READ_BYTES = 256 << 20
 
 
-def copies_of(n: int, k: int, dtype) -> list:
-    per = n * k * torch.finfo(dtype).bits // 8
-    return [torch.randn(n, k).to(dtype) for _ in range(max(2, READ_BYTES // per))]
+def copies_of(shape: tuple, dtype) -> list:
+    per = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
+    return [torch.randn(*shape).to(dtype) for _ in range(max(2, READ_BYTES // per))]
 
 
 def rate(fn, weights: list) -> float:
@@ -64,13 +71,20 @@ def copy_rate() -> float:
     return 2 * READ_BYTES / (time.perf_counter() - t0) / 1e9
 
 
-def bench_shape(name, n, k, args, dtype) -> dict:
-    weights = copies_of(n, k, dtype)
-    x = torch.randn(args.rows, k).to(dtype)
-    out = torch.empty(args.rows, n)
+def bench_shape(name, n, k, args, dtype, g: int = 0, w_nk: bool = True) -> dict:
+    """One shape, 2-D (``g`` 0: ``[N, K]``, against F.linear) or per head (``g`` matrices, ``[N, K]``
+    or ``[K, N]`` as ``w_nk`` says, against torch.bmm)."""
+    lead = (g,) if g else ()
+    weights = copies_of(lead + ((n, k) if w_nk else (k, n)), dtype)
+    x = torch.randn(*lead, args.rows, k).to(dtype)
+    out = torch.empty(*lead, args.rows, n)
+    if not g:
+        theirs = lambda w: F.linear(x, w)  # noqa: E731
+    else:
+        theirs = (lambda w: torch.bmm(x, w.transpose(1, 2))) if w_nk else (lambda w: torch.bmm(x, w))  # noqa: E731
     variants = {
-        "ours": lambda w: ops.rows_matmul(x, w, True, out=out),
-        "torch": lambda w: F.linear(x, w),
+        "ours": lambda w: ops.rows_matmul(x, w, w_nk, out=out),
+        "torch": theirs,
     }
     for fn in variants.values():  # touch every copy once
         rate(fn, weights)
@@ -78,8 +92,8 @@ def bench_shape(name, n, k, args, dtype) -> dict:
     for _ in range(args.repeat):
         for v, fn in variants.items():
             got[v].append(rate(fn, weights))
-    rec = {"shape": name, "n": n, "k": k, "dtype": str(dtype).replace("torch.", ""), "rows": args.rows,
-           "threads": torch.get_num_threads(), "cpu_model": cpu_model()}
+    rec = {"shape": name, "g": g, "w_nk": w_nk, "n": n, "k": k, "dtype": str(dtype).replace("torch.", ""),
+           "rows": args.rows, "threads": torch.get_num_threads(), "cpu_model": cpu_model()}
     for v, r in got.items():
         rec.update({f"{v}_gb_s": statistics.median(r), f"{v}_min": min(r), f"{v}_max": max(r)})
     rec["ratio"] = rec["ours_gb_s"] / rec["torch_gb_s"]
@@ -101,6 +115,8 @@ def main(argv=None) -> int:
         copies = [copy_rate() for _ in range(3)]
         for name, n, k in SHAPES:
             records.append(bench_shape(name, n, k, args, dtype))
+        for name, g, n, k, w_nk in HEAD_SHAPES:
+            records.append(bench_shape(name, n, k, args, dtype, g, w_nk))
         copies += [copy_rate() for _ in range(3)]
     copy = statistics.median(copies)
     print(f"{cpu_model()}, {args.threads} thread(s), {args.rows} row(s), {args.dtype} weights; "
