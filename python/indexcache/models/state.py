@@ -80,7 +80,9 @@ class BatchMeta:
             if c + q > cache.manager.capacity(rid):
                 raise ValueError(f"request {rid!r}: {c + q} tokens but only {cache.manager.capacity(rid)} allocated")
         pos = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx_lens, q_lens)]).to(device)
-        req = torch.repeat_interleave(torch.arange(len(q_lens), dtype=torch.int32), torch.tensor(q_lens)).to(device)
+        # built on the host: torch.repeat_interleave opens an OpenMP region, which at a decode step's
+        # few rows waits for a sleeping worker (0.1 ms a call at 2 threads, docs/profiling.md)
+        req = torch.tensor([i for i, q in enumerate(q_lens) for _ in range(q)], dtype=torch.int32).to(device)
         lens = torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32, device=device)
         slots = ops.positions_to_slots(pos.view(-1, 1).int(), req, table, cache.block_size).view(-1).long()
         return cls(pos, req, q_lens, ctx_lens, lens, table, cache.block_size, slots, tuple(rids))
