@@ -883,8 +883,8 @@ def test_indexer_runs_the_path_dispatch_names(dtype, heads):
 
 def test_every_op_has_a_kernel_per_backend():
     """Every schema of csrc/torch_bindings.cpp has its CPU kernel (cuda_error_word is CUDA only)
-    and, in a build with the CUDA kernels, its CUDA kernel (rows_matmul, rms_norm and rope are CPU
-    only: the decode rows of a CPU step): the one registration block per backend (csrc/{cpu,cuda}/registration.*)
+    and, in a build with the CUDA kernels, its CUDA kernel (rows_matmul, swiglu_rows, rms_norm and rope
+    are CPU only: the decode rows of a CPU step): the one registration block per backend (csrc/{cpu,cuda}/registration.*)
     misses none."""
     import indexcache
 
@@ -898,7 +898,7 @@ def test_every_op_has_a_kernel_per_backend():
         dump = torch._C._dispatch_dump(f"indexcache::{name}")
         if name != "cuda_error_word":
             assert "\nCPU: registered" in dump, f"{name} has no CPU kernel"
-        if cuda and name not in ("rows_matmul", "rms_norm", "rope"):
+        if cuda and name not in ("rows_matmul", "swiglu_rows", "rms_norm", "rope"):
             assert "\nCUDA: registered" in dump, f"{name} has no CUDA kernel"
 
 
@@ -931,6 +931,9 @@ def test_opcheck_all_ops():
         (o.rows_matmul.default, (torch.randn(2, 8).bfloat16(), torch.randn(5, 8), True, torch.empty(2, 5))),
         (o.rows_matmul.default, (torch.randn(3, 2, 8), torch.randn(3, 8, 4).bfloat16(), False,
                                  torch.empty(3, 2, 4, dtype=torch.bfloat16))),
+        (o.swiglu_rows.default, (torch.randn(2, 8).bfloat16(), [torch.randn(6, 8).bfloat16(), torch.randn(3, 8)],
+                                 [torch.randn(6, 8).bfloat16(), torch.randn(3, 8)],
+                                 [torch.randn(8, 6).bfloat16(), torch.randn(8, 3)], [0.5, -1.0], torch.empty(2, 8))),
     ]
     for op, args in cases:
         has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
