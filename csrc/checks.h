@@ -74,6 +74,13 @@ inline DType float_dtype(const at::Tensor& t, const char* name) {
   return to_dtype(t.scalar_type(), name);
 }
 
+// A tensor whose last dim is contiguous (stride 1, or at most one element): the row kernels'
+// operands (rows_matmul, swiglu_rows, norm_rope), any strides above it.
+inline void check_unit_last(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, "'s last dim must be contiguous, got strides ",
+              t.strides());
+}
+
 inline void check_slot_mapping(const at::Tensor& slot_mapping, int64_t n, const at::Tensor& like) {
   IC_CHECK_DTYPE(slot_mapping, at::kLong, "slot_mapping");
   IC_CHECK_DIM(slot_mapping, 1, "slot_mapping");

@@ -181,11 +181,6 @@ void over_items(int64_t items, int64_t values_each, const Body& body) {
   at::parallel_for(0, items, std::max<int64_t>(kChunkValues / std::max<int64_t>(values_each, 1), 1), body);
 }
 
-void check_unit_last(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, "'s last dim must be contiguous, got strides ",
-              t.strides());
-}
-
 void rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   IC_CHECK_DIM(x, 2, "x");
   IC_CHECK_DIM(w, 1, "w");

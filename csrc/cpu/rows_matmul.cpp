@@ -318,9 +318,9 @@ void rows_matmul_op(const at::Tensor& x, const at::Tensor& w, bool w_nk, at::Ten
                 w.sizes(), " and ", out.sizes());
     TORCH_CHECK(out.size(b) == q.M && out.size(b + 1) == q.N, "out must be [.., ", q.M, ", ", q.N, "], got ",
                 out.sizes());
-    for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&w, "w"}, {&out, "out"}})
-      TORCH_CHECK(t->size(-1) <= 1 || t->stride(-1) == 1, name, "'s last dim must be contiguous, got strides ",
-                  t->strides());
+    check_unit_last(x, "x");
+    check_unit_last(w, "w");
+    check_unit_last(out, "out");
     q.x = x.data_ptr();
     q.w = w.data_ptr();
     q.out = out.data_ptr();

@@ -82,8 +82,7 @@ void swiglu_rows_op(const at::Tensor& x, at::TensorList gate_w, at::TensorList u
     for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&g, "gate_w"}, {&u, "up_w"}, {&d, "down_w"}}) {
       TORCH_CHECK(t->dim() == 2, name, "[", n, "] must be 2-D, got shape ", t->sizes());
       IC_CHECK_SAME_DEVICE(x, *t, "x", "the expert weights");
-      TORCH_CHECK(t->size(-1) <= 1 || t->stride(-1) == 1, name, "[", n, "]'s last dim must be contiguous, got strides ",
-                  t->strides());
+      check_unit_last(*t, (std::string(name) + "[" + n + "]").c_str());
     }
     TORCH_CHECK(g.size(1) == p.D && u.sizes() == g.sizes(), "gate_w[", n, "] and up_w[", n, "] must be [I, ", p.D,
                 "], got ", g.sizes(), " and ", u.sizes());
@@ -102,9 +101,8 @@ void swiglu_rows_op(const at::Tensor& x, at::TensorList gate_w, at::TensorList u
     s.down_sr = d.stride(0);
     s.coef = static_cast<float>(coef[e]);
   }
-  TORCH_CHECK(x.size(-1) <= 1 || x.stride(-1) == 1, "x's last dim must be contiguous, got strides ", x.strides());
-  TORCH_CHECK(out.size(-1) <= 1 || out.stride(-1) == 1, "out's last dim must be contiguous, got strides ",
-              out.strides());
+  check_unit_last(x, "x");
+  check_unit_last(out, "out");
   IC_CHECK_SAME_DEVICE(x, out, "x", "out");
   p.x = x.data_ptr();
   p.out = out.data_ptr<float>();
