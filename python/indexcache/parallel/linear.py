@@ -3,6 +3,7 @@ dtype or as e4m3 with the checkpoint's fp32 128x128 block scales (DESIGN.md §11
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -22,6 +23,34 @@ FEW_ROWS = 8
 # A weight read in a wider dtype than it is held in (a bf16 LM head's fp32 logits) is widened this
 # many bytes at a time (a block of its rows stays in cache), never as a whole copy.
 WIDEN_BLOCK_BYTES = 4 << 20
+
+
+@functools.cache
+def _native_bf16_gemm() -> bool:
+    """Whether torch's CPU GEMM runs bf16 at bf16 rates here: AVX-512 BF16 dot products or AMX tiles
+    (oneDNN's bf16 kernels). Without them (an AVX2-only Zen 3, 2026-12-05) it runs bf16 x bf16 at
+    8-9 GFLOP/s against fp32's 55-67 (docs/performance.md)."""
+    f = _C._cpu_features()
+    return bool(f["avx512bf16"] or f["amx_bf16"] or f["brgemm_bf16"])
+
+
+def widen_16bit(*ts: torch.Tensor) -> bool:
+    """Whether a CPU product of these bf16 tensors (no gradient to record) runs faster as fp32
+    sums of the operands widened to fp32 on this CPU (no native bf16 GEMM): the same fp32 sums
+    torch's bf16 GEMM makes, rounded once to bf16 at the end. Elsewhere False."""
+    if not all(t.is_cpu and t.dtype == torch.bfloat16 for t in ts):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return False
+    return not _native_bf16_gemm()
+
+
+def einsum_16bit(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(eq, a, b)`` in a's dtype; bf16 operands on a CPU without a native bf16 GEMM
+    are widened to fp32 for the product and the result rounded back (:func:`widen_16bit`)."""
+    if widen_16bit(a, b):
+        return torch.einsum(eq, a.float(), b.float()).to(a.dtype)
+    return torch.einsum(eq, a, b)
 
 
 def few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -52,6 +81,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtyp
     if x.dim() == 2 and weight.is_contiguous() and few_rows(x, weight):
         return ops.rows_matmul(x, weight, True, out_dtype=out_dtype)
     dt = out_dtype or x.dtype
+    if dt == weight.dtype and widen_16bit(x, weight):
+        return _linear_widened(x, weight)
     if weight.dtype == dt:
         return F.linear(x.to(dt), weight)
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -66,6 +97,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtyp
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     for r0 in range(0, weight.shape[0], rows):
         out[..., r0:r0 + rows] = F.linear(x, weight[r0:r0 + rows].to(dt))
+    return out
+
+
+def _linear_widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 ``x W^T`` as fp32 GEMMs: x widened once, the weight ``WIDEN_BLOCK_BYTES`` of fp32 rows at a
+    time (a block stays in cache), each block's fp32 sums rounded into the bf16 result."""
+    xf = x.float()
+    rows = max(WIDEN_BLOCK_BYTES // (weight.shape[1] * 4), 1)
+    if weight.shape[0] <= rows:
+        return F.linear(xf, weight.float()).to(x.dtype)
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for r0 in range(0, weight.shape[0], rows):
+        out[..., r0:r0 + rows] = F.linear(xf, weight[r0:r0 + rows].float())
     return out
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from indexcache import differentiable, ops, reference
 from indexcache.parallel import ParallelContext, dense_weight
-from indexcache.parallel.linear import few_rows
+from indexcache.parallel.linear import einsum_16bit, few_rows
 
 from ..args import ATTN_CHUNK_ELEMS, LATENT_NORM_EPS, MLA_LATENT, MLA_ROPE, ModelArgs
 from ..state import ForwardContext, LayerRecord, row_chunks
@@ -66,13 +66,13 @@ def absorb_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
     latent = w_uk.shape[-1]
     per_head = few_rows(q_nope.transpose(0, 1), w_uk)
     if out is None and not per_head:
-        return torch.cat((torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe), dim=-1)
+        return torch.cat((einsum_16bit("thd,hdc->thc", q_nope, w_uk), q_pe), dim=-1)
     if out is None:
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], latent + q_pe.shape[-1])
     if per_head:
         ops.rows_matmul(q_nope.transpose(0, 1), w_uk, False, out=out[..., :latent].transpose(0, 1))
     else:
-        out[..., :latent] = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        out[..., :latent] = einsum_16bit("thd,hdc->thc", q_nope, w_uk)
     pe = out[..., latent:]
     if not (q_pe.data_ptr() == pe.data_ptr() and q_pe.stride() == pe.stride()):
         pe.copy_(q_pe)
@@ -87,7 +87,7 @@ def absorbed_values(out: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | 
         o = out.new_empty(out.shape[0], out.shape[1], w_uv.shape[1])
         ops.rows_matmul(out.transpose(0, 1), w_uv, True, out=o.transpose(0, 1))
         return gate_heads(o, gate)
-    return gate_heads(torch.einsum("thc,hdc->thd", out, w_uv), gate)
+    return gate_heads(einsum_16bit("thc,hdc->thd", out, w_uv), gate)
 
 
 def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
