@@ -787,7 +787,7 @@ _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/
         "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16",
         "delta_rule/fp32", "delta_rule/bf16", "rows_matmul/fp32", "rows_matmul/bf16", "norm_rope/fp32", "norm_rope/bf16",
         "kpool_pool/fp32", "kpool_pool/bf16"}
-_NO_AVX2 = {"quantize/fp32", "quantize/bf16", "norm_rope/fp32", "norm_rope/bf16", "kpool_pool/fp32", "kpool_pool/bf16"}
+_NO_AVX2 = {"norm_rope/fp32", "norm_rope/bf16", "kpool_pool/fp32", "kpool_pool/bf16"}
 KERNELS = {"portable": _ALL, "avx2": _ALL - _NO_AVX2,
            "avx512bf16": _ALL,
            "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}
@@ -821,8 +821,8 @@ def test_cpu_dispatch_per_op_and_dtype():
             _C._set_cpu_isa("auto")
     got = _C._cpu_dispatch()
     if not _C._cpu_paths()["avx2"]:
-        # no silent scalar loops: with AVX2 present, 'auto' runs no (op, dtype) on portable but the
-        # quantizer, norm_rope and kpool_pool (no AVX2 kernels of their own: torch's norms and rotations
+        # no silent scalar loops: with AVX2 present, 'auto' runs no (op, dtype) on portable but
+        # norm_rope and kpool_pool (no AVX2 kernels of their own: torch's norms and rotations
         # beyond a few rows, norms.fused_rows), and fp32 sparse MLA never on portable: its
         # own AVX-512 kernels where the CPU has AVX-512 BF16, else avx2's
         assert {k for k, p in got.items() if p == "portable"} <= _NO_AVX2

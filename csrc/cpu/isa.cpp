@@ -169,11 +169,12 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // avx2.cpp: sparse MLA in every dtype and the top-k filter; indexer_avx2.cpp: the indexer's
     // FMA tiles for every key dtype (fp32, bf16, fp8 widened to fp32 once per tile);
     // block_sparse_impl.h and delta_rule_impl.h compiled for AVX2 + FMA; rows_matmul's 8-lane
-    // widening + FMA kernel (rows_matmul.cpp). No AVX2 quantizer: quantize goes on to portable,
-    // and so do norm_rope (its portable loops for decode rows, torch's ops beyond) and kpool_pool
-    // (a step's few completed pools: its portable loop).
+    // widening + FMA kernel (rows_matmul.cpp); the e4m3 quantizer's 8-lane byte conversion
+    // (cache_ops.cpp, bit-identical to float_to_e4m3). norm_rope goes on to portable (its portable
+    // loops for decode rows, torch's ops beyond), and so does kpool_pool (a step's few completed
+    // pools: its portable loop).
     case CpuPath::kAvx2:
-      return op != CpuOp::kQuantize && op != CpuOp::kNormRope && op != CpuOp::kKpoolPool;
+      return op != CpuOp::kNormRope && op != CpuOp::kKpoolPool;
     // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
     // AVX-512 top-k filter, block_sparse_impl.h (fp32 and bf16: 16-lane FMA micro-kernels, 1.1-1.5x
     // its AVX2 build on Zen 4), the e4m3 quantizer compiled for AVX-512 and fp32 sparse MLA's FMA
