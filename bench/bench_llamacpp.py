@@ -189,7 +189,8 @@ def ours_run(model, ctx: int, gen: int, threads: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 50000, (ctx,), generator=g).tolist()
     with torch.inference_mode():
-        res = generate(model, [ids], max_new_tokens=gen + 1, stop_tokens=[], decode_threads=threads)
+        res = generate(model, [ids], max_new_tokens=gen + 1, stop_tokens=[], decode_threads=threads,
+                       prefill_threads=threads)
     return {"prefill_tok_s": res.prefill_tokens_per_s, "decode_tok_s": res.decode_tokens_per_s}
 
 

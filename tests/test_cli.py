@@ -48,6 +48,7 @@ def test_plan_from_config_file(tmp_path, capsys):
         (["plan", "--config", "/nonexistent/dir"], "no config.json"),
         (["generate", "--decode-threads", "0"], "--decode-threads '0': give 'auto' or a count >= 1"),
         (["generate", "--decode-threads", "many"], "--decode-threads 'many': give 'auto' or a count >= 1"),
+        (["generate", "--prefill-threads", "0"], "--prefill-threads '0': give 'auto' or a count >= 1"),
     ],
 )
 def test_plan_errors(argv, message, capsys):

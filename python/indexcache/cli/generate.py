@@ -34,8 +34,10 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "graph"],
                    help="plain decode steps: auto = a CUDA graph on CUDA when the model allows, else eager")
     p.add_argument("--decode-threads", default="auto", metavar="auto|N",
-                   help="CPU threads per decode step: auto = the count whose first steps time fastest "
-                        "(prefill keeps torch's count)")
+                   help="CPU threads per decode step: auto = the count whose first steps time fastest")
+    p.add_argument("--prefill-threads", default="auto", metavar="auto|N",
+                   help="CPU threads for prefill: auto = for prompts of 256+ tokens, the count a short matmul "
+                        "probe times fastest (runtime/threads.py; shorter prompts keep torch's count)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before timing")
     p.add_argument("--compare", action="append", default=[], metavar="JSON",
                    help="also run with these --hf-overrides (repeatable) and print every run side by side, "
@@ -51,11 +53,11 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _threads(text: str):
+def _threads(text: str, flag: str = "--decode-threads"):
     if text == "auto":
         return None
     if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"--decode-threads {text!r}: give 'auto' or a count >= 1")
+        raise ValueError(f"{flag} {text!r}: give 'auto' or a count >= 1")
     return int(text)
 
 
@@ -75,7 +77,7 @@ def _run(path, overrides, args, tokenizer):
         raise ValueError("empty prompt")
     kw = dict(temperature=args.temperature, top_p=args.top_p, num_speculative_tokens=args.num_speculative_tokens,
               kv_cache_dtype=args.kv_cache_dtype, prefill_chunk_size=args.prefill_chunk_size, seed=args.seed,
-              decode_step=args.decode_step, decode_threads=args.decode_threads)
+              decode_step=args.decode_step, decode_threads=args.decode_threads, prefill_threads=args.prefill_threads)
     if not args.no_warmup:  # first calls pay one-off kernel setup; keep it out of the timings
         generate(model, [ids[:8]], 2, **kw)
     res = generate(model, [ids], args.max_new_tokens, **kw)
@@ -88,6 +90,14 @@ def _threads_note(res, device: str) -> str:
     if device != "cpu":
         return "host threads n/a"
     return f"{res.decode_threads} of {torch.get_num_threads()} threads"
+
+
+def _prefill_threads_note(res, device: str) -> str:
+    import torch
+
+    if device != "cpu":
+        return ""
+    return f", {res.prefill_threads} of {torch.get_num_threads()} threads"
 
 
 def _quiet_unless_rank0() -> bool:
@@ -112,6 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1 or args.repeat_prompt < 1:
         raise ValueError("--max-new-tokens and --repeat-prompt must be >= 1")
     args.decode_threads = _threads(args.decode_threads)  # None for auto
+    args.prefill_threads = _threads(args.prefill_threads, "--prefill-threads")
     from indexcache.parallel import init_from_env
     if init_from_env(args.device):  # launched by torchrun: one process per rank
         _quiet_unless_rank0()
@@ -130,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens": res.decode_tokens,
             "decode_seconds": res.decode_seconds, "decode_tokens_per_s": res.decode_tokens_per_s,
             "acceptance_rate": res.acceptance_rate, "decode_step": res.decode_step,
-            "decode_threads": res.decode_threads, "warnings": notes,
+            "decode_threads": res.decode_threads, "prefill_threads": res.prefill_threads, "warnings": notes,
         } for ov, m, res, text, notes in runs]
         print(json.dumps(out[0] if len(out) == 1 else out))
         return 0
@@ -148,7 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt * args.repeat_prompt
         print((f"[... {len(prompt) - 120} chars] " + prompt[-120:] if len(prompt) > 200 else prompt) + text)
         print("------------")
-        line = (f"prefill: {res.prompt_tokens} tokens in {res.prefill_seconds:.3f} s ({res.prefill_tokens_per_s:.1f} tok/s); "
+        line = (f"prefill: {res.prompt_tokens} tokens in {res.prefill_seconds:.3f} s ({res.prefill_tokens_per_s:.1f} tok/s"
+                f"{_prefill_threads_note(res, args.device)}); "
                 f"decode: {res.decode_tokens} tokens in {res.decode_seconds:.3f} s ({res.decode_tokens_per_s:.1f} tok/s, "
                 f"{res.decode_step} steps, {_threads_note(res, args.device)})")
         if res.acceptance_rate is not None:

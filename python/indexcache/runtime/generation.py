@@ -28,7 +28,7 @@ from indexcache.models.state import BatchMeta, StageTimer
 
 from .cuda_graph import DecodeStep, unsupported_reason
 from .sampling import accept, sample
-from .threads import DecodeThreads
+from .threads import DecodeThreads, prefill_threads
 
 DECODE_STEPS = ("auto", "eager", "static", "graph")
 
@@ -44,7 +44,10 @@ class GenerationSettings:
     captured as a CUDA graph once per batch size and replayed; "auto": "graph" on a CUDA device
     when the model supports it (no stage timer, no MTP drafts), else "eager".
     decode_threads: torch's intra-op threads during decode on the CPU (None: the count whose
-    steps time fastest over the first steps, runtime/threads.py; prefill keeps torch's count).
+    steps time fastest over the first steps, runtime/threads.py).
+    prefill_threads: the same for prefill (None: on the CPU, for prompts of at least
+    ``PREFILL_PROBE_MIN`` tokens in all, the count a short matmul probe times fastest,
+    ``threads.prefill_threads``; shorter prompts, CUDA and distributed runs keep torch's count).
     """
     temperature: float = 0.0
     top_p: float = 1.0
@@ -56,6 +59,12 @@ class GenerationSettings:
     timer: Optional[StageTimer] = None
     decode_step: str = "auto"
     decode_threads: Optional[int] = None
+    prefill_threads: Optional[int] = None
+
+
+# Prefill's thread choice (GenerationSettings.prefill_threads) runs for prompts of at least this
+# many tokens in all (a shorter prefill costs little more than the probe).
+PREFILL_PROBE_MIN = 256
 
 
 @dataclass
@@ -74,6 +83,7 @@ class GenerationResult:
     decode_step: str = "eager"        # how plain decode steps ran (generate's decode_step, resolved)
     graph_captures: int = 0           # CUDA graphs captured (one per decode batch size met)
     decode_threads: int = 0           # intra-op threads the decode steps settled on
+    prefill_threads: int = 0          # intra-op threads prefill settled on (its last chunk's)
     stage_seconds: dict = field(default_factory=dict)
 
     @property
@@ -192,7 +202,13 @@ class Run:
         # Before the cache is allocated: a bad count is a ValueError. Ranks of one model choose
         # together or not at all: every rank must select the same rows.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.threads = DecodeThreads(s.decode_threads, tune=self.device.type == "cpu" and not distributed)
+        tune = self.device.type == "cpu" and not distributed
+        self.threads = DecodeThreads(s.decode_threads, tune=tune)
+        if s.prefill_threads is not None and s.prefill_threads < 1:
+            raise ValueError(f"prefill_threads must be >= 1 (or None for auto), got {s.prefill_threads}")
+        self.prefill_count = s.prefill_threads
+        if self.prefill_count is None and tune and sum(len(p) for p in prompts) >= PREFILL_PROBE_MIN:
+            self.prefill_count = prefill_threads()
         self.reqs = [Request(i, p) for i, p in enumerate(prompts)]
         room = [len(p) + max_new_tokens + self.k + 2 for p in prompts]  # tokens each request may hold
         per_req = [-(-n // BLOCK_SIZE) for n in room]
@@ -246,27 +262,39 @@ class Run:
 
 
 def prefill(run: Run) -> None:
-    """Every prompt through the main model in chunks of at most ``run.budget`` tokens; each
-    request's first token sampled from its last prompt row (and, with MTP, the pairs queued)."""
-    model, t0 = run.model, run.now()
-    for batch in token_chunks([(r, len(r.prompt)) for r in run.reqs], run.budget):
-        ids = run.ids(t for r, s, n in batch for t in r.prompt[s:s + n])
-        meta = run.meta([r.i for r, _, _ in batch], [s for _, s, _ in batch], [n for _, _, n in batch])
-        h = model.forward_tokens(ids, meta, run.cache, run.s.timer, reuse=False)  # prefill always computes
-        offs = meta.row_offsets()
-        ending = [(r, offs[j] + n - 1) for j, (r, s, n) in enumerate(batch) if s + n == len(r.prompt)]
-        if ending:
-            toks, _ = run.sample(model.compute_logits(h[[row for _, row in ending]]))
-            for (r, _), t in zip(ending, toks):
-                r.seq_len, r.next_token = len(r.prompt), t
-                run.emit(r, [t])
-        if run.k:
-            for j, (r, s, n) in enumerate(batch):
-                r.pend_h.append(h[offs[j]:offs[j] + n])
-                r.pend_t += r.prompt[s + 1:s + n + 1]
-                if s + n == len(r.prompt):
-                    r.pend_t.append(r.next_token)
+    """Every prompt through the main model in chunks of at most ``run.budget`` tokens, at the
+    prefill thread count; each request's first token sampled from its last prompt row (and, with
+    MTP, the pairs queued)."""
+    t0, before = run.now(), torch.get_num_threads()
+    count = run.prefill_count or before
+    run.res.prefill_threads = count
+    try:
+        torch.set_num_threads(count)
+        for batch in token_chunks([(r, len(r.prompt)) for r in run.reqs], run.budget):
+            _prefill_chunk(run, batch)
+    finally:
+        torch.set_num_threads(before)
     run.res.prefill_seconds = run.now() - t0
+
+
+def _prefill_chunk(run: Run, batch: list) -> None:
+    model = run.model
+    ids = run.ids(t for r, s, n in batch for t in r.prompt[s:s + n])
+    meta = run.meta([r.i for r, _, _ in batch], [s for _, s, _ in batch], [n for _, _, n in batch])
+    h = model.forward_tokens(ids, meta, run.cache, run.s.timer, reuse=False)  # prefill always computes
+    offs = meta.row_offsets()
+    ending = [(r, offs[j] + n - 1) for j, (r, s, n) in enumerate(batch) if s + n == len(r.prompt)]
+    if ending:
+        toks, _ = run.sample(model.compute_logits(h[[row for _, row in ending]]))
+        for (r, _), t in zip(ending, toks):
+            r.seq_len, r.next_token = len(r.prompt), t
+            run.emit(r, [t])
+    if run.k:
+        for j, (r, s, n) in enumerate(batch):
+            r.pend_h.append(h[offs[j]:offs[j] + n])
+            r.pend_t += r.prompt[s + 1:s + n + 1]
+            if s + n == len(r.prompt):
+                r.pend_t.append(r.next_token)
 
 
 def _static_step(run: Run, live: list) -> DecodeStep:

@@ -10,8 +10,14 @@ the decode count by measuring: the first steps cycle through the candidates (1, 
 torch's count), a few steps each, interleaved; a candidate whose best step is more than twice
 the best step seen drops out at once (on a loaded machine a bad count costs 10x a step, so
 three trials of it would cost more than the choice saves in a short generation), and the one
-with the lowest median step time is kept for the rest of the call. Prefill keeps torch's count
-(large ops that scale).
+with the lowest median step time is kept for the rest of the call.
+
+Prefill's ops are larger, but they wait on a busy core all the same: the embedded model's
+541-token prompt on a Zen 3 whose other core was compiling prefilled at 34-86 tok/s on 2 threads
+and 450-1438 on 1, and one 32-token piece at 2 threads took 9.6 s there, so prefill cannot try
+counts on pieces of the prompt. :func:`prefill_threads` chooses by the same rule over a probe
+whose cost is bounded: an fp32 ``PROBE_MM``-cube matmul (a few ms a trial on one core; one
+scheduler wait a trial on a busy machine).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 TRIALS_PER_CANDIDATE = 3
 DROP_RATIO = 2.0
+PROBE_MM = 512
 
 
 def candidates(max_threads: int) -> list:
@@ -83,3 +90,20 @@ class DecodeThreads:
     def restore(self) -> None:
         if torch.get_num_threads() != self.original:
             torch.set_num_threads(self.original)
+
+
+def prefill_threads(clock=time.perf_counter, work=None) -> int:
+    """The intra-op count for a prefill on the CPU, chosen as the decode count is (candidates up
+    to torch's count, interleaved trials, the slow ones dropped) over ``work`` (default: an fp32
+    ``PROBE_MM``-cube matmul, prefill's kind of op). torch's count is left as it was."""
+    if work is None:
+        a = torch.randn(PROBE_MM, PROBE_MM)
+        c = torch.empty_like(a)
+        work = lambda: torch.mm(a, a, out=c)  # noqa: E731
+    tuner = DecodeThreads(None, clock=clock)
+    try:
+        while tuner.chosen is None:
+            tuner.run(work)
+    finally:
+        tuner.restore()
+    return tuner.chosen
