@@ -14,6 +14,8 @@
 // online per (row, head), and P·V added by the same shape of micro-kernel (block_sparse_impl.h;
 // bf16 on the avx512bf16 path: both products on vdpbf16ps, P split into two bf16 parts,
 // block_sparse_bf16.h). The next block's K/V rows are prefetched while one block is computed.
+// The avx2 path lays the block's query vectors across the lanes instead (block_sparse_lanes.h:
+// no key transpose, a lane-wise softmax, the next block's rows copied during this one).
 // Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
 // whatever the grouping or thread count.
 //
@@ -163,10 +165,12 @@ IC_BLOCK_SPARSE_DRIVERS
 #pragma GCC target("avx2,fma,f16c")
 #undef IC_VEC_BYTES
 #define IC_VEC_BYTES 32
+#define IC_LANES 1  // attention: query vectors across the lanes (block_sparse_lanes.h)
 namespace avx2 {
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS
 }  // namespace avx2
+#undef IC_LANES
 #pragma GCC pop_options
 
 #pragma GCC push_options
