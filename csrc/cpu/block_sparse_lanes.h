@@ -19,27 +19,6 @@
 
 constexpr int kLaneMR = kMR;  // 6 on AVX2: keys per score panel, query vectors per P·V panel (panel_starts)
 
-// dst[c * ld + j] = rows[j][c0 + c] for j, c < 8.
-inline void transpose8x8(const float* const* rows, int64_t c0, float* dst, int64_t ld) {
-  __m256 r[8], t[8];
-  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows[j] + c0);
-  for (int j = 0; j < 8; j += 2) {
-    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-  }
-  // r[4h + k]: columns k (low half) and 4 + k (high half) of rows 4h .. 4h + 3.
-  for (int h = 0; h < 8; h += 4) {
-    r[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
-    r[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
-    r[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
-    r[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
-  }
-  for (int k = 0; k < 4; ++k) {
-    _mm256_storeu_ps(dst + k * ld, _mm256_permute2f128_ps(r[k], r[4 + k], 0x20));
-    _mm256_storeu_ps(dst + (4 + k) * ld, _mm256_permute2f128_ps(r[k], r[4 + k], 0x31));
-  }
-}
-
 // Qᵀ [d][ldm] of the query vectors qrow[m], m < m_n; lanes m_n .. ldm - 1 (ldm a multiple of 8)
 // from zrow, d zeros.
 inline void pack_q_lanes(const float* const* qrow, int64_t m_n, int64_t d, const float* zrow, float* qt, int64_t ldm) {
@@ -47,7 +26,11 @@ inline void pack_q_lanes(const float* const* qrow, int64_t m_n, int64_t d, const
   for (int64_t m0 = 0; m0 < ldm; m0 += 8) {
     for (int64_t j = 0; j < 8; ++j) rows[j] = m0 + j < m_n ? qrow[m0 + j] : zrow;
     int64_t c = 0;
-    for (; c + 8 <= d; c += 8) transpose8x8(rows, c, qt + c * ldm + m0, ldm);
+    for (; c + 8 <= d; c += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows[j] + c);
+      ::indexcache::avx2::transpose8_store(r, qt + c * ldm + m0, ldm);
+    }
     for (; c < d; ++c)
       for (int64_t j = 0; j < 8; ++j) qt[c * ldm + m0 + j] = rows[j][c];
   }
@@ -188,10 +171,7 @@ inline void row_to_float(const void* x, DType dt, int64_t n, float* dst) {
     return;
   }
   const uint16_t* b = static_cast<const uint16_t*>(x);
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ::indexcache::avx2::bf16x8(b + i));
   for (; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(b[i]) << 16);
 }
 
