@@ -44,7 +44,7 @@ inline void lane_scores(const float* kt, const float* __restrict qt, int64_t ldm
   // stored it every iteration (the kernel ran at half its FMA rate).
   __m256 a0[MR], a1[MR];
   const float* k[MR];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     k[r] = kt + r * d;
     a0[r] = _mm256_setzero_ps();
@@ -53,14 +53,14 @@ inline void lane_scores(const float* kt, const float* __restrict qt, int64_t ldm
   for (int64_t c = 0; c < d; ++c) {
     const __m256 q0 = _mm256_loadu_ps(qt + c * ldm);
     const __m256 q1 = NV > 1 ? _mm256_loadu_ps(qt + c * ldm + 8) : q0;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m256 kb = _mm256_broadcast_ss(k[r] + c);
       a0[r] = _mm256_fmadd_ps(kb, q0, a0[r]);
       if (NV > 1) a1[r] = _mm256_fmadd_ps(kb, q1, a1[r]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_ps(s + r * ldm, a0[r]);
     if (NV > 1) _mm256_storeu_ps(s + r * ldm + 8, a1[r]);
@@ -232,13 +232,15 @@ inline void lanes_block(int64_t m_n, int64_t nk_max, int64_t d, int64_t dp, floa
   int64_t work = 0;
   pack_q_lanes(ls.qrow.data(), m_n, d, ls.zrow.data(), ls.qt.data(), ldm);
   for (int64_t m0 = 0; m0 < ldm; m0 += 16) {
-    const int64_t nl = std::min<int64_t>(16, ldm - m0);
-    for (int64_t i = 0; i < nk_max; i += kLaneMR) {
-      const int mr = static_cast<int>(std::min<int64_t>(kLaneMR, nk_max - i));
+    // 16 lanes: 6 keys x 2 vectors; an 8-lane tail: 12 keys x 1 vector (6 chains would leave the
+    // FMA pipes waiting on their latency).
+    const int64_t nl = std::min<int64_t>(16, ldm - m0), step = nl == 16 ? kLaneMR : 2 * kLaneMR;
+    for (int64_t i = 0; i < nk_max; i += step) {
+      const int mr = static_cast<int>(std::min<int64_t>(step, nk_max - i));
       if (nl == 16)
         lane_scores_n<2>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0]);
       else
-        lane_scores_n<1>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0]);
+        lane_scores_n<1, 2 * kLaneMR>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0]);
       work += mr * nl;
       next.upto(next.n * work / total);
     }
