@@ -3,19 +3,20 @@
 // includer has them).
 //
 // Why a layout of its own: with keys across the lanes (the panels in block_sparse_impl.h) every
-// selected block's keys are transposed into a Kᵀ tile, a scalar scatter of block_size x d values
-// that on Zen 3 took as long as the block's scores at 8-16 query heads, and the softmax reduced
-// each query vector's max and sum across lanes. Here the block's query vectors lie across the
-// lanes instead:
-//   S[key][m] = Σ_c K[key][c] · Qᵀ[c][m]: key rows read in place (fp32) and broadcast, the
-//     vectors' q rows packed per block into Qᵀ [d][ldm] by 8 x 8 register transposes (m_n x d
-//     values, under block_size x d while a block feeds few vectors);
+// selected block's keys are transposed into a Kᵀ tile by a scalar scatter (block_size x d values
+// per block, a large share of the op while a block feeds only 32-64 query vectors), and the
+// softmax reduces each query vector's max and sum across lanes. Here the block's query vectors lie
+// across the lanes instead:
+//   S[key][m] = Σ_c K[key][c] · Qᵀ[c][m]: key rows broadcast from a contiguous tile, the vectors'
+//     q rows packed per block into Qᵀ [d][ldm] by 8 x 8 register transposes (m_n x d values);
 //   the online softmax runs lane-wise down the key rows (no horizontal reductions);
-//   O[m][:] = O[m][:]·α[m] + Σ_key P[key][m] · V[key][:]: value rows read in place, P broadcast.
-// Both products are 6 x 16 register-blocked micro-kernels (12 accumulators, 2 loads + 6
-// broadcasts per 12 FMAs). Each query vector's arithmetic is its own and in a fixed order (dot
-// over c ascending, sums over keys ascending), whatever lanes or panel it shares: results do not
-// depend on grouping or thread count.
+//   O[m][:] = O[m][:]·α[m] + Σ_key P[key][m] · V[key][:]: value rows from a contiguous tile, P
+//     broadcast, written straight into the o rows.
+// Both products are register-blocked micro-kernels (6 keys or vectors x 16 lanes: 12 accumulators,
+// 2 loads + 6 broadcasts per 12 FMAs). The tiles of the next block are filled while the current one
+// is computed (RowCopy). Each query vector's arithmetic is its own and in a fixed order (dot over
+// c ascending, sums over keys ascending), whatever lanes or panel it shares: results do not depend
+// on grouping or thread count.
 
 constexpr int kLaneMR = kMR;  // 6 on AVX2: keys per score panel, query vectors per P·V panel (panel_starts)
 
