@@ -1,5 +1,5 @@
-// Element conversions of the AVX2 kernels (avx2.cpp: sparse MLA; indexer_avx2.cpp: the indexer's
-// key tiles). Include it only after a translation unit's `#pragma GCC target("avx2,fma,f16c")`
+// Element conversions and the 8 x 8 transpose of the AVX2 kernels (avx2.cpp: sparse MLA;
+// indexer_avx2.cpp: the indexer's key tiles; block_sparse.cpp: block-sparse attention's Qᵀ panels). Include it only after a translation unit's `#pragma GCC target("avx2,fma,f16c")`
 // (its inline functions take that target from the pragma), and <immintrin.h> before the pragma.
 #pragma once
 
@@ -22,6 +22,25 @@ inline void bf16_to_f32(const uint16_t* src, float* dst, int n) {
 inline __m256 bf16x8(const uint16_t* src) {
   const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+// dst[i * ld + j] = r[j][i] for i, j < 8.
+inline void transpose8_store(const __m256 (&r)[8], float* dst, int64_t ld) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+  }
 }
 
 // 8 e4m3 bytes -> fp32, exact (e4m3_to_float), without denormal arithmetic: normal values

@@ -14,6 +14,8 @@
 // online per (row, head), and P·V added by the same shape of micro-kernel (block_sparse_impl.h;
 // bf16 on the avx512bf16 path: both products on vdpbf16ps, P split into two bf16 parts,
 // block_sparse_bf16.h). The next block's K/V rows are prefetched while one block is computed.
+// The avx2 path lays the block's query vectors across the lanes instead (block_sparse_lanes.h:
+// no key transpose, a lane-wise softmax, the next block's rows copied during this one).
 // Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
 // whatever the grouping or thread count.
 //
@@ -40,6 +42,11 @@
 #include <immintrin.h>
 
 #include "simd.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include "avx2_convert.h"  // the avx2 build's transpose and bf16 conversion (block_sparse_lanes.h)
+#pragma GCC pop_options
 #endif
 
 #include "../block_sparse_checks.h"
@@ -163,10 +170,12 @@ IC_BLOCK_SPARSE_DRIVERS
 #pragma GCC target("avx2,fma,f16c")
 #undef IC_VEC_BYTES
 #define IC_VEC_BYTES 32
-namespace avx2 {
+#define IC_LANES 1  // attention: query vectors across the lanes (block_sparse_lanes.h)
+namespace avx2_build {  // (not avx2: that is avx2_convert.h's namespace)
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS
-}  // namespace avx2
+}  // namespace avx2_build
+#undef IC_LANES
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -217,7 +226,7 @@ void block_topk_cpu(const BlockTopkParams& p) {
   const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.qk_dtype);
   // blas (AMX) has an attention kernel of its own only; its block_topk is the avx512bf16 one.
   if (path == CpuPath::kAvx512Bf16 || path == CpuPath::kBlas) return avx512::block_topk(p);
-  if (path == CpuPath::kAvx2) return avx2::block_topk(p);
+  if (path == CpuPath::kAvx2) return avx2_build::block_topk(p);
 #endif
   portable::block_topk(p);
 }
@@ -227,7 +236,7 @@ void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
   const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.dtype);
   if (path == CpuPath::kBlas) return block_sparse_attention_amx(p);
   if (path == CpuPath::kAvx512Bf16) return avx512::attention(p);
-  if (path == CpuPath::kAvx2) return avx2::attention(p);
+  if (path == CpuPath::kAvx2) return avx2_build::attention(p);
 #endif
   portable::attention(p);
 }

@@ -34,25 +34,6 @@ namespace {
 
 constexpr int kTile = 32;  // keys per tile (indexer.cpp's kTile)
 
-// dst[i * ld + j] = r[j][i] for i, j < 8.
-inline void transpose8_store(const __m256 (&r)[8], float* dst, int64_t ld) {
-  __m256 t[8], s[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
-    _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
-  }
-}
-
 // Channels [c, c + 8) of a key row as fp32.
 template <DType DT>
 inline __m256 load8(const void* row, int64_t c) {
@@ -67,7 +48,7 @@ void pack(const void* const* rows, int n, int64_t d, float* tile) {
     for (int64_t c = 0; c < d; c += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = j0 + i < n ? load8<DT>(rows[j0 + i], c) : _mm256_setzero_ps();
-      transpose8_store(r, tile + c * kTile + j0, kTile);
+      avx2::transpose8_store(r, tile + c * kTile + j0, kTile);
     }
   }
 }

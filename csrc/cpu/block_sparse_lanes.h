@@ -1,0 +1,266 @@
+// block_sparse_attention's block kernels on the avx2 path, query vectors across the lanes
+// (block_sparse_impl.h includes this in its AVX2+FMA build only, IC_LANES set; no includes: the
+// includer has them).
+//
+// Why a layout of its own: with keys across the lanes (the panels in block_sparse_impl.h) every
+// selected block's keys are transposed into a Kᵀ tile by a scalar scatter (block_size x d values
+// per block, a large share of the op while a block feeds only 32-64 query vectors), and the
+// softmax reduces each query vector's max and sum across lanes. Here the block's query vectors lie
+// across the lanes instead:
+//   S[key][m] = Σ_c K[key][c] · Qᵀ[c][m]: key rows broadcast from a contiguous tile, the vectors'
+//     q rows packed per block into Qᵀ [d][ldm] by 8 x 8 register transposes (m_n x d values);
+//   the online softmax runs lane-wise down the key rows (no horizontal reductions);
+//   O[m][:] = O[m][:]·α[m] + Σ_key P[key][m] · V[key][:]: value rows from a contiguous tile, P
+//     broadcast, written straight into the o rows.
+// Both products are register-blocked micro-kernels (6 keys or vectors x 16 lanes: 12 accumulators,
+// 2 loads + 6 broadcasts per 12 FMAs). The tiles of the next block are filled while the current one
+// is computed (RowCopy). Each query vector's arithmetic is its own and in a fixed order (dot over
+// c ascending, sums over keys ascending), whatever lanes or panel it shares: results do not depend
+// on grouping or thread count.
+
+constexpr int kLaneMR = kMR;  // 6 on AVX2: keys per score panel, query vectors per P·V panel (panel_starts)
+
+// Qᵀ [d][ldm] of the query vectors qrow[m], m < m_n; lanes m_n .. ldm - 1 (ldm a multiple of 8)
+// from zrow, d zeros.
+inline void pack_q_lanes(const float* const* qrow, int64_t m_n, int64_t d, const float* zrow, float* qt, int64_t ldm) {
+  const float* rows[8];
+  for (int64_t m0 = 0; m0 < ldm; m0 += 8) {
+    for (int64_t j = 0; j < 8; ++j) rows[j] = m0 + j < m_n ? qrow[m0 + j] : zrow;
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows[j] + c);
+      ::indexcache::avx2::transpose8_store(r, qt + c * ldm + m0, ldm);
+    }
+    for (; c < d; ++c)
+      for (int64_t j = 0; j < 8; ++j) qt[c * ldm + m0 + j] = rows[j][c];
+  }
+}
+
+// s[r][8v + l] = key r · Qᵀ[:, 8v + l] for r < MR keys (rows of kt, d apart), v < NV vectors of
+// lanes; qt points at the first lane, rows of qt and s ldm apart.
+template <int MR, int NV>
+inline void lane_scores(const float* kt, const float* __restrict qt, int64_t ldm, int64_t d, float* __restrict s) {
+  // Named accumulators, loops unrolled by pragma: GCC kept an array of __m256 on the stack and
+  // stored it every iteration (the kernel ran at half its FMA rate).
+  __m256 a0[MR], a1[MR];
+  const float* k[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    k[r] = kt + r * d;
+    a0[r] = _mm256_setzero_ps();
+    a1[r] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c < d; ++c) {
+    const __m256 q0 = _mm256_loadu_ps(qt + c * ldm);
+    const __m256 q1 = NV > 1 ? _mm256_loadu_ps(qt + c * ldm + 8) : q0;
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m256 kb = _mm256_broadcast_ss(k[r] + c);
+      a0[r] = _mm256_fmadd_ps(kb, q0, a0[r]);
+      if (NV > 1) a1[r] = _mm256_fmadd_ps(kb, q1, a1[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(s + r * ldm, a0[r]);
+    if (NV > 1) _mm256_storeu_ps(s + r * ldm + 8, a1[r]);
+  }
+}
+
+template <int NV, int MR = kLaneMR>
+inline void lane_scores_n(int mr, const float* kt, const float* qt, int64_t ldm, int64_t d, float* s) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return lane_scores_n<NV, MR - 1>(mr, kt, qt, ldm, d, s);
+  }
+  lane_scores<MR, NV>(kt, qt, ldm, d, s);
+}
+
+// One 8-lane column of a block's scores s [nk_max][ldm] (s points at its first lane) in place to
+// P: s *= scale; per lane m, m_new = max(rmax, visible scores) (key i visible while i < nk[m]),
+// P = exp(s - m_new) on visible keys, 0 elsewhere; alpha = exp(rmax - m_new) (0 from -inf),
+// rsum = rsum·alpha + Σ_i P[i] (keys ascending), rmax = m_new, bad |= a visible score was NaN or ±inf.
+inline void lane_softmax(float* s, int64_t ldm, int64_t nk_max, const int32_t* nk, float scale, float* rmax,
+                         float* rsum, float* alpha, int32_t* bad) {
+  const __m256i nkv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nk));
+  const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vmax = ninf, vbad = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nk_max; ++i) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + i * ldm), sc);
+    _mm256_storeu_ps(s + i * ldm, v);
+    const __m256 ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nkv, _mm256_set1_epi32(static_cast<int>(i))));
+    const __m256 finite = _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_EQ_OQ);
+    vbad = _mm256_or_ps(vbad, _mm256_andnot_ps(finite, ok));
+    vmax = _mm256_blendv_ps(vmax, v, _mm256_and_ps(ok, _mm256_cmp_ps(v, vmax, _CMP_GT_OQ)));
+  }
+  const __m256 old = _mm256_loadu_ps(rmax);
+  const __m256 mx = _mm256_blendv_ps(old, vmax, _mm256_cmp_ps(vmax, old, _CMP_GT_OQ));
+  const __m256 al = _mm256_andnot_ps(_mm256_cmp_ps(old, ninf, _CMP_EQ_OQ), exp_v(_mm256_sub_ps(old, mx)));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nk_max; ++i) {
+    const __m256 ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nkv, _mm256_set1_epi32(static_cast<int>(i))));
+    const __m256 e = _mm256_and_ps(ok, exp_v(_mm256_sub_ps(_mm256_loadu_ps(s + i * ldm), mx)));
+    _mm256_storeu_ps(s + i * ldm, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  _mm256_storeu_ps(rmax, mx);
+  _mm256_storeu_ps(alpha, al);
+  _mm256_storeu_ps(rsum, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(rsum), al), vsum));
+  const __m256i b = _mm256_or_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bad)), _mm256_castps_si256(vbad));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(bad), b);
+}
+
+// orow[r][:dp] = orow[r][:dp]·alpha[r] (alpha null: as they are) + Σ_{k0 <= i < nk} P[i][r] · V[i][:dp]
+// for r < MR query vectors (dp a multiple of 16); pc points at the panel's first lane of P, rows
+// ldm apart; vt the value tile [keys][dp].
+template <int MR>
+inline void lane_pv(const float* __restrict pc, int64_t ldm, const float* __restrict vt, int64_t k0, int64_t nk,
+                    int64_t dp, const float* alpha, float* const* orow) {
+  for (int64_t c = 0; c < dp; c += 16) {
+    __m256 a0[MR], a1[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      a0[r] = _mm256_loadu_ps(orow[r] + c);
+      a1[r] = _mm256_loadu_ps(orow[r] + c + 8);
+      if (alpha != nullptr) {
+        const __m256 al = _mm256_set1_ps(alpha[r]);
+        a0[r] = _mm256_mul_ps(a0[r], al);
+        a1[r] = _mm256_mul_ps(a1[r], al);
+      }
+    }
+    for (int64_t i = k0; i < nk; ++i) {
+      const __m256 v0 = _mm256_loadu_ps(vt + i * dp + c), v1 = _mm256_loadu_ps(vt + i * dp + c + 8);
+      const float* p = pc + i * ldm;
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 pb = _mm256_broadcast_ss(p + r);
+        a0[r] = _mm256_fmadd_ps(pb, v0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(pb, v1, a1[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      _mm256_storeu_ps(orow[r] + c, a0[r]);
+      _mm256_storeu_ps(orow[r] + c + 8, a1[r]);
+    }
+  }
+}
+
+template <int MR = kLaneMR>
+inline void lane_pv_n(int mr, const float* pc, int64_t ldm, const float* vt, int64_t k0, int64_t nk, int64_t dp,
+                      const float* alpha, float* const* orow) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return lane_pv_n<MR - 1>(mr, pc, ldm, vt, k0, nk, dp, alpha, orow);
+  }
+  lane_pv<MR>(pc, ldm, vt, k0, nk, dp, alpha, orow);
+}
+
+// The next block's key and value rows, copied (fp32) or converted into the idle pair of tiles a
+// few rows at a time while the current block is computed: in MiniMax-M3's cache a KV head's rows
+// lie h_kv * d * es apart (2 KiB), each in few L1 / L2 sets, so rows read in place missed on every
+// pass, a block-wide software prefetch stalled as long as the copy it was meant to hide (and its
+// lines fell out of L2's few sets before use), and a copy at the block's start waited on DRAM for
+// about a third of the op at 8 query heads. Spread over the block's micro-kernel calls, each row
+// prefetched kAhead rows before it is copied, the misses overlap the FMAs.
+// x [n] (fp32 or bf16) -> fp32 dst [n], 8 lanes at a time (no call: rows are 512 bytes).
+inline void row_to_float(const void* x, DType dt, int64_t n, float* dst) {
+  int64_t i = 0;
+  if (dt == DType::kFloat32) {
+    const float* f = static_cast<const float*>(x);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(f + i));
+    for (; i < n; ++i) dst[i] = f[i];
+    return;
+  }
+  const uint16_t* b = static_cast<const uint16_t*>(x);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ::indexcache::avx2::bf16x8(b + i));
+  for (; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(b[i]) << 16);
+}
+
+struct RowCopy {
+  static constexpr int64_t kAhead = 8;  // 4-12 measured alike, 1 and 32 slower
+  const char* kc = nullptr;
+  const char* vc = nullptr;
+  DType dt = DType::kFloat32;
+  int64_t d = 0, dp = 0, row_bytes = 0, n = 0, done = 0;
+  const int64_t* off = nullptr;  // byte offsets of the rows in the caches
+  float* kt = nullptr;           // [n][d]
+  float* vt = nullptr;           // [n][dp]
+
+  void prefetch(int64_t i) const {
+    for (int64_t l = 0; l < row_bytes; l += 64) {
+      __builtin_prefetch(kc + off[i] + l, 0, 3);
+      __builtin_prefetch(vc + off[i] + l, 0, 3);
+    }
+  }
+  void start() const {
+    for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(i);
+  }
+  // Rows [done, m) (m clamped to n).
+  void upto(int64_t m) {
+    for (m = std::min(m, n); done < m; ++done) {
+      if (done + kAhead < n) prefetch(done + kAhead);
+      row_to_float(kc + off[done], dt, d, kt + done * d);
+      row_to_float(vc + off[done], dt, d, vt + done * dp);
+    }
+  }
+};
+
+// A task's lane scratch, sized for mv query vectors (a block's are at most the group's); two pairs
+// of K / V tiles, the current block's and the next one's.
+struct LaneScratch {
+  int64_t ldm_max;
+  std::vector<float> qt, s, rmax, rsum, alpha, zrow, kt[2], vt[2];  // kt [ss][d], vt [ss][dp] (zero past d)
+  std::vector<int32_t> nk, bad;
+  std::vector<int64_t> pst, off;
+  std::vector<const float*> qrow;
+  std::vector<float*> orow;
+  LaneScratch(int64_t mv, int64_t d, int64_t dp, int64_t ss)
+      : ldm_max((mv + 7) / 8 * 8), qt(d * ldm_max), s(ss * ldm_max), rmax(ldm_max), rsum(ldm_max), alpha(ldm_max),
+        zrow(d, 0.0f), kt{std::vector<float>(ss * d), std::vector<float>(ss * d)},
+        vt{std::vector<float>(ss * dp, 0.0f), std::vector<float>(ss * dp, 0.0f)}, nk(ldm_max), bad(ldm_max),
+        off(ss), qrow(mv), orow(mv) {}
+};
+
+// One block for m_n query vectors: ls.qrow[m] their fp32 q rows (d), ls.nk[m] their visible keys
+// (<= nk_max), ls.orow[m] their o rows (dp), ls.rmax / rsum / bad[m] their running softmax state
+// (lanes m_n .. up to a multiple of 8: nk 0); kt / vt the block's nk_max key rows [nk_max][d] and
+// value rows [nk_max][dp] (zero past d). next: the next block's rows, copied along the way.
+inline void lanes_block(int64_t m_n, int64_t nk_max, int64_t d, int64_t dp, float scale, const float* kt,
+                        const float* vt, LaneScratch& ls, RowCopy& next) {
+  const int64_t ldm = (m_n + 7) / 8 * 8;
+  // Work units (lane-keys of the scores, vector-keys of P·V) done, of total: next gets its share.
+  const int64_t total = nk_max * (ldm + m_n);
+  int64_t work = 0;
+  pack_q_lanes(ls.qrow.data(), m_n, d, ls.zrow.data(), ls.qt.data(), ldm);
+  for (int64_t m0 = 0; m0 < ldm; m0 += 16) {
+    // 16 lanes: 6 keys x 2 vectors; an 8-lane tail: 12 keys x 1 vector (6 chains would leave the
+    // FMA pipes waiting on their latency).
+    const int64_t nl = std::min<int64_t>(16, ldm - m0), step = nl == 16 ? kLaneMR : 2 * kLaneMR;
+    for (int64_t i = 0; i < nk_max; i += step) {
+      const int mr = static_cast<int>(std::min<int64_t>(step, nk_max - i));
+      if (nl == 16)
+        lane_scores_n<2>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0]);
+      else
+        lane_scores_n<1, 2 * kLaneMR>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0]);
+      work += mr * nl;
+      next.upto(next.n * work / total);
+    }
+  }
+  for (int64_t m0 = 0; m0 < ldm; m0 += 8)
+    lane_softmax(&ls.s[m0], ldm, nk_max, &ls.nk[m0], scale, &ls.rmax[m0], &ls.rsum[m0], &ls.alpha[m0], &ls.bad[m0]);
+  panel_starts(m_n, m_n, ls.pst);  // near-equal panels of <= kLaneMR vectors
+  for (size_t pn = 0; pn + 1 < ls.pst.size(); ++pn) {
+    const int64_t m0 = ls.pst[pn];
+    const int mr = static_cast<int>(ls.pst[pn + 1] - m0);
+    int64_t nk_min = ls.nk[m0];
+    for (int r = 1; r < mr; ++r) nk_min = std::min<int64_t>(nk_min, ls.nk[m0 + r]);
+    // Keys every vector of the panel sees go through the panel; a vector whose row ends further
+    // inside this block adds its own keys past those alone, in the same order.
+    lane_pv_n(mr, &ls.s[m0], ldm, vt, 0, nk_min, dp, &ls.alpha[m0], &ls.orow[m0]);
+    for (int r = 0; r < mr; ++r)
+      if (ls.nk[m0 + r] > nk_min) lane_pv<1>(&ls.s[m0 + r], ldm, vt, nk_min, ls.nk[m0 + r], dp, nullptr, &ls.orow[m0 + r]);
+    work += mr * nk_max;
+    next.upto(next.n * work / total);
+  }
+  next.upto(next.n);
+}
