@@ -216,9 +216,10 @@ class ShardedLinear(nn.Module):
                 return y
         x2 = x.reshape(-1, self.in_features)
         y = x2.new_empty(x2.shape[0], self.out_features)
+        xw = x2.float() if widen_16bit(x2) else None  # bf16 products as fp32 GEMMs here (widen_16bit)
         for b, r0, r1 in self._block_rows():
             w = _dequant_block_row(self.weight[r0:r1], self.weight_scale_inv[b], self.col_off, x.dtype)
-            y[:, r0:r1] = x2 @ w.t()
+            y[:, r0:r1] = x2 @ w.t() if xw is None else xw @ w.float().t()
         return y.view(*x.shape[:-1], self.out_features)
 
     def _forward_scaled_mm(self, x: torch.Tensor) -> Optional[torch.Tensor]:
