@@ -97,7 +97,7 @@ def prefill_threads(clock=time.perf_counter, work=None) -> int:
     to torch's count, interleaved trials, the slow ones dropped) over ``work`` (default: an fp32
     ``PROBE_MM``-cube matmul, prefill's kind of op). torch's count is left as it was."""
     if work is None:
-        a = torch.randn(PROBE_MM, PROBE_MM)
+        a = torch.full((PROBE_MM, PROBE_MM), 0.25)  # not torch.randn: the caller's RNG stays untouched
         c = torch.empty_like(a)
         work = lambda: torch.mm(a, a, out=c)  # noqa: E731
     tuner = DecodeThreads(None, clock=clock)
