@@ -392,7 +392,7 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
     left.reset(new std::atomic<int>[p.s_q * hblocks]);
     for (int64_t i = 0; i < p.s_q * hblocks; ++i) left[i].store(static_cast<int>(splits));
   }
-  at::parallel_for(0, p.s_q * hblocks * splits, 1, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     static thread_local MlaState s;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t sp = task % splits, t = task / splits / hblocks, hb = task / splits % hblocks;
@@ -445,7 +445,14 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
           merge_splits(p, t * p.h_q + h, splits, pm.data(), pl.data(), pz.data(), po.data(), s.alpha.data());
       }
     }
-  });
+  };
+  // Below the serial bound (mla_runs_inline; the splits depend on the shape only) on the calling
+  // thread, as the other paths do: a decode row opens no OpenMP region.
+  if (mla_runs_inline(p)) {
+    body(0, p.s_q * hblocks * splits);
+  } else {
+    at::parallel_for(0, p.s_q * hblocks * splits, 1, body);
+  }
 }
 
 namespace {
