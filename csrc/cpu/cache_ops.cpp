@@ -66,8 +66,6 @@ __attribute__((target("avx2"))) void to_e4m3_avx2(const float* x, uint8_t* dst) 
   }
 }
 
-bool quant_use_avx512(DType dt) { return cpu_op_path(CpuOp::kQuantize, dt) == CpuPath::kAvx512Bf16; }
-bool quant_use_avx2(DType dt) { return cpu_op_path(CpuOp::kQuantize, dt) == CpuPath::kAvx2; }
 
 // One group of 128 values: optional Hadamard, ue8m0 scale, e4m3 bytes.
 inline float quantize_group(const void* src, DType dt, int64_t offset, float eps, bool hadamard,
@@ -87,12 +85,10 @@ inline float quantize_group(const void* src, DType dt, int64_t offset, float eps
   }
   const float scale = ue8m0_scale(amax, eps);
   const float inv = 1.0f / scale;  // exact: scale is a power of two
-  if (quant_use_avx512(dt) || quant_use_avx2(dt)) {
+  const CpuPath path = cpu_op_path(CpuOp::kQuantize, dt);
+  if (path == CpuPath::kAvx512Bf16 || path == CpuPath::kAvx2) {
     for (int i = 0; i < kQuantGroup; ++i) buf[i] *= inv;
-    if (quant_use_avx512(dt))
-      to_e4m3_avx512(buf, dst);
-    else
-      to_e4m3_avx2(buf, dst);
+    (path == CpuPath::kAvx2 ? to_e4m3_avx2 : to_e4m3_avx512)(buf, dst);
   } else {
     for (int i = 0; i < kQuantGroup; ++i) dst[i] = float_to_e4m3(buf[i] * inv);
   }

@@ -83,7 +83,7 @@ class GenerationResult:
     decode_step: str = "eager"        # how plain decode steps ran (generate's decode_step, resolved)
     graph_captures: int = 0           # CUDA graphs captured (one per decode batch size met)
     decode_threads: int = 0           # intra-op threads the decode steps settled on
-    prefill_threads: int = 0          # intra-op threads prefill settled on (its last chunk's)
+    prefill_threads: int = 0          # intra-op threads prefill ran on
     stage_seconds: dict = field(default_factory=dict)
 
     @property
