@@ -879,6 +879,44 @@ def test_indexer_runs_the_path_dispatch_names(dtype, heads):
     assert torch.equal(live, torch.isfinite(want)) and rel_err(want[live], scores[live]) < 1e-5
 
 
+@pytest.mark.parametrize("next_n", [1, 2, 8])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_paged_indexer_runs_the_path_dispatch_names_for_its_rows(next_n, heads):
+    """A decode call holds next_n rows per request, so its GEMM is thinner than a prefill block's:
+    _cpu_isa("indexer", dt, heads, rows=next_n) names the path it takes ('auto' bit-identical to that
+    path forced, and to the reference's scores); on AMX CPUs one row of 32 heads leaves blas."""
+    path = _C._cpu_isa("indexer", "fp8", heads, next_n)
+    if _C._cpu_isa("indexer", "fp8", heads) == "blas":
+        assert (path == "blas") == (heads * next_n >= 16 * 8)
+    batch, bs = 2, 64
+    seq_lens = torch.tensor([700, 1300], dtype=torch.int32)
+    table = torch.randperm(48, dtype=torch.int32)[:42].reshape(batch, 21)
+    cache = torch.zeros(48, bs * 132, dtype=torch.uint8)
+    for b in range(batch):
+        pos = torch.arange(int(seq_lens[b]))
+        ref.index_k_cache_insert(torch.randn(len(pos), 128), table[b, pos // bs].long() * bs + pos % bs, cache)
+    qv, qs = ref.quantize_fp8(torch.randn(batch * next_n, heads, 128), ref.INDEX_Q_EPS)
+    w = ref.indexer_weights(torch.randn(batch * next_n, heads), qs[..., 0])
+    args = (qv, w, cache, table, seq_lens, next_n)
+    want = ops.indexer_logits_paged(*args, 1300)
+    want_k = ops.indexer_topk_paged(*args, 256)
+    _C._set_cpu_isa(path)
+    try:
+        got = ops.indexer_logits_paged(*args, 1300)
+        got_k = ops.indexer_topk_paged(*args, 256)
+    finally:
+        _C._set_cpu_isa("auto")
+    assert torch.equal(got, want) and torch.equal(got_k, want_k)
+    scores = ref.indexer_logits_paged(qv, w, cache, table, seq_lens, next_n, 1300)
+    live = torch.isfinite(scores)
+    assert torch.equal(live, torch.isfinite(want)) and rel_err(want[live], scores[live]) < 1e-5
+
+
+def test_cpu_isa_rows_must_be_positive():
+    with pytest.raises(ValueError, match="rows must be positive"):
+        _C._cpu_isa("indexer", "fp8", 32, 0)
+
+
 # ------------------------------------------------------------------ registration
 
 def test_every_op_has_a_kernel_per_backend():

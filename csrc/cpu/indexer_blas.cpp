@@ -35,7 +35,7 @@ using cpu::key_splits;
 using cpu::paged_windows;
 using cpu::write_short_row;
 
-constexpr int64_t kRows = 8;           // query rows per GEMM: M = kRows · h
+constexpr int64_t kRows = kIndexerRowBlock;  // query rows per GEMM: M = kRows · h (isa.h)
 constexpr int64_t kKeys = 256;         // keys per GEMM (N), zero-padded at the end
 constexpr int64_t kTaskKeys = 2048;    // keys per task in the plain ops
 

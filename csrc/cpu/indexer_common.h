@@ -18,7 +18,7 @@
 namespace indexcache {
 namespace cpu {
 
-constexpr int64_t kMinSplitKeys = 4096;  // a key split of the fused ops keeps at least this many keys
+constexpr int64_t kMinSplitKeys = 1024;  // a key split of the fused ops keeps at least this many keys
 
 inline void fill_neg_inf(float* row, int64_t n) { std::fill_n(row, n, -std::numeric_limits<float>::infinity()); }
 

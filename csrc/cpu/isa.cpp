@@ -4,6 +4,7 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 
@@ -221,6 +222,11 @@ CpuPath cpu_op_path(CpuOp op, DType dt, int64_t heads) {
   const bool thin = (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && heads < kBlasMinHeads;
   if (path != CpuPath::kBlas || !thin || static_cast<CpuPath>(g_request.load()) != CpuPath::kAuto) return path;
   return first_path_from(CpuPath::kAvx512Bf16, op, dt);
+}
+
+CpuPath indexer_op_path(DType dt, int64_t heads, int64_t rows) {
+  const int64_t r = std::clamp<int64_t>(rows, 1, kIndexerRowBlock);
+  return cpu_op_path(CpuOp::kIndexer, dt, std::max<int64_t>(1, heads * r / kIndexerRowBlock));
 }
 
 TileRelease::~TileRelease() {

@@ -37,11 +37,15 @@
 namespace indexcache {
 namespace {
 
-// Multiply-adds below which one thread runs it: at one row only the LM head (26M at vocab 50K x
-// hidden 512) passes. A 2 MB projection (1M) gains ~0.1 ms from a second core on an idle machine but
-// waits for a scheduler slice when the cores are shared (docs/profiling.md: 2 threads, load 6).
-constexpr int64_t kParallelWork = int64_t{1} << 22;
-constexpr int64_t kChunkWork = int64_t{1} << 19;     // at least this much work per parallel chunk
+// Multiply-adds below which one thread runs it. A decode row's projections stream weights from
+// memory, and one core reads ~13 GB/s where two read 17-21 (an AMX Xeon, docs/profiling.md, 2026-12-06),
+// so every projection of 256 KB or more (a 576 x 512 kv_a, the 64 x 512 heads of an absorbed MLA
+// einsum, an expert's gate and up) is split: at 2^17 bf16 multiply-adds a call reads for ~20 us, and an
+// OpenMP region costs a few on a quiet machine. When the cores are shared a region waits for a
+// scheduler slice instead (docs/profiling.md, 2 threads, load 6); `generate`'s --decode-threads auto
+// then takes one thread, which opens no region at all.
+constexpr int64_t kParallelWork = int64_t{1} << 17;
+constexpr int64_t kChunkWork = int64_t{1} << 16;     // at least this much work per parallel chunk
 constexpr int64_t kBlock = 64;                        // output columns per task, w [N, K]
 constexpr int64_t kKnBlock = 512;                     // and w [K, N]: one fp32 sum per column in an L1 buffer
 constexpr int64_t kPrefetchBytes = 4096;              // how far ahead along a weight row's bytes a load prefetches
