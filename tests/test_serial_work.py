@@ -27,13 +27,13 @@ _C._set_cpu_isa(isa)
 torch.set_num_threads(2)
 g = torch.Generator().manual_seed(seed)
 res = {}
-for n, k in [(576, 512), (8192, 512)]:          # below / above rows_matmul's default bound
+for n, k in [(64, 512), (576, 512), (8192, 512)]:   # below / above rows_matmul's default bound
     x = torch.randn(1, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     out = torch.full((1, n), float("nan"))
     res[f"rows_{n}"] = (x, w, ops.rows_matmul(x, w, True, out=out))
 for dt in (torch.bfloat16, torch.float32):
-    for s_q, h in [(1, 16), (1, 64), (3, 16)]:   # a 16-head decode row is below sparse_mla's default
+    for s_q, h in [(1, 4), (1, 16), (1, 64), (3, 16)]:   # a 4-head decode row is below sparse_mla's default
         cache = torch.randn(700, 1, 576, generator=g).to(dt)
         idx = torch.randint(0, 700, (s_q, 512), generator=g, dtype=torch.int32)
         idx[:, ::9] = -1
