@@ -33,7 +33,8 @@ inline void write_short_row(int32_t* out, int64_t window, const TopkOut& o) {
 // even when there are few rows (decode), while each split keeps >= kMinSplitKeys keys.
 inline int64_t key_splits(int64_t row_blocks, int64_t keys) {
   const int64_t threads = at::get_num_threads();
-  if (row_blocks == 0 || row_blocks >= 2 * threads) return 1;  // 0: an empty batch (was a SIGFPE)
+  // 0: an empty batch (was a SIGFPE); one thread: a split would only add a merge
+  if (row_blocks == 0 || threads == 1 || row_blocks >= 2 * threads) return 1;
   const int64_t want = (2 * threads + row_blocks - 1) / row_blocks;
   return std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinSplitKeys));
 }
