@@ -60,11 +60,11 @@ inline int64_t mla_key_splits(const SparseMlaParams& p, int64_t head_blocks) {
 }
 
 // Multiply-adds of a call (q·k over d_qk and p·v over d_v for every entry of every row and head):
-// below the bound (sparse_mla.cpp, kMlaSerialWork unless INDEXCACHE_SPARSE_MLA_SERIAL_WORK says
-// otherwise; serial_work.h) the call runs on the calling thread. A decode row of 4 heads over
-// 512 keys is 2.2M, of 16 heads 9.4M, of 64 heads 38M.
+// below the bound (sparse_mla.cpp: kMlaSerialWork, or kMlaTilesSerialWork for the blas kernel,
+// unless INDEXCACHE_SPARSE_MLA_SERIAL_WORK sets both; serial_work.h) the call runs on the calling
+// thread. A decode row of 4 heads over 512 keys is 2.2M, of 16 heads 9.4M, of 64 heads 38M.
 inline int64_t mla_work(const SparseMlaParams& p) { return p.s_q * p.h_q * (p.topk + p.n_extra) * (p.d_qk + p.d_v); }
-int64_t mla_serial_work();  // sparse_mla.cpp
-inline bool mla_runs_inline(const SparseMlaParams& p) { return mla_work(p) < mla_serial_work(); }
+int64_t mla_serial_work(bool tiles);  // sparse_mla.cpp
+inline bool mla_runs_inline(const SparseMlaParams& p, bool tiles = false) { return mla_work(p) < mla_serial_work(tiles); }
 
 }  // namespace indexcache

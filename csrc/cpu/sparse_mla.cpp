@@ -469,18 +469,23 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 
 }  // namespace
 
-// Below this many multiply-adds (mla_work) a call runs on the calling thread. A decode row of 8
-// heads or more over 512 keys (4.5M at 8, 9.4M at 16) splits its keys: on a quiet AMX Xeon a 16-head
-// row's calls went from 2.6-2.9 to 1.3-1.5 ms a step at 2 threads (docs/profiling.md, 2026-12-06).
-// When another process holds the other core, a region waits for its slice instead (7-30 ms,
-// docs/profiling.md, seventh round); `generate`'s --decode-threads auto then runs one thread.
-constexpr int64_t kMlaSerialWork = int64_t{1} << 22;
+// Below this many multiply-adds (mla_work) a call runs on the calling thread: a 16-head decode row
+// over 512 keys (9.4M) is 0.15 ms on one core, and 7-30 ms at 2 threads when another process holds
+// the other core (docs/profiling.md, seventh round); with both cores free, splitting it on the
+// vector kernels measured slower too (Zen 5, avx512bf16: 1.07 -> 1.28 ms a step, ninth round).
+constexpr int64_t kMlaSerialWork = int64_t{1} << 25;
+// The blas kernel's bound (AMX brgemm): there a decode row of 8 heads or more (4.5M at 8, 9.4M at 16)
+// splits its keys, which halved a 16-head row's calls at 2 threads on a quiet AMX Xeon (2.6-2.9 ->
+// 1.3-1.5 ms a step; docs/profiling.md, 2026-12-06). Under load `generate`'s --decode-threads auto
+// runs one thread, which opens no region.
+constexpr int64_t kMlaTilesSerialWork = int64_t{1} << 22;
 
-int64_t mla_serial_work() {
-  static const int64_t bound = cpu::serial_work_bound("INDEXCACHE_SPARSE_MLA_SERIAL_WORK", kMlaSerialWork);
-  TORCH_CHECK(bound >= 0, "INDEXCACHE_SPARSE_MLA_SERIAL_WORK must be a non-negative integer (multiply-adds), got '",
+int64_t mla_serial_work(bool tiles) {
+  static const int64_t vec = cpu::serial_work_bound("INDEXCACHE_SPARSE_MLA_SERIAL_WORK", kMlaSerialWork);
+  static const int64_t amx = cpu::serial_work_bound("INDEXCACHE_SPARSE_MLA_SERIAL_WORK", kMlaTilesSerialWork);
+  TORCH_CHECK(vec >= 0, "INDEXCACHE_SPARSE_MLA_SERIAL_WORK must be a non-negative integer (multiply-adds), got '",
               std::getenv("INDEXCACHE_SPARSE_MLA_SERIAL_WORK"), "'");
-  return bound;
+  return tiles ? amx : vec;
 }
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
