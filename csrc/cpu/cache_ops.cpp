@@ -66,7 +66,6 @@ __attribute__((target("avx2"))) void to_e4m3_avx2(const float* x, uint8_t* dst) 
   }
 }
 
-
 // One group of 128 values: optional Hadamard, ue8m0 scale, e4m3 bytes.
 inline float quantize_group(const void* src, DType dt, int64_t offset, float eps, bool hadamard,
                             uint8_t* dst) {
