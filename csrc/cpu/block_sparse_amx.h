@@ -16,25 +16,7 @@
 // sorted by that count, and a vector's accumulator rows are stored as soon as the next key tile
 // passes its count (an inf or NaN value past a vector's position never reaches it).
 
-// Tile configuration of palette 1 (Intel SDM, LDTILECFG): 8 tiles of 16 rows x 64 bytes.
-struct alignas(64) AmxTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void amx_configure() {
-  AmxTileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
-
-// GCC's tile load / store intrinsics are asm statements that do not tell the compiler which
-// memory they read or write: a compiler barrier on each side orders them with plain accesses.
-inline void amx_barrier() { asm volatile("" ::: "memory"); }
+#include "amx_tiles.h"
 
 constexpr int64_t kAmxRows = 16;
 

@@ -1,12 +1,15 @@
-// Sparse MLA on the "blas" path (blas.h): per query row, the selected cache rows are
-// gathered kBlock at a time into the layouts oneDNN's brgemm takes for B (bf16 pairs), and
-//   S = Q[h, d_qk] · Kᵀ         (one brgemm, fp32 out; d_qk 576, or 512 for DeepSeek-V4)
-//   O += P[h, kBlock] · V        (two brgemms, accumulating in fp32: P = P_hi + P_lo, each bf16)
+// Sparse MLA on the "blas" path (blas.h): per query row, the selected cache rows are taken
+// kBlock at a time and
+//   S = Q[h, d_qk] · Kᵀ         (fp32 out; d_qk 576, or 512 for DeepSeek-V4)
+//   O += P[h, kBlock] · V        (accumulating in fp32: P = P_hi + P_lo, each bf16)
+// with an online softmax between them (running max and sum per head, O rescaled when the max
+// grows). On a CPU with AMX-BF16 both products run on the tiles themselves (namespace amx below);
+// elsewhere (AVX-512 CPUs, where the path is only ever forced) through oneDNN's brgemm, the rows
+// packed into the bf16-pair layouts it takes for B.
 // P is split into two bf16 parts as the avx512bf16 path does, so P·V carries P to ~16 bits
 // (one bf16 P moved a bf16 model's attention 1.7e-3 from the other paths' on an AMX Xeon, and
 // prefill, on this path, from decode over an fp32 cache, which runs avx512bf16's kernels).
-// with an online softmax between them (running max and sum per head, O rescaled when the
-// max grows). Rows with few query rows split their selected keys across threads; the task
+// Rows with few query rows split their selected keys across threads; the task
 // that finishes a row's last split merges the partial (max, sum, O) in split order, so results
 // do not depend on timing and the op needs one parallel region (waking the other threads
 // twice cost more than the merge on a busy machine).
@@ -21,11 +24,13 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "aligned.h"
 #include "blas.h"
 #include "mla_slots.h"
 #include "indexcache/fp8.h"
@@ -40,14 +45,16 @@ constexpr int64_t kBlock = 128;          // selected keys per brgemm pair (N of 
 constexpr int64_t kMinSplitKeys = 256;   // a key split keeps at least this many selections
 
 struct Work {
-  std::vector<uint16_t> deq;  // fp8 rows dequantized to bf16 [kBlock][576]
-  std::vector<uint32_t> kb;   // Kᵀ as pairs [d_qk / 2][kBlock]
-  std::vector<uint32_t> vb;   // V as key pairs [kBlock/2][d_v]
-  std::vector<float> s;       // [h][kBlock]
-  std::vector<uint16_t> pb;   // P's bf16 high part [h][kBlock]
-  std::vector<uint16_t> pl;   // P - P_hi rounded to bf16 [h][kBlock]
-  std::vector<float> o;       // [h][d_v] unnormalised
-  std::vector<float> m, l, z; // per head: running max, sum, NaN once a score is non-finite
+  cpu::AlignedVec<uint32_t> qb;   // AMX: the row's q as channel pairs x heads [d_qk / 2][hp]
+  cpu::AlignedVec<float> st;      // AMX: Sᵀ [kBlock][hp]
+  cpu::AlignedVec<uint16_t> deq;  // fp8 rows dequantized to bf16 [kBlock][576]
+  cpu::AlignedVec<uint32_t> kb;   // Kᵀ as pairs [d_qk / 2][kBlock]
+  cpu::AlignedVec<uint32_t> vb;   // V as key pairs [kBlock/2][d_v]
+  cpu::AlignedVec<float> s;       // [h][kBlock]
+  cpu::AlignedVec<uint16_t> pb;   // P's bf16 high part [h][kBlock]
+  cpu::AlignedVec<uint16_t> pl;   // P - P_hi rounded to bf16 [h][kBlock]
+  cpu::AlignedVec<float> o;       // [h][d_v] unnormalised
+  cpu::AlignedVec<float> m, l, z; // per head: running max, sum, NaN once a score is non-finite
 };
 
 // Cache row `slot` (D values) as bf16 (fp8 rows, D = 576 only, are dequantized into `tmp`, then
@@ -117,6 +124,35 @@ float softmax_block_scalar(float* s, int64_t n, float scale, float& m, float& l,
   return alpha;
 }
 
+// The block's rows (kBlock of them, each D bf16 values) packed for the two brgemms: kb [D/2][kBlock],
+// row p holding every key's channel pair p (16 x 16 transposes of 32-bit pairs), and vb
+// [kBlock/2][dv], key pair kp's values interleaved channel by channel (the even key in the low half).
+template <int kPairs>
+__attribute__((target("avx512f,avx512bw"))) void pack_block_avx512(const uint16_t* const* rows, int64_t dv,
+                                                                  uint32_t* kb, uint32_t* vb) {
+  static_assert(kPairs % 16 == 0 && kBlock % 16 == 0, "16 x 16 pair tiles");
+  for (int64_t j0 = 0; j0 < kBlock; j0 += 16) {
+    const uint32_t* r32[16];
+    for (int i = 0; i < 16; ++i) r32[i] = reinterpret_cast<const uint32_t*>(rows[j0 + i]);
+    for (int p0 = 0; p0 < kPairs; p0 += 16) cpu::transpose16x16_epi32(r32, p0, kb + p0 * kBlock + j0, kBlock);
+  }
+  // Lane k of the first output takes channel k / 2 of key a (k even) or b (k odd); the second, 16 on.
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i ilo = _mm512_load_si512(lo_idx);
+  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  for (int64_t kp = 0; kp < kBlock / 2; ++kp) {
+    const uint16_t* a = rows[2 * kp];
+    const uint16_t* b = rows[2 * kp + 1];
+    uint32_t* dst = vb + kp * dv;
+    for (int64_t c = 0; c < dv; c += 32) {
+      const __m512i va = _mm512_loadu_si512(a + c), vb2 = _mm512_loadu_si512(b + c);
+      _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, ilo, vb2));
+      _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, ihi, vb2));
+    }
+  }
+}
+
 // Attention of row t over the selected slots sl[0:n) into w.o / w.m / w.l / w.z; rows of D.
 template <int D>
 void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, Work& w) {
@@ -134,19 +170,23 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
     const uint16_t* rows[kBlock];
     for (int64_t j = 0; j < kBlock; ++j)
       rows[j] = j < nb ? kv_row<D>(p, sl[j0 + j], w.deq.data() + j * kMlaDim) : zero_row;
-    for (int pp = 0; pp < kPairs; ++pp) {
-      uint32_t* dst = w.kb.data() + pp * kBlock;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        uint32_t v;
-        std::memcpy(&v, rows[j] + 2 * pp, 4);
-        dst[j] = v;
+    if (avx512) {
+      pack_block_avx512<kPairs>(rows, dv, w.kb.data(), w.vb.data());
+    } else {
+      for (int pp = 0; pp < kPairs; ++pp) {
+        uint32_t* dst = w.kb.data() + pp * kBlock;
+        for (int64_t j = 0; j < kBlock; ++j) {
+          uint32_t v;
+          std::memcpy(&v, rows[j] + 2 * pp, 4);
+          dst[j] = v;
+        }
       }
-    }
-    for (int64_t kp = 0; kp < kBlock / 2; ++kp) {
-      const uint16_t* a = rows[2 * kp];
-      const uint16_t* b = rows[2 * kp + 1];
-      uint32_t* dst = w.vb.data() + kp * dv;
-      for (int64_t c = 0; c < dv; ++c) dst[c] = static_cast<uint32_t>(a[c]) | (static_cast<uint32_t>(b[c]) << 16);
+      for (int64_t kp = 0; kp < kBlock / 2; ++kp) {
+        const uint16_t* a = rows[2 * kp];
+        const uint16_t* b = rows[2 * kp + 1];
+        uint32_t* dst = w.vb.data() + kp * dv;
+        for (int64_t c = 0; c < dv; ++c) dst[c] = static_cast<uint32_t>(a[c]) | (static_cast<uint32_t>(b[c]) << 16);
+      }
     }
     at::native::cpublas::brgemm(h, kBlock, D, D, kBlock, kBlock, false, q,
                                 reinterpret_cast<const at::BFloat16*>(w.kb.data()), w.s.data(), true);
@@ -171,6 +211,236 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
   }
 }
 
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+namespace amx {
+#include "amx_tiles.h"
+
+// The products on the AMX tiles themselves (cpu_features().amx_bf16), not through oneDNN: its brgemm
+// ran these thin shapes (M = heads, K = 128 keys for P·V) at ~670 GFLOP/s where the tiles do 3 TFLOP/s. Tiles are
+// 16 rows x 64 bytes; a step covers 32 keys x 32 heads (four accumulators) or 32 x 16 for the last.
+//   Sᵀ [keys][hp] = K [keys][D] · Qᵀ: A = 16 key rows x 32 channels, copied as they are (the
+//       selected rows lie anywhere in the cache; a copy is a third of the work of transposing them
+//       into channel pairs), B = 16 channel pairs x 16 heads of q, packed once per row.
+//   O [hp][dv] += P_hi · vb + P_lo · vb: A = 16 heads x 32 keys of P, B = 16 key pairs x 16 channels.
+// An accumulator element reads one row of A and one column of B in a fixed order: a head's result
+// never depends on the other heads of its tile, nor on the thread count.
+// Row strides (elements) of the tile operands. Their buffers start on cache lines (aligned.h), so
+// every 64-byte tile row is one line.
+struct Lds {
+  int64_t kc, qb, st, s, p, vb, o;
+  Lds(int64_t d, int64_t hp, int64_t dv) : kc(d), qb(hp), st(hp), s(kBlock), p(kBlock), vb(dv), o(dv) {}
+};
+
+// st [nk32][hp] (row stride ld.st) = kc [nk32][D] · Qᵀ, Qᵀ as qb [D/2][hp] channel pairs.
+template <int D>
+void scores_t(const uint16_t* kc, const uint32_t* qb, int64_t hp, int64_t nk32, float* st, const Lds& ld) {
+  amx_barrier();
+  for (int64_t j = 0; j < nk32; j += 32) {
+    const uint16_t* k0 = kc + j * ld.kc;
+    const uint16_t* k1 = k0 + 16 * ld.kc;
+    for (int64_t h0 = 0; h0 < hp; h0 += 32) {
+      const bool two = h0 + 16 < hp;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int c = 0; c < D; c += 32) {
+        const uint32_t* b = qb + c / 2 * ld.qb + h0;
+        _tile_loadd(4, k0 + c, ld.kc * 2);
+        _tile_loadd(5, k1 + c, ld.kc * 2);
+        _tile_loadd(6, b, ld.qb * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, b + 16, ld.qb * 4);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      float* s0 = st + j * ld.st + h0;
+      _tile_stored(0, s0, ld.st * 4);
+      _tile_stored(1, s0 + 16 * ld.st, ld.st * 4);
+      if (two) {
+        _tile_stored(2, s0 + 16, ld.st * 4);
+        _tile_stored(3, s0 + 16 * ld.st + 16, ld.st * 4);
+      }
+    }
+  }
+  amx_barrier();
+}
+
+// o [hp][dv] (row stride ld.o) += P_hi · V + P_lo · V over the first nk32 keys: pb / pl [hp][kBlock]
+// (stride ld.p), V as key pairs vb [nk32/2][dv] (stride ld.vb).
+void pv(const uint16_t* pb, const uint16_t* pl, int64_t hp, const uint32_t* vb, int64_t dv, int64_t nk32, float* o,
+        const Lds& ld) {
+  amx_barrier();
+  for (int64_t h0 = 0; h0 < hp; h0 += 32) {
+    const bool two = h0 + 16 < hp;
+    for (int64_t c = 0; c < dv; c += 32) {
+      float* o0 = o + h0 * ld.o + c;
+      float* o1 = o0 + 16 * ld.o;
+      _tile_loadd(0, o0, ld.o * 4);
+      _tile_loadd(1, o0 + 16, ld.o * 4);
+      if (two) {
+        _tile_loadd(2, o1, ld.o * 4);
+        _tile_loadd(3, o1 + 16, ld.o * 4);
+      }
+      for (int64_t kk = 0; kk < nk32; kk += 32) {
+        const uint32_t* v = vb + kk / 2 * ld.vb + c;
+        const int64_t a = h0 * ld.p + kk;
+        _tile_loadd(6, v, ld.vb * 4);
+        _tile_loadd(7, v + 16, ld.vb * 4);
+        _tile_loadd(4, pb + a, ld.p * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, pb + a + 16 * ld.p, ld.p * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_loadd(4, pl + a, ld.p * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, pl + a + 16 * ld.p, ld.p * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, o0, ld.o * 4);
+      _tile_stored(1, o0 + 16, ld.o * 4);
+      if (two) {
+        _tile_stored(2, o1, ld.o * 4);
+        _tile_stored(3, o1 + 16, ld.o * 4);
+      }
+    }
+  }
+  amx_barrier();
+}
+
+// vb [nk/2][dv] (stride ld.vb) from the copied rows kc: key pair kp's first dv values interleaved
+// channel by channel (the even key in the low half).
+void pack_v(const uint16_t* kc, int64_t nk, int64_t dv, uint32_t* vb, const Lds& ld) {
+  // Lane k of the first output takes channel k / 2 of key a (k even) or b (k odd); the second, 16 on.
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i ilo = _mm512_load_si512(lo_idx);
+  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  for (int64_t kp = 0; kp < nk / 2; ++kp) {
+    const uint16_t* a = kc + 2 * kp * ld.kc;
+    const uint16_t* b = a + ld.kc;
+    uint32_t* dst = vb + kp * ld.vb;
+    for (int64_t c = 0; c < dv; c += 32) {
+      const __m512i va = _mm512_loadu_si512(a + c), vb2 = _mm512_loadu_si512(b + c);
+      _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, ilo, vb2));
+      _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, ihi, vb2));
+    }
+  }
+}
+
+// attend() on the tiles: the same key blocks and softmax, the two products above; w.o ends as
+// attend()'s, [h][dv] (ld.o == dv). Heads past h (up to hp, a multiple of 16) have zero q and are never stored.
+template <int D>
+void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, Work& w) {
+  const int64_t h = p.h_q, dv = p.d_v, hp = (h + 15) / 16 * 16;
+  const Lds ld(D, hp, dv);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  std::fill(w.z.begin(), w.z.end(), 0.f);
+  if (n == 0) return;
+  std::fill(w.o.begin(), w.o.end(), 0.f);
+  // Qᵀ as channel pairs x heads (heads past h zero).
+  static const uint32_t zero_pairs[kMlaDim / 2] = {};
+  const uint16_t* q = static_cast<const uint16_t*>(p.q) + t * h * D;
+  for (int64_t h0 = 0; h0 < hp; h0 += 16) {
+    const uint32_t* rows[16];
+    for (int i = 0; i < 16; ++i)
+      rows[i] = h0 + i < h ? reinterpret_cast<const uint32_t*>(q + (h0 + i) * D) : zero_pairs;
+    for (int p0 = 0; p0 < D / 2; p0 += 16) cpu::transpose16x16_epi32(rows, p0, w.qb.data() + p0 * ld.qb + h0, ld.qb);
+  }
+  uint16_t* kc = w.deq.data();  // the block's rows [kBlock][D] (stride ld.kc), bf16
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - j0), nk32 = (nb + 31) / 32 * 32;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t slot = sl[j0 + j];
+      if (D != kMlaDim || p.kv_dtype == DType::kBFloat16) {
+        std::memcpy(kc + j * ld.kc, static_cast<const uint16_t*>(p.kv) + slot * D, D * 2);
+      } else {
+        mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, kc + j * ld.kc);
+      }
+    }
+    std::fill(kc + nb * ld.kc, kc + nk32 * ld.kc, uint16_t{0});  // P is 0 there, and 0 · NaN would not be
+    scores_t<D>(kc, w.qb.data(), hp, nk32, w.st.data(), ld);
+    pack_v(kc, nk32, dv, w.vb.data(), ld);
+    // Sᵀ back to S [hp][kBlock], 16 x 16 at a time, for the row-wise softmax.
+    for (int64_t j = 0; j < nk32; j += 16)
+      for (int64_t h0 = 0; h0 < hp; h0 += 16) {
+        const uint32_t* rows[16];
+        for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(w.st.data() + (j + i) * ld.st);
+        cpu::transpose16x16_epi32(rows, h0, reinterpret_cast<uint32_t*>(w.s.data()) + h0 * ld.s + j, ld.s);
+      }
+    for (int64_t hh = 0; hh < h; ++hh) {
+      const float alpha = softmax_block_avx512(w.s.data() + hh * ld.s, nb, p.sm_scale, w.m[hh], w.l[hh], w.z[hh],
+                                               w.pb.data() + hh * ld.p, w.pl.data() + hh * ld.p);
+      if (j0 > 0 && alpha != 1.f) {
+        float* orow = w.o.data() + hh * ld.o;
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < dv; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), a));
+      }
+    }
+    pv(w.pb.data(), w.pl.data(), hp, w.vb.data(), dv, nk32, w.o.data(), ld);
+  }
+}
+
+// Buffer sizes of attend() on the tiles for heads padded to hp.
+void size_work(Work& w, int64_t d, int64_t hp, int64_t dv) {
+  const Lds ld(d, hp, dv);
+  w.qb.resize(d / 2 * ld.qb);
+  w.st.resize(kBlock * ld.st);
+  w.deq.resize(kBlock * ld.kc);
+  w.vb.resize(kBlock / 2 * ld.vb);
+  w.s.resize(hp * ld.s);
+  w.pb.assign(hp * ld.p, 0);
+  w.pl.assign(hp * ld.p, 0);
+  w.o.resize(hp * ld.o);
+}
+
+// The tile configuration for a parallel chunk's attend() calls, the tile state released after.
+struct Tiles {
+  Tiles() { amx_configure(); }
+  ~Tiles() { _tile_release(); }
+};
+}  // namespace amx
+#pragma GCC pop_options
+#endif
+
+void attend_tiles(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, Work& w) {
+  if (p.d_qk == kMlaDim) {
+    amx::attend<kMlaDim>(p, t, sl, n, w);
+  } else {
+    amx::attend<kMlaLatent>(p, t, sl, n, w);
+  }
+}
+
+// out[c] = float_to_bf16(o[c] · scale) for c < n (a multiple of 16), 16 at a time and to the bit:
+// nearest even on the integer bits (subnormals kept), a NaN quieted with its payload.
+__attribute__((target("avx512f"))) void scaled_to_bf16_avx512(const float* o, float scale, int64_t n,
+                                                                uint16_t* out) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7FFF);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+  const __m512i quiet = _mm512_set1_epi32(0x400000);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(o + c), sc));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+}
+
 void store_row(const SparseMlaParams& p, int64_t t, int64_t hh, const float* o, float m, float l, bool bad) {
   uint16_t* out = static_cast<uint16_t*>(p.out) + (t * p.h_q + hh) * p.d_v;
   float& lse = p.lse[t * p.h_q + hh];
@@ -181,6 +451,8 @@ void store_row(const SparseMlaParams& p, int64_t t, int64_t hh, const float* o, 
     std::fill_n(out, p.d_v, float_to_bf16(quiet_nan()));
   } else if (f.scale == 0.f) {  // no valid slot (o was not written)
     std::fill_n(out, p.d_v, uint16_t{0});
+  } else if (cpu_features().avx512) {
+    scaled_to_bf16_avx512(o, f.scale, p.d_v, out);
   } else {
     for (int64_t c = 0; c < p.d_v; ++c) out[c] = float_to_bf16(o[c] * f.scale);
   }
@@ -193,6 +465,9 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
   const int64_t h = p.h_q, dv = p.d_v;
   const int64_t entries = p.topk + p.n_extra;  // indices, then extra_indices
   const int64_t threads = at::get_num_threads();
+  // Our own AMX products where the CPU has the tiles (and AVX-512 BF16 for the softmax and
+  // packing); oneDNN's brgemm elsewhere (AVX-512 CPUs, where the path is only ever forced).
+  const bool tiles = cpu_features().amx_bf16 && cpu_features().avx512bf16;
   int64_t splits = 1;
   if (p.s_q < 2 * threads)
     splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + p.s_q - 1) / std::max<int64_t>(1, p.s_q),
@@ -233,18 +508,24 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
   auto body = [&](int64_t begin, int64_t end) {
     TileRelease release;
     static thread_local Work w;
-    w.deq.resize(kBlock * kMlaDim);
-    w.kb.resize(kMlaDim / 2 * kBlock);
-    w.vb.resize(kBlock / 2 * dv);
-    w.s.resize(h * kBlock);
-    w.pb.resize(h * kBlock);
-    w.pl.resize(h * kBlock);
-    w.o.resize(h * dv);
+    if (tiles) {
+      amx::size_work(w, p.d_qk, (h + 15) / 16 * 16, dv);
+    } else {
+      w.deq.resize(kBlock * kMlaDim);
+      w.kb.resize(kMlaDim / 2 * kBlock);
+      w.vb.resize(kBlock / 2 * dv);
+      w.s.resize(h * kBlock);
+      w.pb.resize(h * kBlock);
+      w.pl.resize(h * kBlock);
+      w.o.resize(h * dv);
+    }
     w.m.resize(h);
     w.l.resize(h);
     w.z.resize(h);
     std::vector<int32_t> slots;
     std::vector<float> merged;
+    std::optional<amx::Tiles> tile_state;
+    if (tiles) tile_state.emplace();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / splits, sp = task % splits;
       slots.clear();
@@ -255,7 +536,9 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
       const int64_t n = static_cast<int64_t>(slots.size());
       const int64_t per = ((n + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
       const int64_t a = std::min(n, sp * per), b = std::min(n, a + per);
-      if (p.d_qk == kMlaDim) {
+      if (tiles) {
+        attend_tiles(p, t, slots.data() + a, b - a, w);
+      } else if (p.d_qk == kMlaDim) {
         attend<kMlaDim>(p, t, slots.data() + a, b - a, w);
       } else {
         attend<kMlaLatent>(p, t, slots.data() + a, b - a, w);
@@ -266,7 +549,7 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
         continue;
       }
       float* dst = part.data() + task * part_len;
-      if (b > a) std::copy(w.o.begin(), w.o.end(), dst);
+      if (b > a) std::copy_n(w.o.begin(), h * dv, dst);  // w.o may hold padded heads past h
       std::copy(w.m.begin(), w.m.end(), dst + h * dv);
       std::copy(w.l.begin(), w.l.end(), dst + h * dv + h);
       std::copy(w.z.begin(), w.z.end(), dst + h * dv + 2 * h);
