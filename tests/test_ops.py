@@ -814,9 +814,11 @@ def test_cpu_dispatch_per_op_and_dtype():
             for key, path in got.items():
                 op, dt = key.split("/")
                 assert _C._cpu_isa(op, dt) == path == _C._cpu_isa(op, dt, 16)
-                # a thin call (fewer than 16 heads) leaves blas for the next path, under 'auto' only
+                # a thin call (under 16 heads; for the indexer, rows x heads) leaves blas for the next
+                # path, under 'auto' only
                 thin = name == "auto" and path == "blas" and op in ("indexer", "sparse_mla")
-                assert _C._cpu_isa(op, dt, 8) == (_expected_dispatch("avx512bf16")[key] if thin else path), key
+                shape = (8, 1) if op == "indexer" else (8,)  # one decode row of 8 heads
+                assert _C._cpu_isa(op, dt, *shape) == (_expected_dispatch("avx512bf16")[key] if thin else path), key
         finally:
             _C._set_cpu_isa("auto")
     got = _C._cpu_dispatch()
@@ -880,14 +882,15 @@ def test_indexer_runs_the_path_dispatch_names(dtype, heads):
 
 
 @pytest.mark.parametrize("next_n", [1, 2, 8])
-@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("heads", [8, 32, 64])
 def test_paged_indexer_runs_the_path_dispatch_names_for_its_rows(next_n, heads):
     """A decode call holds next_n rows per request, so its GEMM is thinner than a prefill block's:
     _cpu_isa("indexer", dt, heads, rows=next_n) names the path it takes ('auto' bit-identical to that
-    path forced, and to the reference's scores); on AMX CPUs one row of 32 heads leaves blas."""
+    path forced, and to the reference's scores); on AMX CPUs a call leaves blas under 16 rows x heads
+    (one row of 8 heads)."""
     path = _C._cpu_isa("indexer", "fp8", heads, next_n)
     if _C._cpu_isa("indexer", "fp8", heads) == "blas":
-        assert (path == "blas") == (heads * next_n >= 16 * 8)
+        assert (path == "blas") == (min(next_n, 8) * heads >= 16)
     batch, bs = 2, 64
     seq_lens = torch.tensor([700, 1300], dtype=torch.int32)
     table = torch.randperm(48, dtype=torch.int32)[:42].reshape(batch, 21)

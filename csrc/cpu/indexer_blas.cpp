@@ -17,10 +17,12 @@
 #include <limits>
 #include <vector>
 
+#include "aligned.h"
 #include "blas.h"
 #include "indexcache/fp8.h"
 #include "indexer_common.h"
 #include "select.h"
+#include "simd.h"
 
 namespace indexcache {
 namespace {
@@ -40,9 +42,9 @@ constexpr int64_t kKeys = 256;         // keys per GEMM (N), zero-padded at the 
 constexpr int64_t kTaskKeys = 2048;    // keys per task in the plain ops
 
 struct Work {
-  std::vector<uint16_t> q;    // [rows · h][d] bf16 (A)
-  std::vector<uint32_t> kb;   // [d/2][kKeys] bf16 pairs: the VNNI layout brgemm takes for B
-  std::vector<float> dots;    // [rows · h][kKeys]
+  cpu::AlignedVec<uint16_t> q;    // [rows · h][d] bf16 (A)
+  cpu::AlignedVec<uint32_t> kb;   // [d/2][kKeys] bf16 pairs: the VNNI layout brgemm takes for B
+  cpu::AlignedVec<float> dots;    // [rows · h][kKeys]
   alignas(64) float scale[kKeys];
   alignas(64) float scores[kKeys];
 };
@@ -66,17 +68,50 @@ void prep_q(const uint8_t* q, DType dt, int64_t nr, int64_t h, int64_t d, Work& 
   }
 }
 
+// Keys [s0, s0 + n) into w.kb as bf16 channel pairs x keys (zero past n) and their scales into
+// w.scale. With AVX-512, 16 keys at a time: 16 x 16 transposes of 32-bit pairs (an fp8 key dequantized
+// to a bf16 row first, exactly: every e4m3 value is a bf16 value); the scalar loop otherwise.
+template <typename Keys>
+__attribute__((target("avx512f"))) void pack_keys_avx512(const Keys& keys, DType dt, int64_t pairs, int64_t s0,
+                                                         int64_t n, Work& w) {
+  static const uint32_t zero[kIndexHeadDim / 2] = {};
+  alignas(64) uint32_t deq[16][kIndexHeadDim / 2];
+  const uint16_t* t = cpu::e4m3_tables().bf16;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const uint32_t* rows[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t j = j0 + i;
+      if (j >= n) {
+        rows[i] = zero;
+        continue;
+      }
+      const uint8_t* r = keys.row(s0 + j);
+      if (dt == DType::kBFloat16) {
+        rows[i] = reinterpret_cast<const uint32_t*>(r);
+      } else {
+        uint16_t* d16 = reinterpret_cast<uint16_t*>(deq[i]);
+        for (int64_t c = 0; c < 2 * pairs; ++c) d16[c] = t[r[c]];
+        rows[i] = deq[i];
+      }
+    }
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) cpu::transpose16x16_epi32(rows, p0, w.kb.data() + p0 * kKeys + j0, kKeys);
+  }
+}
+
 template <typename Keys>
 void pack_keys(const Keys& keys, DType dt, int64_t d, int64_t s0, int64_t n, Work& w) {
   const int64_t pairs = d / 2;
   uint32_t* kb = w.kb.data();
-  if (n < kKeys) {
-    for (int64_t p = 0; p < pairs; ++p) std::fill_n(kb + p * kKeys + n, kKeys - n, 0u);
-    std::fill_n(w.scale + n, kKeys - n, 0.f);
-  }
+  for (int64_t j = 0; j < n; ++j) w.scale[j] = keys.scale_of(s0 + j);
+  if (n < kKeys) std::fill_n(w.scale + n, kKeys - n, 0.f);
+  const int64_t n16 = (n + 15) / 16 * 16;  // the vector packing writes whole groups of 16 keys
+  const bool vec = cpu_features().avx512 && pairs % 16 == 0;
+  const int64_t filled = vec ? n16 : n;
+  if (filled < kKeys)
+    for (int64_t p = 0; p < pairs; ++p) std::fill_n(kb + p * kKeys + filled, kKeys - filled, 0u);
+  if (vec) return pack_keys_avx512(keys, dt, pairs, s0, n, w);
   const uint16_t* t = cpu::e4m3_tables().bf16;
   for (int64_t j = 0; j < n; ++j) {
-    w.scale[j] = keys.scale_of(s0 + j);
     const uint8_t* r = keys.row(s0 + j);
     if (dt == DType::kBFloat16) {
       uint32_t pr[kIndexHeadDim / 2];

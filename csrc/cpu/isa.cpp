@@ -226,7 +226,7 @@ CpuPath cpu_op_path(CpuOp op, DType dt, int64_t heads) {
 
 CpuPath indexer_op_path(DType dt, int64_t heads, int64_t rows) {
   const int64_t r = std::clamp<int64_t>(rows, 1, kIndexerRowBlock);
-  return cpu_op_path(CpuOp::kIndexer, dt, std::max<int64_t>(1, heads * r / kIndexerRowBlock));
+  return cpu_op_path(CpuOp::kIndexer, dt, heads * r);
 }
 
 TileRelease::~TileRelease() {

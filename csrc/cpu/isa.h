@@ -69,10 +69,11 @@ CpuPath cpu_op_path(CpuOp op, DType dt);
 inline constexpr int64_t kBlasMinHeads = 16;
 CpuPath cpu_op_path(CpuOp op, DType dt, int64_t heads);
 // The indexer's path for a call whose GEMMs hold `rows` query rows of `heads` heads each. Its blas
-// brgemm takes min(rows, kIndexerRowBlock) rows of all heads (M = rows · h), so a call of fewer rows
-// (a decode step: next_n) is as thin as one of rows · h / kIndexerRowBlock heads and counts as that
-// for the rule above: one decode row of 32 heads ran 1.7x faster on avx512bf16's tiles than on the
-// AMX tiles, 64 heads about even (an AMX Xeon, 2026-12-06, docs/performance.md).
+// kernel takes min(rows, kIndexerRowBlock) rows of all heads (M = rows · h), so a call counts as M
+// heads for the rule above: blas from M = 16. With the keys packed 16 at a time by 16 x 16
+// transposes, one decode row of 32 heads ran 1.5x faster on blas than on avx512bf16's vector tiles,
+// 16 heads even, 8 heads 1.2x slower; 64 prefill rows of 8 heads 2.8x faster (an AMX Xeon,
+// 2026-12-06, docs/performance.md).
 inline constexpr int64_t kIndexerRowBlock = 8;
 CpuPath indexer_op_path(DType dt, int64_t heads, int64_t rows);
 // sparse_mla's dispatch dtype for a query and cache dtype (cpu_op_takes above).
