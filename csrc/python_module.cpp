@@ -107,10 +107,10 @@ PYBIND11_MODULE(_C, mod) {
       "fp32 for topk) "
       "the path that op takes for inputs of that dtype: where the requested path has no kernel of its "
       "own for them, the next of blas, avx512bf16, avx2, portable that this CPU runs and has one. With "
-      "heads (a call's query heads), the path such a call takes: 'auto' sends indexer and sparse_mla "
-      "calls of fewer than 16 heads from blas to the next path (isa.h, kBlasMinHeads); rows (the indexer's "
-      "query rows per request in one call: a decode step's next_n, default a full block of 8): an "
-      "indexer call of fewer rows counts as rows * heads / 8 heads for that rule.");
+      "heads (a call's query heads), the path such a call takes: 'auto' sends indexer calls of fewer "
+      "than 16 heads from blas to the next path (isa.h, kBlasMinHeads); rows (the indexer's query rows "
+      "per request in one call: a decode step's next_n, default a full block of 8): an indexer call "
+      "counts as min(rows, 8) * heads heads for that rule.");
   mod.def(
       "_cpu_dispatch",
       []() {

@@ -519,6 +519,20 @@ def mla_case(draw, seed):
     return q.contiguous(), cache, idx, sm_scale, d_v
 
 
+def mla_out_err(out, ro, ok, q, cache, idx, sm_scale, d_v, sinks=None):
+    """rel_err of out against the reference on the rows ``ok``; for an fp8 cache the smaller of that
+    and the error against the reference over the cache's rows rounded to bf16, which is what the
+    bf16 paths multiply (they dequantize a row to bf16 before the bf16 products, as FlashMLA's fp8
+    kernels do; docs/ops.md). With few selected keys the rounding alone can cost 1e-2 of out: 2
+    keys, 2 heads, d_v 64 gave 1.06e-2 against the fp32 dequant and 0 against the bf16 one."""
+    err = rel_err(out.float()[ok], ro.float()[ok])
+    if cache.dtype == torch.uint8:
+        rounded = ref.mla_kv_cache_dequant(cache).bfloat16().view(*cache.shape[:-1], -1)
+        rb, _ = ref.sparse_mla(q, rounded, idx, sm_scale, d_v, sinks=sinks)
+        err = min(err, rel_err(out.float()[ok], rb.float()[ok]))
+    return err
+
+
 @given(data=st.data(), seed=seeds, isa=isas)
 def test_fuzz_sparse_mla(data, seed, isa):
     set_isa(isa)
@@ -540,7 +554,7 @@ def test_fuzz_sparse_mla(data, seed, isa):
     ok = ~torch.isnan(rl)
     bar = 1e-5 if exact32 or (q.dtype == torch.float32 and cache.dtype != torch.uint8) else 1e-2
     if ok.any():
-        assert rel_err(out.float()[ok], ro.float()[ok]) < bar
+        assert mla_out_err(out, ro, ok, q, cache, idx, sm_scale, d_v) < bar
         fin = torch.isfinite(rl)
         if fin.any():
             # lse moves by at most the largest score error. bf16 paths round the fp8-dequantized
@@ -591,7 +605,7 @@ def test_fuzz_sparse_mla_sinks(data, seed, isa):
     bar = 1e-5 if exact32 or (q.dtype == torch.float32 and cache.dtype != torch.uint8) else 1e-2
     ok = ~torch.isnan(rl)
     if ok.any():
-        assert rel_err(out.float()[ok], ro.float()[ok]) < bar
+        assert mla_out_err(out, ro, ok, q, cache, idx, sm_scale, d_v, sinks) < bar
         fin = torch.isfinite(rl)
         if fin.any():  # as test_fuzz_sparse_mla: lse moves by at most the largest score error
             kv = ref.mla_kv_cache_dequant(cache)[idx.long().clamp(min=0)]

@@ -814,10 +814,10 @@ def test_cpu_dispatch_per_op_and_dtype():
             for key, path in got.items():
                 op, dt = key.split("/")
                 assert _C._cpu_isa(op, dt) == path == _C._cpu_isa(op, dt, 16)
-                # a thin call (under 16 heads; for the indexer, rows x heads) leaves blas for the next
-                # path, under 'auto' only
-                thin = name == "auto" and path == "blas" and op in ("indexer", "sparse_mla")
-                shape = (8, 1) if op == "indexer" else (8,)  # one decode row of 8 heads
+                # a thin indexer call (under 16 rows x heads) leaves blas for the next path, under
+                # 'auto' only; sparse MLA keeps its path at any head count
+                thin = name == "auto" and path == "blas" and op == "indexer"
+                shape = (8, 1) if op == "indexer" else (4,)  # one decode row of 8 heads; 4 heads
                 assert _C._cpu_isa(op, dt, *shape) == (_expected_dispatch("avx512bf16")[key] if thin else path), key
         finally:
             _C._set_cpu_isa("auto")

@@ -219,7 +219,7 @@ CpuPath cpu_op_path(CpuOp op, DType dt) { return first_path_from(cpu_path(), op,
 
 CpuPath cpu_op_path(CpuOp op, DType dt, int64_t heads) {
   const CpuPath path = cpu_op_path(op, dt);
-  const bool thin = (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && heads < kBlasMinHeads;
+  const bool thin = op == CpuOp::kIndexer && heads < kBlasMinHeads;
   if (path != CpuPath::kBlas || !thin || static_cast<CpuPath>(g_request.load()) != CpuPath::kAuto) return path;
   return first_path_from(CpuPath::kAvx512Bf16, op, dt);
 }
