@@ -63,14 +63,14 @@ REPEAT = 1        # interleaved repeats per path (--repeat)
 SINKS = False     # --sinks: sparse MLA also with attention sinks, interleaved with the sink-free call
 
 
-def time_ours(fn, device, op="", dtype="", heads=0, **kw):
+def time_ours(fn, device, op="", dtype="", **kw):
     """Times fn on every path in ISAS, interleaved REPEAT times: {isa: (median, min, max, path)};
-    path is the one the op's kernels took for inputs of dtype in a call of `heads` query heads
-    (_C._cpu_isa(op, dtype, heads); 0: the op's path for any call), or the request with no op."""
-    return {isa: t for (isa, _), t in time_variants({"": fn}, device, op, dtype, heads, **kw).items()}
+    path is the one the op's kernels took for inputs of dtype (_C._cpu_isa(op, dtype), whatever
+    the call's heads), or the request with no op."""
+    return {isa: t for (isa, _), t in time_variants({"": fn}, device, op, dtype, **kw).items()}
 
 
-def time_variants(fns, device, op="", dtype="", heads=0, **kw):
+def time_variants(fns, device, op="", dtype="", **kw):
     """Like time_ours for several functions {name: fn}, interleaved within each repeat and path
     (so they meet the same machine load): {(isa, name): (median, min, max, path)}."""
     runs = {(isa, name): [] for isa in ISAS for name in fns}
@@ -79,7 +79,7 @@ def time_variants(fns, device, op="", dtype="", heads=0, **kw):
         for isa in ISAS:
             if device == "cpu":
                 _C._set_cpu_isa(isa)
-                paths[isa] = _C._cpu_isa(op, dtype, heads)
+                paths[isa] = _C._cpu_isa(op, dtype)
             try:
                 for name, fn in fns.items():
                     runs[(isa, name)].append(timeit(fn, device, **kw))
@@ -499,7 +499,7 @@ def matrix_sparse_mla(records, device, rows, fp32_rate, select="random"):
             idx = mla_selection(rows, n, 512, select)
             out, lse = torch.empty(rows, h, 512, dtype=dt), torch.empty(rows, h)
             ours = time_ours(lambda: ops.sparse_mla(q, cache, idx, 0.1, out=out, lse=lse), device, "sparse_mla", dtype,
-                             h, min_time=0.3, max_iters=5)
+                             min_time=0.3, max_iters=5)
             shape = f"{rows}q k512" + ("" if select == "random" else f" {select}")
             matrix_record(records, "sparse_mla", dtype, h, shape, 2 * rows * h * 512 * 1088, ours, fp32_rate)
 
@@ -513,7 +513,7 @@ def matrix_indexer(records, device, rows, fp32_rate, select=None):
                                                               None, ref.indexer_weights(w))
             buf = torch.empty(rows, 2048, dtype=torch.int32)
             ours = time_ours(lambda: ops.indexer_topk(*args, ks, ke, 2048, out=buf), device, "indexer", dtype,
-                             h, min_time=0.3, max_iters=5)
+                             min_time=0.3, max_iters=5)
             matrix_record(records, "indexer_topk", dtype, h, f"{rows}q x {n}", 2 * rows * h * n * 128, ours, fp32_rate)
 
 
@@ -540,16 +540,17 @@ MATRIX_OPS = {"sparse_mla": matrix_sparse_mla, "indexer_topk": matrix_indexer,
               "block_sparse_attention": matrix_block_sparse}
 
 
-def bench_matrix(records, device, quick, fp32_rate, which=tuple(MATRIX_OPS), mla_select="random"):
+def bench_matrix(records, device, quick, fp32_rate, which=tuple(MATRIX_OPS), mla_select="random", rows=None):
     """sparse_mla (64 rows x top-512 of 8192, 576/512), indexer_topk (64 rows x 8192 keys, top-2048)
     and block_sparse_attention (64 rows, 4 KV heads x 128, 16 blocks of 128) in fp32 and bf16 (the
     indexer also fp8), at 8, 16 and 128 (indexer 64, block-sparse 64 query) heads, on every path;
-    which: the ops to run (MATRIX_OPS keys); mla_select: sparse_mla's key selection (mla_selection)."""
+    which: the ops to run (MATRIX_OPS keys); mla_select: sparse_mla's key selection (mla_selection);
+    rows: query rows per call (default 64, 16 with quick; 1 is a decode row's shape)."""
     unknown = [w for w in which if w not in MATRIX_OPS]
     if unknown:
         raise ValueError(f"--matrix-ops: unknown {unknown}; choose from {sorted(MATRIX_OPS)}")
     for name in which:
-        MATRIX_OPS[name](records, device, 16 if quick else 64, fp32_rate, mla_select)
+        MATRIX_OPS[name](records, device, rows or (16 if quick else 64), fp32_rate, mla_select)
 
 
 def main():
@@ -566,6 +567,8 @@ def main():
                          "{8, 16, 64/128} on every --isa path, with the path each took and auto's")
     ap.add_argument("--matrix-ops", default=",".join(MATRIX_OPS),
                     help="with --ops matrix: which ops' rows to run, comma-separated")
+    ap.add_argument("--matrix-rows", type=int, default=None,
+                    help="with --ops matrix: query rows per call (default 64, 16 with --quick; 1: a decode row)")
     ap.add_argument("--mla-select", default="random", choices=["random", "request"],
                     help="the matrix's sparse_mla key selection: random rows, or the rows of one request "
                          "sharing 7/8 of their keys as an indexer's picks do")
@@ -576,6 +579,8 @@ def main():
                          "shared with other work this compares paths' cost more steadily; it counts idle "
                          "OpenMP spinning, so it overstates ops that leave threads waiting")
     args = ap.parse_args()
+    if args.matrix_rows is not None and args.matrix_rows < 1:
+        ap.error(f"--matrix-rows must be at least 1, got {args.matrix_rows}")
     global ISAS, REPEAT, CLOCK, BF16_FAST, SINKS
     SINKS = args.sinks
     if args.cpu_time:
@@ -610,7 +615,7 @@ def main():
         bench_delta_rule(records, args.device, args.quick)
     if "matrix" in groups and args.device == "cpu":
         bench_matrix(records, args.device, args.quick, ceiling.rates["fp32"],
-                     [s.strip() for s in args.matrix_ops.split(",") if s.strip()], args.mla_select)
+                     [s.strip() for s in args.matrix_ops.split(",") if s.strip()], args.mla_select, args.matrix_rows)
     if any("gflop_per_s" in r for r in records):
         ceiling.measure()  # again at the end: the better of the two measurements is the ceiling
     for r in records:

@@ -93,24 +93,18 @@ PYBIND11_MODULE(_C, mod) {
       "that says why (_cpu_paths()).");
   mod.def(
       "_cpu_isa",
-      [](const std::string& op, const std::string& dtype, int64_t heads, int64_t rows) {
+      [](const std::string& op, const std::string& dtype) {
         if (op.empty()) return std::string(indexcache::cpu_path_name(indexcache::cpu_path()));
         const auto [o, dt] = cpu_op_key(op, dtype.empty() ? (op == "topk" ? "fp32" : "bf16") : dtype);
-        if (heads < 0) throw py::value_error("heads must be positive (a call's query heads), got " + std::to_string(heads));
-        if (rows < 1) throw py::value_error("rows must be positive (a call's query rows per request), got " + std::to_string(rows));
-        if (heads && o == indexcache::CpuOp::kIndexer) return std::string(indexcache::cpu_path_name(indexcache::indexer_op_path(dt, heads, rows)));
-        return std::string(indexcache::cpu_path_name(heads ? indexcache::cpu_op_path(o, dt, heads) : indexcache::cpu_op_path(o, dt)));
+        return std::string(indexcache::cpu_path_name(indexcache::cpu_op_path(o, dt)));
       },
-      py::arg("op") = "", py::arg("dtype") = "", py::arg("heads") = 0, py::arg("rows") = indexcache::kIndexerRowBlock,
+      py::arg("op") = "", py::arg("dtype") = "",
       "The CPU path requested ('auto' resolved to this CPU's first choice); with op (indexer, topk, "
       "sparse_mla, block_sparse, quantize, delta_rule, rows_matmul, norm_rope, kpool_pool) and dtype (fp32, bf16, fp8; default bf16, "
       "fp32 for topk) "
-      "the path that op takes for inputs of that dtype: where the requested path has no kernel of its "
-      "own for them, the next of blas, avx512bf16, avx2, portable that this CPU runs and has one. With "
-      "heads (a call's query heads), the path such a call takes: 'auto' sends indexer calls of fewer "
-      "than 16 heads from blas to the next path (isa.h, kBlasMinHeads); rows (the indexer's query rows "
-      "per request in one call: a decode step's next_n, default a full block of 8): an indexer call "
-      "counts as min(rows, 8) * heads heads for that rule.");
+      "the path that op takes for inputs of that dtype, whatever a call's heads or rows: where the "
+      "requested path has no kernel of its own for them, the next of blas, avx512bf16, avx2, portable "
+      "that this CPU runs and has one.");
   mod.def(
       "_cpu_dispatch",
       []() {

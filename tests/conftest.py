@@ -42,15 +42,6 @@ def _isa_path(name):
 AS_AUTO = "what 'auto' takes on this CPU: its cases run as 'auto', not twice"
 
 
-def _auto_by_heads():
-    """Whether 'auto' sends thin calls (fewer than 16 heads) of some op to another path than its
-    dispatch line names (isa.h, kBlasMinHeads: blas -> avx512bf16 on AMX CPUs); then 'blas' by name
-    runs its own cases, since 'auto' covers it only for the wide calls."""
-    import indexcache._C as _C
-
-    return any(_C._cpu_isa(*key.split("/"), 1) != path for key, path in _C._cpu_dispatch().items())
-
-
 @functools.lru_cache(maxsize=1)
 def cpu_path_plan() -> dict[str, str]:
     """Each CPU path name the `cpu_isa` fixture knows -> "" when its cases run here, or why not.
@@ -64,7 +55,7 @@ def cpu_path_plan() -> dict[str, str]:
     for name, why in _C._cpu_paths().items():
         if why:
             plan[name] = f"this CPU cannot run it: {why}"
-        elif name != "portable" and _isa_path(name) == _isa_path("auto") and not _auto_by_heads():
+        elif name != "portable" and _isa_path(name) == _isa_path("auto"):
             plan[name] = AS_AUTO
         else:
             plan[name] = ""

@@ -813,12 +813,7 @@ def test_cpu_dispatch_per_op_and_dtype():
             assert got == _expected_dispatch(auto if name == "auto" else name), name
             for key, path in got.items():
                 op, dt = key.split("/")
-                assert _C._cpu_isa(op, dt) == path == _C._cpu_isa(op, dt, 16)
-                # a thin indexer call (under 16 rows x heads) leaves blas for the next path, under
-                # 'auto' only; sparse MLA keeps its path at any head count
-                thin = name == "auto" and path == "blas" and op == "indexer"
-                shape = (8, 1) if op == "indexer" else (4,)  # one decode row of 8 heads; 4 heads
-                assert _C._cpu_isa(op, dt, *shape) == (_expected_dispatch("avx512bf16")[key] if thin else path), key
+                assert _C._cpu_isa(op, dt) == path
         finally:
             _C._set_cpu_isa("auto")
     got = _C._cpu_dispatch()
@@ -834,19 +829,17 @@ def test_cpu_dispatch_per_op_and_dtype():
         _C._cpu_isa("topk", "bf16")
     with pytest.raises(ValueError, match="unknown CPU op 'mla': choose one of indexer, topk, sparse_mla"):
         _C._cpu_isa("mla", "bf16")
-    with pytest.raises(ValueError, match="heads must be positive"):
-        _C._cpu_isa("indexer", "bf16", -1)
 
 
 @pytest.mark.parametrize("q_dtype,cache_kind", [(torch.float32, "fp32"), (torch.float32, "bf16"),
                                                 (torch.bfloat16, "bf16"), (torch.bfloat16, "fp8")])
 @pytest.mark.parametrize("heads", [8, 32])
 def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind, heads):
-    """The op really takes the path _cpu_isa reports for a call of this many heads: 'auto' is
-    bit-identical to that path forced (each path's kernels sum in their own order, so another path
-    would almost surely differ in the last bits). On AMX CPUs the two head counts take two paths."""
+    """The op really takes the path _cpu_isa reports, at either head count: 'auto' is bit-identical
+    to that path forced (each path's kernels sum in their own order, so another path would almost
+    surely differ in the last bits)."""
     dt = "fp32" if q_dtype == torch.float32 or cache_kind == "fp32" else cache_kind
-    path = _C._cpu_isa("sparse_mla", dt, heads)
+    path = _C._cpu_isa("sparse_mla", dt)
     cache, idx = make_mla("cpu", cache_kind, 3, heads, 256)
     q = torch.randn(3, heads, 576).to(q_dtype)
     scale = ref.mla_softmax_scale(128, 64, 1.0, 40.0)
@@ -864,9 +857,9 @@ def test_sparse_mla_runs_the_path_dispatch_names(q_dtype, cache_kind, heads):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("heads", [8, 32])
 def test_indexer_runs_the_path_dispatch_names(dtype, heads):
-    """As above for the indexer: 'auto' scores bit-identically to the path _cpu_isa names for a call
-    of this many heads, forced; and those scores are the reference's."""
-    path = _C._cpu_isa("indexer", dtype, heads)
+    """As above for the indexer: 'auto' scores bit-identically to the path _cpu_isa names, forced,
+    at either head count; and those scores are the reference's."""
+    path = _C._cpu_isa("indexer", dtype)
     q, k, k_scale, w = make_indexer_inputs(12, 300, heads, "cpu", dtype)
     ks, ke = causal_windows(12, 300, "cpu")
     want = ops.indexer_logits(q, k, k_scale, w, ks, ke)
@@ -882,15 +875,13 @@ def test_indexer_runs_the_path_dispatch_names(dtype, heads):
 
 
 @pytest.mark.parametrize("next_n", [1, 2, 8])
-@pytest.mark.parametrize("heads", [8, 32, 64])
-def test_paged_indexer_runs_the_path_dispatch_names_for_its_rows(next_n, heads):
-    """A decode call holds next_n rows per request, so its GEMM is thinner than a prefill block's:
-    _cpu_isa("indexer", dt, heads, rows=next_n) names the path it takes ('auto' bit-identical to that
-    path forced, and to the reference's scores); on AMX CPUs a call leaves blas under 16 rows x heads
-    (one row of 8 heads)."""
-    path = _C._cpu_isa("indexer", "fp8", heads, next_n)
-    if _C._cpu_isa("indexer", "fp8", heads) == "blas":
-        assert (path == "blas") == (min(next_n, 8) * heads >= 16)
+@pytest.mark.parametrize("heads", [1, 8, 32])
+def test_paged_indexer_thin_calls_run_the_path_dispatch_names(next_n, heads):
+    """A decode call holds next_n rows per request, its GEMM thinner than a prefill block's; it still
+    runs the path _cpu_isa("indexer", "fp8") names, at any heads or rows ('auto' bit-identical to that
+    path forced, and to the reference's scores). (Until 2026-12-06 'auto' sent calls under 16 rows x
+    heads from blas to avx512bf16; docs/ops.md, "Thin calls".)"""
+    path = _C._cpu_isa("indexer", "fp8")
     batch, bs = 2, 64
     seq_lens = torch.tensor([700, 1300], dtype=torch.int32)
     table = torch.randperm(48, dtype=torch.int32)[:42].reshape(batch, 21)
@@ -913,11 +904,6 @@ def test_paged_indexer_runs_the_path_dispatch_names_for_its_rows(next_n, heads):
     scores = ref.indexer_logits_paged(qv, w, cache, table, seq_lens, next_n, 1300)
     live = torch.isfinite(scores)
     assert torch.equal(live, torch.isfinite(want)) and rel_err(want[live], scores[live]) < 1e-5
-
-
-def test_cpu_isa_rows_must_be_positive():
-    with pytest.raises(ValueError, match="rows must be positive"):
-        _C._cpu_isa("indexer", "fp8", 32, 0)
 
 
 # ------------------------------------------------------------------ registration

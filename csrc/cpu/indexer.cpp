@@ -46,14 +46,14 @@ constexpr int kTile = 32;
 constexpr int64_t kRowBlock = kIndexerRowBlock;  // query rows sharing one packed key tile
 constexpr int64_t kKeyChunk = 2048;   // keys per task in the plain logits op
 
-// The indexer's path is isa.h's indexer_op_path (blas declines fp32, which then runs avx512bf16's
-// FMA tiles; a call of fewer than kIndexerRowBlock rows counts as fewer heads for the blas choice).
+// The indexer's path is cpu_op_path(kIndexer, dt) (blas declines fp32, which then runs avx512bf16's
+// FMA tiles).
 // The tile kernel scores run on: vdpbf16ps on bf16 pairs, AVX-512 FMAs on fp32 (both the
 // avx512bf16 path's), AVX2 FMAs on fp32 tiles of any key dtype (the avx2 path's), or the portable
 // fp32 loop (its target_clones build for the CPU).
 enum class Tiles { kF32, kF32Avx512, kBf16, kF32Avx2 };
-Tiles tiles_for(DType dt, int64_t heads, int64_t rows) {
-  const CpuPath path = indexer_op_path(dt, heads, rows);
+Tiles tiles_for(DType dt) {
+  const CpuPath path = cpu_op_path(CpuOp::kIndexer, dt);
   if (path == CpuPath::kAvx2) return Tiles::kF32Avx2;
   if (path != CpuPath::kAvx512Bf16) return Tiles::kF32;
   return dt == DType::kFloat32 ? Tiles::kF32Avx512 : Tiles::kBf16;
@@ -327,8 +327,8 @@ auto paged_query(const PagedIndexerParams& p, Tiles kind) {
 // set_cpu_isa / cpu_isa: csrc/cpu/isa.cpp.
 
 void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
-  if (indexer_op_path(p.qk_dtype, p.h, p.s_q) == CpuPath::kBlas && indexer_logits_blas(p, o)) return;
-  const Tiles kind = tiles_for(p.qk_dtype, p.h, p.s_q);
+  if (cpu_op_path(CpuOp::kIndexer, p.qk_dtype) == CpuPath::kBlas && indexer_logits_blas(p, o)) return;
+  const Tiles kind = tiles_for(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);
@@ -354,8 +354,8 @@ void indexer_logits_cpu(const IndexerParams& p, const LogitsOut& o) {
 }
 
 void indexer_logits_paged_cpu(const PagedIndexerParams& p, const LogitsOut& o) {
-  if (indexer_op_path(DType::kFp8E4M3, p.h, p.next_n) == CpuPath::kBlas && indexer_logits_paged_blas(p, o)) return;
-  const Tiles kind = tiles_for(DType::kFp8E4M3, p.h, p.next_n);
+  if (cpu_op_path(CpuOp::kIndexer, DType::kFp8E4M3) == CpuPath::kBlas && indexer_logits_paged_blas(p, o)) return;
+  const Tiles kind = tiles_for(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);
   const auto row_query = paged_query(p, kind);
@@ -486,8 +486,8 @@ void topk_cpu(const TopkParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
-  if (indexer_op_path(p.qk_dtype, p.h, p.s_q) == CpuPath::kBlas && indexer_topk_blas(p, o)) return;
-  const Tiles kind = tiles_for(p.qk_dtype, p.h, p.s_q);
+  if (cpu_op_path(CpuOp::kIndexer, p.qk_dtype) == CpuPath::kBlas && indexer_topk_blas(p, o)) return;
+  const Tiles kind = tiles_for(p.qk_dtype);
   std::vector<int64_t> lo, hi;
   dense_windows(p, lo, hi);
   const DenseKeys keys = dense_keys(p);
@@ -500,8 +500,8 @@ void indexer_topk_cpu(const IndexerParams& p, const TopkOut& o) {
 }
 
 void indexer_topk_paged_cpu(const PagedIndexerParams& p, const TopkOut& o) {
-  if (indexer_op_path(DType::kFp8E4M3, p.h, p.next_n) == CpuPath::kBlas && indexer_topk_paged_blas(p, o)) return;
-  const Tiles kind = tiles_for(DType::kFp8E4M3, p.h, p.next_n);
+  if (cpu_op_path(CpuOp::kIndexer, DType::kFp8E4M3) == CpuPath::kBlas && indexer_topk_paged_blas(p, o)) return;
+  const Tiles kind = tiles_for(DType::kFp8E4M3);
   std::vector<int64_t> lo, hi;
   paged_windows(p, lo, hi);
   const auto row_query = paged_query(p, kind);

@@ -70,13 +70,13 @@ void prep_q(const uint8_t* q, DType dt, int64_t nr, int64_t h, int64_t d, Work& 
 
 // Keys [s0, s0 + n) into w.kb as bf16 channel pairs x keys (zero past n) and their scales into
 // w.scale. With AVX-512, 16 keys at a time: 16 x 16 transposes of 32-bit pairs (an fp8 key dequantized
-// to a bf16 row first, exactly: every e4m3 value is a bf16 value); the scalar loop otherwise.
+// to a bf16 row first, 16 values a vector, exactly: every e4m3 value is a bf16 value); the scalar loop
+// otherwise.
 template <typename Keys>
 __attribute__((target("avx512f"))) void pack_keys_avx512(const Keys& keys, DType dt, int64_t pairs, int64_t s0,
                                                          int64_t n, Work& w) {
   static const uint32_t zero[kIndexHeadDim / 2] = {};
   alignas(64) uint32_t deq[16][kIndexHeadDim / 2];
-  const uint16_t* t = cpu::e4m3_tables().bf16;
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const uint32_t* rows[16];
     for (int i = 0; i < 16; ++i) {
@@ -88,9 +88,11 @@ __attribute__((target("avx512f"))) void pack_keys_avx512(const Keys& keys, DType
       const uint8_t* r = keys.row(s0 + j);
       if (dt == DType::kBFloat16) {
         rows[i] = reinterpret_cast<const uint32_t*>(r);
-      } else {
+      } else {  // e4m3 -> fp32 exactly (simd.h), whose top half is the bf16 value (the table's, every byte)
         uint16_t* d16 = reinterpret_cast<uint16_t*>(deq[i]);
-        for (int64_t c = 0; c < 2 * pairs; ++c) d16[c] = t[r[c]];
+        for (int64_t c = 0; c < 2 * pairs; c += 16)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(d16 + c),
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(cpu::e4m3x16(r + c)), 16)));
         rows[i] = deq[i];
       }
     }

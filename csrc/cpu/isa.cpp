@@ -217,18 +217,6 @@ CpuPath first_path_from(CpuPath want, CpuOp op, DType dt) {
 
 CpuPath cpu_op_path(CpuOp op, DType dt) { return first_path_from(cpu_path(), op, dt); }
 
-CpuPath cpu_op_path(CpuOp op, DType dt, int64_t heads) {
-  const CpuPath path = cpu_op_path(op, dt);
-  const bool thin = op == CpuOp::kIndexer && heads < kBlasMinHeads;
-  if (path != CpuPath::kBlas || !thin || static_cast<CpuPath>(g_request.load()) != CpuPath::kAuto) return path;
-  return first_path_from(CpuPath::kAvx512Bf16, op, dt);
-}
-
-CpuPath indexer_op_path(DType dt, int64_t heads, int64_t rows) {
-  const int64_t r = std::clamp<int64_t>(rows, 1, kIndexerRowBlock);
-  return cpu_op_path(CpuOp::kIndexer, dt, heads * r);
-}
-
 TileRelease::~TileRelease() {
   if (cpu_features().brgemm_tiles) at::native::cpublas::brgemm_release(true);
 }

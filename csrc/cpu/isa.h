@@ -61,22 +61,12 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt);
 // quantizer on an AVX2-only CPU: the portable loop), and a forced path runs its own kernels
 // wherever it has them ('avx2' on an AVX-512 CPU tests the AVX2 kernels; 'portable' the loops).
 CpuPath cpu_op_path(CpuOp op, DType dt);
-// The path one call of the indexer with `heads` query heads takes (sparse MLA's too, but its rule is
-// cpu_op_path(op, dt): its AMX tile kernel beat avx512bf16 at every head count measured, one decode
-// row of 4 heads included, 47 vs 63 us). The same as above, except that 'auto' (not a forced 'blas')
-// takes the next path after blas for calls of fewer than kBlasMinHeads heads: there the GEMM's M is
-// too thin for the tiles while packing the keys costs the same (docs/performance.md). Other ops:
-// cpu_op_path(op, dt).
-inline constexpr int64_t kBlasMinHeads = 16;
-CpuPath cpu_op_path(CpuOp op, DType dt, int64_t heads);
-// The indexer's path for a call whose GEMMs hold `rows` query rows of `heads` heads each. Its blas
-// kernel takes min(rows, kIndexerRowBlock) rows of all heads (M = rows · h), so a call counts as M
-// heads for the rule above: blas from M = 16. With the keys packed 16 at a time by 16 x 16
-// transposes, one decode row of 32 heads ran 1.5x faster on blas than on avx512bf16's vector tiles,
-// 16 heads even, 8 heads 1.2x slower; 64 prefill rows of 8 heads 2.8x faster (an AMX Xeon,
-// 2026-12-06, docs/performance.md).
+// Query rows of one request that the indexer's kernels score together against one packed key tile
+// (the blas path's GEMM: M = rows x heads). Every indexer and sparse MLA call takes cpu_op_path(op, dt)
+// whatever its heads or rows: since their blas kernels pack keys 16 at a time and sparse MLA runs its
+// own AMX tiles (2026-12-06), blas beat avx512bf16 on an AMX Xeon at every shape measured, one decode
+// row of 1-64 heads included (docs/ops.md, "Thin calls"; docs/performance.md).
 inline constexpr int64_t kIndexerRowBlock = 8;
-CpuPath indexer_op_path(DType dt, int64_t heads, int64_t rows);
 // sparse_mla's dispatch dtype for a query and cache dtype (cpu_op_takes above).
 inline DType sparse_mla_dtype(DType q, DType kv) {
   if (q == DType::kFloat32 || kv == DType::kFloat32) return DType::kFloat32;

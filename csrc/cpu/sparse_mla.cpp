@@ -494,7 +494,7 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
   // kernels), everything on AVX2-only CPUs on avx2; portable only where it is the path requested or
   // the only one.
   const DType dt = sparse_mla_dtype(p.q_dtype, p.kv_dtype);
-  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, dt, p.h_q);
+  const CpuPath path = cpu_op_path(CpuOp::kSparseMla, dt);
   if (path == CpuPath::kAvx512Bf16 && dt == DType::kFloat32) {
     sparse_mla_avx512_f32(p);
     return;
