@@ -102,5 +102,21 @@ __attribute__((target("avx512f"))) inline void transpose16x16_epi32(const uint32
   }
 }
 
+// dst[c] = a[c] | b[c] << 16 for c < n (a multiple of 32): two keys' bf16 values interleaved channel
+// by channel, the pair layout of a P·V operand (the even key in the low half). Lane k of the first
+// output takes channel k / 2 of a (k even) or b (k odd); the second, 16 on.
+__attribute__((target("avx512f,avx512bw"))) inline void interleave_keys(const uint16_t* a, const uint16_t* b,
+                                                                       int64_t n, uint32_t* dst) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(lo_idx);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, lo, vb));
+    _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
+  }
+}
+
 }  // namespace cpu
 }  // namespace indexcache

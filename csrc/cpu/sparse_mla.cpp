@@ -236,20 +236,6 @@ __attribute__((target("avx512f,avx512bw"))) inline void pv_heads(const float* st
     for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o + (h0 + h) * ldo + c0 + 16 * c, a[h][c]);
 }
 
-// vt[kp][c] = (a[c], b[c]) as a bf16 pair, for two bf16 rows of d_v values.
-__attribute__((target("avx512f,avx512bw"))) void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t d_v,
-                                                                   uint32_t* dst) {
-  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(lo_idx);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t c = 0; c < d_v; c += 32) {
-    const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
-    _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, lo, vb));
-    _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, hi, vb));
-  }
-}
-
 // Softmax over the scores st[k][0:16NV] (keys k < n, heads h0.. across the lanes) in place ->
 // probabilities, rows n..rows-1 zeroed; per head its max, sum and NaN flag (bad: NaN when a score
 // or its sink is NaN / +inf). sinks [h_q] or nullptr.
@@ -342,7 +328,7 @@ __attribute__((target("avx512f,avx512bw"))) void prepare_row_bf16(const SparseMl
   if (pair_values) {
     w.vt.resize(pairs * p.d_v);
     for (int64_t kp = 0; kp < pairs; ++kp)
-      interleave_rows(reinterpret_cast<const uint16_t*>(w.krows[2 * kp]),
+      cpu::interleave_keys(reinterpret_cast<const uint16_t*>(w.krows[2 * kp]),
                       reinterpret_cast<const uint16_t*>(w.krows[2 * kp + 1]), p.d_v, w.vt.data() + kp * p.d_v);
   }
   const uint32_t* qsrc = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + t * p.h_q * D);

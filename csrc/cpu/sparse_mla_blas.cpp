@@ -27,6 +27,7 @@
 #include <optional>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -136,21 +137,7 @@ __attribute__((target("avx512f,avx512bw"))) void pack_block_avx512(const uint16_
     for (int i = 0; i < 16; ++i) r32[i] = reinterpret_cast<const uint32_t*>(rows[j0 + i]);
     for (int p0 = 0; p0 < kPairs; p0 += 16) cpu::transpose16x16_epi32(r32, p0, kb + p0 * kBlock + j0, kBlock);
   }
-  // Lane k of the first output takes channel k / 2 of key a (k even) or b (k odd); the second, 16 on.
-  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i ilo = _mm512_load_si512(lo_idx);
-  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
-  for (int64_t kp = 0; kp < kBlock / 2; ++kp) {
-    const uint16_t* a = rows[2 * kp];
-    const uint16_t* b = rows[2 * kp + 1];
-    uint32_t* dst = vb + kp * dv;
-    for (int64_t c = 0; c < dv; c += 32) {
-      const __m512i va = _mm512_loadu_si512(a + c), vb2 = _mm512_loadu_si512(b + c);
-      _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, ilo, vb2));
-      _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, ihi, vb2));
-    }
-  }
+  for (int64_t kp = 0; kp < kBlock / 2; ++kp) cpu::interleave_keys(rows[2 * kp], rows[2 * kp + 1], dv, vb + kp * dv);
 }
 
 // Attention of row t over the selected slots sl[0:n) into w.o / w.m / w.l / w.z; rows of D.
@@ -292,21 +279,15 @@ void pv(const uint16_t* pb, const uint16_t* pl, int64_t hp, const uint32_t* vb, 
         const int64_t a = h0 * ld.p + kk;
         _tile_loadd(6, v, ld.vb * 4);
         _tile_loadd(7, v + 16, ld.vb * 4);
-        _tile_loadd(4, pb + a, ld.p * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, pb + a + 16 * ld.p, ld.p * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_loadd(4, pl + a, ld.p * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, pl + a + 16 * ld.p, ld.p * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+        for (const uint16_t* part : {pb, pl}) {  // P_hi, then P_lo, against the same V tiles
+          _tile_loadd(4, part + a, ld.p * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, part + a + 16 * ld.p, ld.p * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
         }
       }
       _tile_stored(0, o0, ld.o * 4);
@@ -323,21 +304,8 @@ void pv(const uint16_t* pb, const uint16_t* pl, int64_t hp, const uint32_t* vb, 
 // vb [nk/2][dv] (stride ld.vb) from the copied rows kc: key pair kp's first dv values interleaved
 // channel by channel (the even key in the low half).
 void pack_v(const uint16_t* kc, int64_t nk, int64_t dv, uint32_t* vb, const Lds& ld) {
-  // Lane k of the first output takes channel k / 2 of key a (k even) or b (k odd); the second, 16 on.
-  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i ilo = _mm512_load_si512(lo_idx);
-  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
-  for (int64_t kp = 0; kp < nk / 2; ++kp) {
-    const uint16_t* a = kc + 2 * kp * ld.kc;
-    const uint16_t* b = a + ld.kc;
-    uint32_t* dst = vb + kp * ld.vb;
-    for (int64_t c = 0; c < dv; c += 32) {
-      const __m512i va = _mm512_loadu_si512(a + c), vb2 = _mm512_loadu_si512(b + c);
-      _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, ilo, vb2));
-      _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, ihi, vb2));
-    }
-  }
+  for (int64_t kp = 0; kp < nk / 2; ++kp)
+    cpu::interleave_keys(kc + 2 * kp * ld.kc, kc + (2 * kp + 1) * ld.kc, dv, vb + kp * ld.vb);
 }
 
 // attend() on the tiles: the same key blocks and softmax, the two products above; w.o ends as
