@@ -64,8 +64,8 @@ CpuPath cpu_op_path(CpuOp op, DType dt);
 // Query rows of one request that the indexer's kernels score together against one packed key tile
 // (the blas path's GEMM: M = rows x heads). Every indexer and sparse MLA call takes cpu_op_path(op, dt)
 // whatever its heads or rows: since their blas kernels pack keys 16 at a time and sparse MLA runs its
-// own AMX tiles (2026-12-06), blas beat avx512bf16 on an AMX Xeon at every shape measured, one decode
-// row of 1-64 heads included (docs/ops.md, "Thin calls"; docs/performance.md).
+// own AMX tiles (2026-12-06), blas beat or matched avx512bf16 on an AMX Xeon at every shape measured,
+// one decode row of 1-64 heads included (docs/ops.md, "Thin calls"; docs/performance.md).
 inline constexpr int64_t kIndexerRowBlock = 8;
 // sparse_mla's dispatch dtype for a query and cache dtype (cpu_op_takes above).
 inline DType sparse_mla_dtype(DType q, DType kv) {

@@ -329,7 +329,7 @@ __attribute__((target("avx512f,avx512bw"))) void prepare_row_bf16(const SparseMl
     w.vt.resize(pairs * p.d_v);
     for (int64_t kp = 0; kp < pairs; ++kp)
       cpu::interleave_keys(reinterpret_cast<const uint16_t*>(w.krows[2 * kp]),
-                      reinterpret_cast<const uint16_t*>(w.krows[2 * kp + 1]), p.d_v, w.vt.data() + kp * p.d_v);
+                           reinterpret_cast<const uint16_t*>(w.krows[2 * kp + 1]), p.d_v, w.vt.data() + kp * p.d_v);
   }
   const uint32_t* qsrc = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) + t * p.h_q * D);
   if (quads) {

@@ -205,28 +205,25 @@ namespace amx {
 #include "amx_tiles.h"
 
 // The products on the AMX tiles themselves (cpu_features().amx_bf16), not through oneDNN: its brgemm
-// ran these thin shapes (M = heads, K = 128 keys for P·V) at ~670 GFLOP/s where the tiles do 3 TFLOP/s. Tiles are
-// 16 rows x 64 bytes; a step covers 32 keys x 32 heads (four accumulators) or 32 x 16 for the last.
+// ran these thin shapes (M = heads, K = 128 keys for P·V) at ~670 GFLOP/s where the tiles do 2-3
+// TFLOP/s. Tiles are 16 rows x 64 bytes; a step covers 32 keys x 32 heads (four accumulators) or
+// 32 x 16 for the last.
 //   Sᵀ [keys][hp] = K [keys][D] · Qᵀ: A = 16 key rows x 32 channels, copied as they are (the
 //       selected rows lie anywhere in the cache; a copy is a third of the work of transposing them
 //       into channel pairs), B = 16 channel pairs x 16 heads of q, packed once per row.
 //   O [hp][dv] += P_hi · vb + P_lo · vb: A = 16 heads x 32 keys of P, B = 16 key pairs x 16 channels.
 // An accumulator element reads one row of A and one column of B in a fixed order: a head's result
 // never depends on the other heads of its tile, nor on the thread count.
-// Row strides (elements) of the tile operands. Their buffers start on cache lines (aligned.h), so
-// every 64-byte tile row is one line.
-struct Lds {
-  int64_t kc, qb, st, s, p, vb, o;
-  Lds(int64_t d, int64_t hp, int64_t dv) : kc(d), qb(hp), st(hp), s(kBlock), p(kBlock), vb(dv), o(dv) {}
-};
+// The buffers start on cache lines (aligned.h), so every 64-byte tile row is one line (misaligned
+// rows halved the tile rate).
 
-// st [nk32][hp] (row stride ld.st) = kc [nk32][D] · Qᵀ, Qᵀ as qb [D/2][hp] channel pairs.
+// st [nk32][hp] = kc [nk32][D] · Qᵀ, Qᵀ as qb [D/2][hp] channel pairs.
 template <int D>
-void scores_t(const uint16_t* kc, const uint32_t* qb, int64_t hp, int64_t nk32, float* st, const Lds& ld) {
+void scores_t(const uint16_t* kc, const uint32_t* qb, int64_t hp, int64_t nk32, float* st) {
   amx_barrier();
   for (int64_t j = 0; j < nk32; j += 32) {
-    const uint16_t* k0 = kc + j * ld.kc;
-    const uint16_t* k1 = k0 + 16 * ld.kc;
+    const uint16_t* k0 = kc + j * D;
+    const uint16_t* k1 = k0 + 16 * D;
     for (int64_t h0 = 0; h0 < hp; h0 += 32) {
       const bool two = h0 + 16 < hp;
       _tile_zero(0);
@@ -234,86 +231,85 @@ void scores_t(const uint16_t* kc, const uint32_t* qb, int64_t hp, int64_t nk32, 
       _tile_zero(2);
       _tile_zero(3);
       for (int c = 0; c < D; c += 32) {
-        const uint32_t* b = qb + c / 2 * ld.qb + h0;
-        _tile_loadd(4, k0 + c, ld.kc * 2);
-        _tile_loadd(5, k1 + c, ld.kc * 2);
-        _tile_loadd(6, b, ld.qb * 4);
+        const uint32_t* b = qb + c / 2 * hp + h0;
+        _tile_loadd(4, k0 + c, D * 2);
+        _tile_loadd(5, k1 + c, D * 2);
+        _tile_loadd(6, b, hp * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
         if (two) {
-          _tile_loadd(7, b + 16, ld.qb * 4);
+          _tile_loadd(7, b + 16, hp * 4);
           _tile_dpbf16ps(2, 4, 7);
           _tile_dpbf16ps(3, 5, 7);
         }
       }
-      float* s0 = st + j * ld.st + h0;
-      _tile_stored(0, s0, ld.st * 4);
-      _tile_stored(1, s0 + 16 * ld.st, ld.st * 4);
+      float* s0 = st + j * hp + h0;
+      _tile_stored(0, s0, hp * 4);
+      _tile_stored(1, s0 + 16 * hp, hp * 4);
       if (two) {
-        _tile_stored(2, s0 + 16, ld.st * 4);
-        _tile_stored(3, s0 + 16 * ld.st + 16, ld.st * 4);
+        _tile_stored(2, s0 + 16, hp * 4);
+        _tile_stored(3, s0 + 16 * hp + 16, hp * 4);
       }
     }
   }
   amx_barrier();
 }
 
-// o [hp][dv] (row stride ld.o) += P_hi · V + P_lo · V over the first nk32 keys: pb / pl [hp][kBlock]
-// (stride ld.p), V as key pairs vb [nk32/2][dv] (stride ld.vb).
-void pv(const uint16_t* pb, const uint16_t* pl, int64_t hp, const uint32_t* vb, int64_t dv, int64_t nk32, float* o,
-        const Lds& ld) {
+// o [hp][dv] += P_hi · V + P_lo · V over the first nk32 keys: pb / pl [hp][kBlock], V as key pairs
+// vb [nk32/2][dv].
+void pv(const uint16_t* pb, const uint16_t* pl, int64_t hp, const uint32_t* vb, int64_t dv, int64_t nk32, float* o) {
   amx_barrier();
   for (int64_t h0 = 0; h0 < hp; h0 += 32) {
     const bool two = h0 + 16 < hp;
     for (int64_t c = 0; c < dv; c += 32) {
-      float* o0 = o + h0 * ld.o + c;
-      float* o1 = o0 + 16 * ld.o;
-      _tile_loadd(0, o0, ld.o * 4);
-      _tile_loadd(1, o0 + 16, ld.o * 4);
+      float* o0 = o + h0 * dv + c;
+      float* o1 = o0 + 16 * dv;
+      _tile_loadd(0, o0, dv * 4);
+      _tile_loadd(1, o0 + 16, dv * 4);
       if (two) {
-        _tile_loadd(2, o1, ld.o * 4);
-        _tile_loadd(3, o1 + 16, ld.o * 4);
+        _tile_loadd(2, o1, dv * 4);
+        _tile_loadd(3, o1 + 16, dv * 4);
       }
       for (int64_t kk = 0; kk < nk32; kk += 32) {
-        const uint32_t* v = vb + kk / 2 * ld.vb + c;
-        const int64_t a = h0 * ld.p + kk;
-        _tile_loadd(6, v, ld.vb * 4);
-        _tile_loadd(7, v + 16, ld.vb * 4);
+        const uint32_t* v = vb + kk / 2 * dv + c;
+        const int64_t a = h0 * kBlock + kk;
+        _tile_loadd(6, v, dv * 4);
+        _tile_loadd(7, v + 16, dv * 4);
         for (const uint16_t* part : {pb, pl}) {  // P_hi, then P_lo, against the same V tiles
-          _tile_loadd(4, part + a, ld.p * 2);
+          _tile_loadd(4, part + a, kBlock * 2);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           if (two) {
-            _tile_loadd(5, part + a + 16 * ld.p, ld.p * 2);
+            _tile_loadd(5, part + a + 16 * kBlock, kBlock * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
           }
         }
       }
-      _tile_stored(0, o0, ld.o * 4);
-      _tile_stored(1, o0 + 16, ld.o * 4);
+      _tile_stored(0, o0, dv * 4);
+      _tile_stored(1, o0 + 16, dv * 4);
       if (two) {
-        _tile_stored(2, o1, ld.o * 4);
-        _tile_stored(3, o1 + 16, ld.o * 4);
+        _tile_stored(2, o1, dv * 4);
+        _tile_stored(3, o1 + 16, dv * 4);
       }
     }
   }
   amx_barrier();
 }
 
-// vb [nk/2][dv] (stride ld.vb) from the copied rows kc: key pair kp's first dv values interleaved
-// channel by channel (the even key in the low half).
-void pack_v(const uint16_t* kc, int64_t nk, int64_t dv, uint32_t* vb, const Lds& ld) {
-  for (int64_t kp = 0; kp < nk / 2; ++kp)
-    cpu::interleave_keys(kc + 2 * kp * ld.kc, kc + (2 * kp + 1) * ld.kc, dv, vb + kp * ld.vb);
+// vb [nk/2][dv] from the copied rows kc [nk][D]: key pair kp's first dv values interleaved channel
+// by channel (the even key in the low half).
+template <int D>
+void pack_v(const uint16_t* kc, int64_t nk, int64_t dv, uint32_t* vb) {
+  for (int64_t kp = 0; kp < nk / 2; ++kp) cpu::interleave_keys(kc + 2 * kp * D, kc + (2 * kp + 1) * D, dv, vb + kp * dv);
 }
 
 // attend() on the tiles: the same key blocks and softmax, the two products above; w.o ends as
-// attend()'s, [h][dv] (ld.o == dv). Heads past h (up to hp, a multiple of 16) have zero q and are never stored.
+// attend()'s, [h][dv]. Heads past h (up to hp, a multiple of 16) have zero q and are never
+// stored.
 template <int D>
 void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, Work& w) {
   const int64_t h = p.h_q, dv = p.d_v, hp = (h + 15) / 16 * 16;
-  const Lds ld(D, hp, dv);
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.f);
   std::fill(w.z.begin(), w.z.end(), 0.f);
@@ -326,53 +322,52 @@ void attend(const SparseMlaParams& p, int64_t t, const int32_t* sl, int64_t n, W
     const uint32_t* rows[16];
     for (int i = 0; i < 16; ++i)
       rows[i] = h0 + i < h ? reinterpret_cast<const uint32_t*>(q + (h0 + i) * D) : zero_pairs;
-    for (int p0 = 0; p0 < D / 2; p0 += 16) cpu::transpose16x16_epi32(rows, p0, w.qb.data() + p0 * ld.qb + h0, ld.qb);
+    for (int p0 = 0; p0 < D / 2; p0 += 16) cpu::transpose16x16_epi32(rows, p0, w.qb.data() + p0 * hp + h0, hp);
   }
-  uint16_t* kc = w.deq.data();  // the block's rows [kBlock][D] (stride ld.kc), bf16
+  uint16_t* kc = w.deq.data();  // the block's rows [kBlock][D], bf16
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t nb = std::min(kBlock, n - j0), nk32 = (nb + 31) / 32 * 32;
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t slot = sl[j0 + j];
       if (D != kMlaDim || p.kv_dtype == DType::kBFloat16) {
-        std::memcpy(kc + j * ld.kc, static_cast<const uint16_t*>(p.kv) + slot * D, D * 2);
+        std::memcpy(kc + j * D, static_cast<const uint16_t*>(p.kv) + slot * D, D * 2);
       } else {
-        mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, kc + j * ld.kc);
+        mla_fp8_row_to_bf16(static_cast<const uint8_t*>(p.kv) + slot * kMlaFp8Bytes, kc + j * D);
       }
     }
-    std::fill(kc + nb * ld.kc, kc + nk32 * ld.kc, uint16_t{0});  // P is 0 there, and 0 · NaN would not be
-    scores_t<D>(kc, w.qb.data(), hp, nk32, w.st.data(), ld);
-    pack_v(kc, nk32, dv, w.vb.data(), ld);
+    std::fill(kc + nb * D, kc + nk32 * D, uint16_t{0});  // P is 0 there, and 0 · NaN would not be
+    scores_t<D>(kc, w.qb.data(), hp, nk32, w.st.data());
+    pack_v<D>(kc, nk32, dv, w.vb.data());
     // Sᵀ back to S [hp][kBlock], 16 x 16 at a time, for the row-wise softmax.
     for (int64_t j = 0; j < nk32; j += 16)
       for (int64_t h0 = 0; h0 < hp; h0 += 16) {
         const uint32_t* rows[16];
-        for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(w.st.data() + (j + i) * ld.st);
-        cpu::transpose16x16_epi32(rows, h0, reinterpret_cast<uint32_t*>(w.s.data()) + h0 * ld.s + j, ld.s);
+        for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(w.st.data() + (j + i) * hp);
+        cpu::transpose16x16_epi32(rows, h0, reinterpret_cast<uint32_t*>(w.s.data()) + h0 * kBlock + j, kBlock);
       }
     for (int64_t hh = 0; hh < h; ++hh) {
-      const float alpha = softmax_block_avx512(w.s.data() + hh * ld.s, nb, p.sm_scale, w.m[hh], w.l[hh], w.z[hh],
-                                               w.pb.data() + hh * ld.p, w.pl.data() + hh * ld.p);
+      const float alpha = softmax_block_avx512(w.s.data() + hh * kBlock, nb, p.sm_scale, w.m[hh], w.l[hh], w.z[hh],
+                                               w.pb.data() + hh * kBlock, w.pl.data() + hh * kBlock);
       if (j0 > 0 && alpha != 1.f) {
-        float* orow = w.o.data() + hh * ld.o;
+        float* orow = w.o.data() + hh * dv;
         const __m512 a = _mm512_set1_ps(alpha);
         for (int64_t c = 0; c < dv; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), a));
       }
     }
-    pv(w.pb.data(), w.pl.data(), hp, w.vb.data(), dv, nk32, w.o.data(), ld);
+    pv(w.pb.data(), w.pl.data(), hp, w.vb.data(), dv, nk32, w.o.data());
   }
 }
 
 // Buffer sizes of attend() on the tiles for heads padded to hp.
 void size_work(Work& w, int64_t d, int64_t hp, int64_t dv) {
-  const Lds ld(d, hp, dv);
-  w.qb.resize(d / 2 * ld.qb);
-  w.st.resize(kBlock * ld.st);
-  w.deq.resize(kBlock * ld.kc);
-  w.vb.resize(kBlock / 2 * ld.vb);
-  w.s.resize(hp * ld.s);
-  w.pb.assign(hp * ld.p, 0);
-  w.pl.assign(hp * ld.p, 0);
-  w.o.resize(hp * ld.o);
+  w.qb.resize(d / 2 * hp);
+  w.st.resize(kBlock * hp);
+  w.deq.resize(kBlock * d);
+  w.vb.resize(kBlock / 2 * dv);
+  w.s.resize(hp * kBlock);
+  w.pb.assign(hp * kBlock, 0);
+  w.pl.assign(hp * kBlock, 0);
+  w.o.resize(hp * dv);
 }
 
 // The tile configuration for a parallel chunk's attend() calls, the tile state released after.
