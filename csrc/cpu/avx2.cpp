@@ -446,9 +446,10 @@ void sparse_mla_avx2(const SparseMlaParams& p) {
       }
     }
   };
-  // Below the serial bound (mla_runs_inline; the splits depend on the shape only) on the calling
-  // thread, as the other paths do: a decode row opens no OpenMP region.
-  if (mla_runs_inline(p)) {
+  // Below the serial bound (mla_runs_inline: 2^22 multiply-adds on this kernel, so a decode row of 8
+  // heads or more splits its keys over the threads) on the calling thread; the splits depend on the
+  // shape only, so where it runs changes no value.
+  if (mla_runs_inline(p, MlaKernel::kAvx2)) {
     body(0, p.s_q * hblocks * splits);
   } else {
     at::parallel_for(0, p.s_q * hblocks * splits, 1, body);

@@ -60,11 +60,13 @@ inline int64_t mla_key_splits(const SparseMlaParams& p, int64_t head_blocks) {
 }
 
 // Multiply-adds of a call (q·k over d_qk and p·v over d_v for every entry of every row and head):
-// below the bound (sparse_mla.cpp: kMlaSerialWork, or kMlaTilesSerialWork for the blas kernel,
-// unless INDEXCACHE_SPARSE_MLA_SERIAL_WORK sets both; serial_work.h) the call runs on the calling
-// thread. A decode row of 4 heads over 512 keys is 2.2M, of 16 heads 9.4M, of 64 heads 38M.
+// below the bound of the kernel that runs it (sparse_mla.cpp, mla_serial_work; all of them set by
+// INDEXCACHE_SPARSE_MLA_SERIAL_WORK, serial_work.h) the call runs on the calling thread. A decode
+// row of 4 heads over 512 keys is 2.2M, of 16 heads 9.4M, of 64 heads 38M.
 inline int64_t mla_work(const SparseMlaParams& p) { return p.s_q * p.h_q * (p.topk + p.n_extra) * (p.d_qk + p.d_v); }
-int64_t mla_serial_work(bool tiles);  // sparse_mla.cpp
-inline bool mla_runs_inline(const SparseMlaParams& p, bool tiles = false) { return mla_work(p) < mla_serial_work(tiles); }
+// The kernels whose serial bounds differ: AVX-512 vectors (portable's loops too), AVX2 vectors, AMX tiles.
+enum class MlaKernel { kVector, kAvx2, kTiles };
+int64_t mla_serial_work(MlaKernel kernel);  // sparse_mla.cpp
+inline bool mla_runs_inline(const SparseMlaParams& p, MlaKernel kernel) { return mla_work(p) < mla_serial_work(kernel); }
 
 }  // namespace indexcache

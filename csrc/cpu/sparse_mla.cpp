@@ -458,20 +458,21 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void row_f32(const 
 // Below this many multiply-adds (mla_work) a call runs on the calling thread: a 16-head decode row
 // over 512 keys (9.4M) is 0.15 ms on one core, and 7-30 ms at 2 threads when another process holds
 // the other core (docs/profiling.md, seventh round); with both cores free, splitting it on the
-// vector kernels measured slower too (Zen 5, avx512bf16: 1.07 -> 1.28 ms a step, ninth round).
+// AVX-512 vector kernels measured slower too (Zen 5, avx512bf16: 1.07 -> 1.28 ms a step, ninth round).
 constexpr int64_t kMlaSerialWork = int64_t{1} << 25;
-// The blas kernel's bound (AMX brgemm): there a decode row of 8 heads or more (4.5M at 8, 9.4M at 16)
-// splits its keys, which halved a 16-head row's calls at 2 threads on a quiet AMX Xeon (2.6-2.9 ->
-// 1.3-1.5 ms a step; docs/profiling.md, 2026-12-06). Under load `generate`'s --decode-threads auto
-// runs one thread, which opens no region.
-constexpr int64_t kMlaTilesSerialWork = int64_t{1} << 22;
+// The AMX tiles' and the AVX2 kernels' bound: there a decode row of 8 heads or more (4.5M at 8,
+// 9.4M at 16) splits its keys. On a quiet AMX Xeon that halved a 16-head row's calls at 2 threads
+// (2.6-2.9 -> 1.3-1.5 ms a step; docs/profiling.md, 2026-12-06); on a Zen 3, where the AVX2 kernel
+// takes 0.35 ms for that row, 2.7-4.5 -> 1.9-2.4 ms a step (docs/profiling.md, twelfth round).
+// Under load `generate`'s --decode-threads auto runs one thread, which opens no region.
+constexpr int64_t kMlaSplitEarlyWork = int64_t{1} << 22;
 
-int64_t mla_serial_work(bool tiles) {
+int64_t mla_serial_work(MlaKernel kernel) {
   static const int64_t vec = cpu::serial_work_bound("INDEXCACHE_SPARSE_MLA_SERIAL_WORK", kMlaSerialWork);
-  static const int64_t amx = cpu::serial_work_bound("INDEXCACHE_SPARSE_MLA_SERIAL_WORK", kMlaTilesSerialWork);
+  static const int64_t early = cpu::serial_work_bound("INDEXCACHE_SPARSE_MLA_SERIAL_WORK", kMlaSplitEarlyWork);
   TORCH_CHECK(vec >= 0, "INDEXCACHE_SPARSE_MLA_SERIAL_WORK must be a non-negative integer (multiply-adds), got '",
               std::getenv("INDEXCACHE_SPARSE_MLA_SERIAL_WORK"), "'");
-  return tiles ? amx : vec;
+  return kernel == MlaKernel::kVector ? vec : early;
 }
 
 void sparse_mla_cpu(const SparseMlaParams& p) {
@@ -525,7 +526,7 @@ void sparse_mla_cpu(const SparseMlaParams& p) {
       }
     }
   };
-  if (mla_runs_inline(p)) {
+  if (mla_runs_inline(p, MlaKernel::kVector)) {
     body(0, p.s_q * head_blocks);
   } else {
     at::parallel_for(0, p.s_q * head_blocks, 1, body);

@@ -371,7 +371,7 @@ void sparse_mla_avx512_f32(const SparseMlaParams& p) {
       }
     }
   };
-  if (mla_runs_inline(p)) {
+  if (mla_runs_inline(p, MlaKernel::kVector)) {
     body(0, p.s_q * hblocks * sp.n);
   } else {
     at::parallel_for(0, p.s_q * hblocks * sp.n, 1, body);

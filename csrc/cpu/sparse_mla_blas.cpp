@@ -519,7 +519,7 @@ bool sparse_mla_blas(const SparseMlaParams& p) {
       if (done[t].fetch_add(1, std::memory_order_acq_rel) + 1 == splits) merge_row(t, merged);
     }
   };
-  if (mla_runs_inline(p, /*tiles=*/true)) {
+  if (mla_runs_inline(p, MlaKernel::kTiles)) {
     body(0, p.s_q * splits);
   } else {
     at::parallel_for(0, p.s_q * splits, 1, body);
