@@ -15,7 +15,8 @@
 // bf16 on the avx512bf16 path: both products on vdpbf16ps, P split into two bf16 parts,
 // block_sparse_bf16.h). The next block's K/V rows are prefetched while one block is computed.
 // The avx2 path lays the block's query vectors across the lanes instead (block_sparse_lanes.h:
-// no key transpose, a lane-wise softmax, the next block's rows copied during this one).
+// no key transpose, a lane-wise softmax, the next block's rows copied during this one), and so
+// does fp32 attention on the avx512bf16 path: it runs the same AVX2 build (faster there too).
 // Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
 // whatever the grouping or thread count.
 //
@@ -235,7 +236,12 @@ void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
 #if defined(__x86_64__)
   const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.dtype);
   if (path == CpuPath::kBlas) return block_sparse_attention_amx(p);
-  if (path == CpuPath::kAvx512Bf16) return avx512::attention(p);
+  // fp32 on the avx512bf16 path runs the AVX2 build's lane kernel: on Zen 4 it took 0.75-0.87x the
+  // time of the AVX-512 keys-across panels at 8-64 query heads, and a 16-lane build of the lane
+  // kernel measured no faster than this 8-lane one (docs/performance.md, 2026-12-06); on the AMX
+  // Xeon the lanes were 6 % ahead at 8-16 heads. bf16 keeps the AVX-512 vdpbf16ps panels (1.3-1.4x).
+  if (path == CpuPath::kAvx512Bf16)
+    return p.dtype == DType::kFloat32 && cpu_features().avx2_fma ? avx2_build::attention(p) : avx512::attention(p);
   if (path == CpuPath::kAvx2) return avx2_build::attention(p);
 #endif
   portable::attention(p);
