@@ -236,7 +236,7 @@ void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
 #if defined(__x86_64__)
   const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.dtype);
   if (path == CpuPath::kBlas) return block_sparse_attention_amx(p);
-  // fp32 on the avx512bf16 path runs the AVX2 build's lane kernel: on Zen 4 it took 0.75-0.87x the
+  // fp32 on the avx512bf16 path runs the AVX2 build's lane kernel: on Zen 4 it took 0.71-0.89x the
   // time of the AVX-512 keys-across panels at 8-64 query heads, and a 16-lane build of the lane
   // kernel measured no faster than this 8-lane one (docs/performance.md, 2026-12-06); on the AMX
   // Xeon the lanes were 6 % ahead at 8-16 heads. bf16 keeps the AVX-512 vdpbf16ps panels (1.3-1.4x).

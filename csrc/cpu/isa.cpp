@@ -180,10 +180,11 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // AVX-512 top-k filter, block_sparse_impl.h (block_topk fp32 / bf16 and bf16 attention: 16-lane
     // FMA / vdpbf16ps micro-kernels; fp32 attention runs the AVX2 build's lane kernel, faster than
     // the 16-lane panels on Zen 4 and AMX, block_sparse.cpp), the e4m3 quantizer compiled for
-    // AVX-512 and fp32 sparse MLA's FMA kernels (sparse_mla_avx512.cpp). delta_rule_impl.h compiled for AVX-512 takes both its dtypes
-    // (its inputs are converted to fp32 tiles once; the work is fp32 FMA). rows_matmul: vdpbf16ps for
-    // bf16 x bf16, widening + FMA for the other dtype pairs (rows_matmul.cpp). norm_rope.cpp: 16-lane
-    // RMSNorm and rotation, bit-identical to its portable loops. kpool_pool.cpp: 16 channels a vector.
+    // AVX-512 and fp32 sparse MLA's FMA kernels (sparse_mla_avx512.cpp). delta_rule_impl.h compiled
+    // for AVX-512 takes both its dtypes (its inputs are converted to fp32 tiles once; the work is fp32
+    // FMA). rows_matmul: vdpbf16ps for bf16 x bf16, widening + FMA for the other dtype pairs
+    // (rows_matmul.cpp). norm_rope.cpp: 16-lane RMSNorm and rotation, bit-identical to its portable
+    // loops. kpool_pool.cpp: 16 channels a vector.
     case CpuPath::kAvx512Bf16:
       return true;
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h); bf16
