@@ -17,6 +17,10 @@ worker binds ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0`` or ``0-1``)::
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv-vllm/bin/python bench/bench_vllm.py \
         --model /work/llcache/models/glm5-L8-h512-k512-s0-all-F --prompt-len 2048 --decode 64 --repeats 3
+
+``--modes eager compiled`` times vLLM's eager model (its default for the DSA architectures) and its
+compiled one (``VLLM_USE_BREAKABLE_CUDAGRAPH=0``: torch.compile, traced once, inductor) side by side,
+with the engine's start-up time (the compile is in it).
 """
 
 from __future__ import annotations
@@ -103,7 +107,20 @@ def measure(path, freq: int, requests: list[int], prompt_len: int, decode: int, 
     return rows
 
 
-def measure_steps(path, freq: int, prompt_len: int, decode: int, repeats: int, kv_mib: int, vocab: int):
+def engine_mode(mode: str) -> dict:
+    """LLM keywords for ``eager`` (what vLLM runs the DSA architectures as by default: it defaults them to
+    breakable CUDA graphs, which turns compilation off on every platform) or ``compiled`` (vLLM's CPU
+    default for other models: torch.compile traced once, inductor)."""
+    if mode == "compiled":
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
+        return {"enforce_eager": False}
+    if mode != "eager":
+        raise ValueError(f"mode {mode!r}: eager or compiled")
+    return {"enforce_eager": True}
+
+
+def measure_steps(path, freq: int, prompt_len: int, decode: int, repeats: int, kv_mib: int, vocab: int,
+                  mode: str = "eager"):
     """One request at a time through the engine's own step loop (``LLMEngine.add_request`` /
     ``step``): prefill tokens/s from the first step, decode tokens/s from the median of the
     ``decode`` steps after it (each step's wall time alone, so a noisy prefill does not enter it);
@@ -112,9 +129,11 @@ def measure_steps(path, freq: int, prompt_len: int, decode: int, repeats: int, k
     from vllm.inputs import TokensPrompt
 
     overrides = {"use_index_cache": True, "index_topk_freq": freq, "index_skip_topk_offset": 1}
+    t0 = time.perf_counter()
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=prompt_len + decode + 8,
-              kv_cache_memory_bytes=kv_mib << 20, enforce_eager=True, seed=0, hf_overrides=overrides,
-              max_num_seqs=1, max_num_batched_tokens=prompt_len, enable_prefix_caching=False)
+              kv_cache_memory_bytes=kv_mib << 20, seed=0, hf_overrides=overrides,
+              max_num_seqs=1, max_num_batched_tokens=prompt_len, enable_prefix_caching=False, **engine_mode(mode))
+    start_s = time.perf_counter() - t0
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(1)
     pre, dec = [], []
@@ -134,7 +153,8 @@ def measure_steps(path, freq: int, prompt_len: int, decode: int, repeats: int, k
     finally:
         del llm
         gc.collect()
-    return [{"freq": freq, "requests": 1, "context": prompt_len, "threads": torch.get_num_threads(),
+    return [{"freq": freq, "mode": mode, "start_s": start_s, "requests": 1, "context": prompt_len,
+             "threads": torch.get_num_threads(),
              "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dec),
              "decode_tok_s_min": min(dec), "decode_tok_s_max": max(dec)}]
 
@@ -151,6 +171,9 @@ def main(argv=None):
     ap.add_argument("--freqs", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--kv-mib", type=int, default=256)
     ap.add_argument("--json", default="bench_vllm.json")
+    ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "compiled"],
+                    help="with --model: eager (vLLM's default for DSA architectures) and/or compiled "
+                         "(VLLM_USE_BREAKABLE_CUDAGRAPH=0: vLLM's CPU torch.compile), interleaved per freq")
     ap.add_argument("--model", help="serve this checkpoint (e.g. bench_llamacpp.py's) instead of writing one; "
                                     "one request at a time, decode timed step by step (measure_steps)")
     args = ap.parse_args(argv)
@@ -160,9 +183,12 @@ def main(argv=None):
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
         rows = []
         for freq in args.freqs:
-            rows += measure_steps(args.model, freq, args.prompt_len, args.decode, args.repeats, args.kv_mib, vocab)
+            for mode in args.modes:
+                rows += measure_steps(args.model, freq, args.prompt_len, args.decode, args.repeats, args.kv_mib,
+                                      vocab, mode)
         for r in rows:
-            print(f"freq {r['freq']}, context {r['context']}, {r['threads']} threads: prefill {r['prefill_tok_s']:.1f} "
+            print(f"freq {r['freq']}, {r['mode']} (engine start {r['start_s']:.0f} s), context {r['context']}, "
+                  f"{r['threads']} threads: prefill {r['prefill_tok_s']:.1f} "
                   f"tok/s, decode {r['decode_tok_s']:.1f} tok/s ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})")
         Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "vllm": vllm.__version__, "torch": torch.__version__,
                                                "args": vars(args), "rows": rows}, indent=2))

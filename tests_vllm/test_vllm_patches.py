@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm")
 
@@ -257,3 +258,28 @@ def test_refused_family_at_engine_start(tmp_path, architecture):
         LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
             kv_cache_memory_bytes=32 << 20, enforce_eager=True)
     assert str(err.value) == vm.refusal(architecture)
+
+
+def test_absorbed_weights_stored_contiguous():
+    """vLLM registers W_UK_T / W_UV as permuted views of kv_b_proj's weight; the plugin stores them
+    contiguous with the same values, and a reload (vLLM's replace_parameter with prefer_copy) copies
+    into them in place, so they stay contiguous."""
+    from vllm.model_executor.utils import replace_parameter
+
+    from indexcache.integrations.vllm_backend import contiguous_absorbed_weights
+
+    layer = torch.nn.Module()
+    L, N, P, V = 512, 4, 24, 16
+    w_uk, w_uv = torch.randn(L, N, P), torch.randn(L, N, V)
+    replace_parameter(layer, "W_UK_T", w_uk.permute(1, 2, 0), prefer_copy=True)  # as MLAAttention does
+    replace_parameter(layer, "W_UV", w_uv.transpose(0, 1), prefer_copy=True)
+    assert not layer.W_UK_T.is_contiguous() and not layer.W_UV.is_contiguous()
+    contiguous_absorbed_weights(layer)
+    assert layer.W_UK_T.is_contiguous() and layer.W_UV.is_contiguous()
+    assert torch.equal(layer.W_UK_T, w_uk.permute(1, 2, 0)) and torch.equal(layer.W_UV, w_uv.transpose(0, 1))
+    assert isinstance(layer.W_UK_T, torch.nn.Parameter)
+    w_uk2 = torch.randn(L, N, P)
+    ptr = layer.W_UK_T.data_ptr()
+    replace_parameter(layer, "W_UK_T", w_uk2.permute(1, 2, 0), prefer_copy=True)  # a reload
+    assert layer.W_UK_T.data_ptr() == ptr and layer.W_UK_T.is_contiguous()
+    assert torch.equal(layer.W_UK_T, w_uk2.permute(1, 2, 0))

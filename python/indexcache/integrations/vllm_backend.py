@@ -163,6 +163,21 @@ class IndexCacheSparseMLAImpl(MLAAttentionImpl[IndexCacheSparseMLAMetadata], Sha
         return out, lse
 
 
+def contiguous_absorbed_weights(layer) -> None:
+    """Store an MLA layer's absorbed up-projections ``W_UK_T`` ``[N, P, L]`` and ``W_UV`` ``[N, L, V]``
+    contiguous. vLLM registers them as permuted views of ``kv_b_proj``'s weight (``W_UK.permute(1, 2, 0)``,
+    ``W_UV.transpose(0, 1)``); torch.bmm on the CPU copies such an operand into a contiguous buffer on
+    every call, which at a decode row costs more than the product itself (measured in docs/vllm.md).
+    A later weight reload copies into the contiguous parameters in place (``replace_parameter``'s
+    ``prefer_copy``), so they stay contiguous."""
+    from vllm.model_executor.utils import replace_parameter
+
+    for name in ("W_UK_T", "W_UV"):
+        w = getattr(layer, name, None)
+        if isinstance(w, torch.Tensor) and not w.is_contiguous():
+            replace_parameter(layer, name, w.contiguous())
+
+
 def _mla_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """vLLM's MLA cache as ``[num_blocks, block_size, row]`` (row 576 elements or 656 bytes)."""
     if kv_cache.dim() == 4:  # [num_blocks, 1 head, block_size, row]
@@ -298,6 +313,56 @@ def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positio
         _, k_pe = rotary_emb(positions, k_rot.clone(), k_rot)
     k = torch.cat([k_pe.reshape(-1, r), k[..., r:]], dim=-1)
     return indexer_topk(self, meta, q, k, weights, plan)
+
+
+# The indexer as one opaque op. vLLM's CPU platform compiles a model (torch.compile, traced once:
+# CompilationMode.DYNAMO_TRACE_ONCE) unless told otherwise; a trace through indexer_forward would freeze
+# what it read from the step's metadata at trace time (the profile run's "no metadata: nothing to index"
+# among it) into every later step. As an op it runs eagerly inside the compiled graph, as vLLM's own
+# indexer op (vllm::sparse_attn_indexer) does; the op finds its Indexer through the index-K cache layer
+# that vLLM registers under ``layer_name`` in the forward context (``bind_indexer_op``).
+_LIB = torch.library.Library("indexcache_vllm", "FRAGMENT")
+_LIB.define("indexer(Tensor hidden_states, Tensor qr, Tensor positions, Tensor(a!) topk_indices_buffer, "
+            "str layer_name) -> ()")
+
+
+def _indexer_op(hidden_states, qr, positions, topk_indices_buffer, layer_name):
+    cache_layer = get_forward_context().no_compile_layers.get(layer_name)
+    bound = getattr(cache_layer, "ic_indexer_op", None)
+    indexer, rotary_emb = (bound[0](), bound[1]()) if bound is not None else (None, None)
+    if indexer is None or indexer.topk_indices_buffer.data_ptr() != topk_indices_buffer.data_ptr():
+        raise RuntimeError(f"indexcache: no indexer is bound to the index-K cache layer {layer_name!r}")
+    indexer_forward(indexer, hidden_states, qr, positions, rotary_emb)
+
+
+def _indexer_op_fake(hidden_states, qr, positions, topk_indices_buffer, layer_name):
+    return None
+
+
+_LIB.impl("indexer", _indexer_op, "CPU")
+_LIB._register_fake("indexer", _indexer_op_fake)
+
+
+def bind_indexer_op(model) -> int:
+    """Let ``indexcache_vllm::indexer`` find every indexer of ``model`` (and the rotary module its MLA layer
+    hands it) from its index-K cache layer's name; returns how many were bound. Weak references: the
+    cache layer is the indexer's own submodule, a strong one would be a cycle in the module tree."""
+    import weakref
+
+    n = 0
+    for mod in model.modules():
+        indexer = getattr(mod, "indexer", None)
+        if indexer is None or not hasattr(indexer, "k_cache") or not hasattr(mod, "indexer_rope_emb"):
+            continue
+        indexer.k_cache.__dict__["ic_indexer_op"] = (weakref.ref(indexer), weakref.ref(mod.indexer_rope_emb))
+        n += 1
+    return n
+
+
+def indexer_op_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
+    """vLLM's ``Indexer.forward`` as the plugin runs it: the whole indexer through the opaque op."""
+    torch.ops.indexcache_vllm.indexer(hidden_states, qr, positions, self.topk_indices_buffer, self.k_cache.prefix)
+    return self.topk_indices_buffer
 
 
 def _indexer_metadata(self) -> Optional[IndexCacheIndexerMetadata]:

@@ -16,7 +16,14 @@ from typing import Optional
 from vllm.forward_context import get_forward_context
 
 from . import vllm_models, vllm_step_reuse
-from .vllm_backend import BACKEND_NAME, BACKEND_PATH, IndexCacheIndexerBackend, indexer_forward
+from .vllm_backend import (
+    BACKEND_NAME,
+    BACKEND_PATH,
+    IndexCacheIndexerBackend,
+    IndexCacheSparseMLAImpl,
+    contiguous_absorbed_weights,
+    indexer_op_forward,
+)
 from .vllm_models import NATIVE, SERVED
 
 logger = logging.getLogger("indexcache.vllm")
@@ -78,8 +85,16 @@ def _indexer_cache_get_attn_backend(original):
 
 def _indexer_forward(original):
     def forward(self, hidden_states, qr, positions, rotary_emb):
-        return indexer_forward(self, hidden_states, qr, positions, rotary_emb)
+        return indexer_op_forward(self, hidden_states, qr, positions, rotary_emb)
     return forward
+
+
+def _mla_process_weights_after_loading(original):
+    def process_weights_after_loading(self, act_dtype):
+        original(self, act_dtype)
+        if isinstance(self.impl, IndexCacheSparseMLAImpl):
+            contiguous_absorbed_weights(self)
+    return process_weights_after_loading
 
 
 def _runner_model_forward(original):
@@ -127,6 +142,12 @@ PATCHES = (
     Patch(_DSV2, "Indexer", "forward", ("self", "hidden_states", "qr", "positions", "rotary_emb"),
           "the indexer is a plain nn.Module; its CustomOp (SparseAttnIndexer) receives q already quantized "
           "without DeepSeek's Hadamard rotation, so the rotation cannot be added there", wrap=_indexer_forward),
+    Patch("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "process_weights_after_loading",
+          ("self", "act_dtype"),
+          "the absorbed up-projections W_UK_T and W_UV are registered as permuted views of kv_b_proj's weight, "
+          "and torch.bmm on the CPU copies a strided bf16 operand on every call (a 1 MB copy per weight, layer "
+          "and decode step); the impl's own hook runs before they exist, so the wrapper stores them contiguous "
+          "after vLLM's method for the layers on the plugin's backend", wrap=_mla_process_weights_after_loading),
     Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward",
           ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
           "vLLM's attention metadata does not say which request a row is; step reuse (index_reuse_steps) keys "
