@@ -112,7 +112,9 @@ def engine_mode(mode: str) -> dict:
     breakable CUDA graphs, which turns compilation off on every platform) or ``compiled`` (vLLM's CPU
     default for other models: torch.compile traced once, inductor)."""
     if mode == "compiled":
-        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
+        if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") != "0":  # vLLM caches its settings once an engine ran
+            raise RuntimeError("compiled mode: set VLLM_USE_BREAKABLE_CUDAGRAPH=0 before the first engine "
+                               "(main() does)")
         return {"enforce_eager": False}
     if mode != "eager":
         raise ValueError(f"mode {mode!r}: eager or compiled")
@@ -177,6 +179,10 @@ def main(argv=None):
     ap.add_argument("--model", help="serve this checkpoint (e.g. bench_llamacpp.py's) instead of writing one; "
                                     "one request at a time, decode timed step by step (measure_steps)")
     args = ap.parse_args(argv)
+    if "compiled" in args.modes:
+        # vLLM sets this to 1 for the DSA architectures unless it is set, and reads it once per process;
+        # an eager engine (enforce_eager) is the same model either way
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
     import vllm
 
     if args.model:

@@ -10,6 +10,7 @@ prompts are long enough for top-k to matter.
 
 import gc
 import json
+import os
 
 import pytest
 import torch
@@ -66,9 +67,9 @@ def prompts(n_list, seed=3):
     return [torch.randint(0, WIDTHS["vocab_size"], (n,), generator=g).tolist() for n in n_list]
 
 
-def run_vllm(path, token_prompts, overrides=None, new_tokens=NEW_TOKENS, **engine_kw):
+def run_vllm(path, token_prompts, overrides=None, new_tokens=NEW_TOKENS, expect_mode=None, **engine_kw):
     """(prompt log-probs, generated tokens, generated log-probs) per prompt, greedy, fp32; ``new_tokens``
-    one count for all or one per prompt."""
+    one count for all or one per prompt; ``expect_mode``: the engine's compilation mode (its name)."""
     kw = dict(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, max_num_seqs=8)
     kw.update(engine_kw)
@@ -76,6 +77,8 @@ def run_vllm(path, token_prompts, overrides=None, new_tokens=NEW_TOKENS, **engin
         kw["hf_overrides"] = overrides
     llm = LLM(**kw)
     try:
+        if expect_mode is not None:
+            assert llm.llm_engine.vllm_config.compilation_config.mode.name == expect_mode
         counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(token_prompts)
         sp = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, prompt_logprobs=0, detokenize=False,
                              ignore_eos=True) for n in counts]
@@ -364,26 +367,62 @@ def test_glm5_tensor_parallel_2(glm_path, glm_prompts, monkeypatch):
 # ------------------------------------------------------------------- compiled (torch.compile)
 
 
+# one case (each compiled engine costs CI ~30-60 s): freq 2 with chunks of 24 tokens and step reuse, so
+# the rows that recompute and the cache reads change from step to step, all of it inside the indexer op
+# that the compiled graph calls; DeepSeek-V3.2's case below has plain freq 2
 @pytest.mark.parametrize("overrides,engine_kw", [
-    ({"use_index_cache": True, "index_topk_freq": 2}, {}),
-    # chunks of 24 tokens and step reuse: the rows that recompute and the cache reads change from step
-    # to step, all of it inside the indexer op that the compiled graph calls
     ({"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 3},
      dict(enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=2)),
-], ids=["freq2", "R3-chunked"])
+], ids=["R3-chunked"])
 def test_glm5_compiled_matches_our_model(glm_path, glm_prompts, overrides, engine_kw, monkeypatch):
     """vLLM's CPU platform compiles a model (torch.compile, traced once) unless it runs eagerly; the
     indexer runs as the opaque op ``indexcache_vllm::indexer``, so what it reads from each step's metadata
     is read at every step, not frozen at the trace (traced through, the profile run's empty metadata made
     every later step's top-k rows stale: median |log-prob difference| 4.9 on a GLM-5 checkpoint at
     2048 tokens, docs/vllm.md)."""
-    # vLLM turns compilation off for the DSA architectures (it defaults them to breakable CUDA graphs,
-    # on every platform); this setting keeps its CPU default, the compiled model
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    # vLLM turns compilation off for the DSA architectures (it defaults them to breakable CUDA graphs, on
+    # every platform); the plugin keeps the CPU platform's default, the compiled model, unless this is set
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
     reuse = "index_reuse_steps" in overrides
     results = run_vllm(glm_path, glm_prompts, overrides, new_tokens=REUSE_TOKENS if reuse else NEW_TOKENS,
-                       enforce_eager=False, **engine_kw)
+                       enforce_eager=False, expect_mode="DYNAMO_TRACE_ONCE", **engine_kw)
     if reuse:
         check_against_generate(glm_path, glm_prompts, results, overrides)
     else:
         check_against_ours(glm_path, glm_prompts, results, overrides)
+
+
+@pytest.mark.parametrize("env,eager,mode", [
+    (None, False, "DYNAMO_TRACE_ONCE"),  # the CPU platform's default: compiled
+    (None, True, "NONE"),  # --enforce-eager
+    ("1", False, "NONE"),  # the user's VLLM_USE_BREAKABLE_CUDAGRAPH stands
+    ("0", False, "DYNAMO_TRACE_ONCE"),
+])
+def test_compilation_mode_on_cpu(glm_path, monkeypatch, env, eager, mode):
+    """For the models the plugin serves on vLLM's model code, vLLM's defaulting of the DSA architectures to
+    breakable CUDA graphs (compilation off on every platform) does not apply on the CPU; the user's
+    settings do."""
+    from vllm import envs
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    envs.disable_envs_cache()  # an engine of an earlier test cached vLLM's settings
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", env)
+    cfg = EngineArgs(model=str(glm_path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                     kv_cache_memory_bytes=64 << 20, enforce_eager=eager).create_engine_config()
+    assert cfg.compilation_config.mode.name == mode
+    if env is None:
+        assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in os.environ  # nothing left set for later engines
+
+
+def test_deepseek_v32_compiled_matches_our_model(v32_path, monkeypatch):
+    """DeepSeek-V3.2 (the README's default checkpoint's architecture) compiled, as the CPU platform runs
+    it by default under the plugin."""
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    toks = prompts([53, 30], seed=4)
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1}
+    results = run_vllm(v32_path, toks, overrides, enforce_eager=False, expect_mode="DYNAMO_TRACE_ONCE")
+    check_against_ours(v32_path, toks, results, overrides)

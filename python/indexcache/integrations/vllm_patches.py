@@ -10,6 +10,7 @@ See docs/vllm.md for why each target has no extension point.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +47,25 @@ def _served_dsa(vllm_config) -> bool:
     archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
     return mc is not None and any(a in NATIVE or (a in SERVED and bool(getattr(mc, "use_mla", False)))
                                   for a in archs)
+
+
+def _served_by_vllm_model(vllm_config) -> bool:
+    """A DSA architecture the plugin serves on vLLM's own model code (not this package's model)."""
+    mc = vllm_config.model_config
+    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or [] if mc is not None else []
+    return mc is not None and bool(getattr(mc, "use_mla", False)) and any(a in SERVED for a in archs)
+
+
+def _cpu_breakable_cudagraph(original):
+    def _maybe_enable_breakable_cudagraph(self):
+        # vLLM defaults the DSA architectures to breakable CUDA graphs on every platform, which sets
+        # compilation to none; a CPU has no CUDA graphs, so for the models the plugin serves on vLLM's
+        # own model code the CPU platform's default stands (torch.compile, traced once) unless the user
+        # set VLLM_USE_BREAKABLE_CUDAGRAPH. --enforce-eager, -O0 or -cc.mode still turn it off.
+        if "VLLM_USE_BREAKABLE_CUDAGRAPH" not in os.environ and _served_by_vllm_model(self):
+            return False
+        return original(self)
+    return _maybe_enable_breakable_cudagraph
 
 
 def _stateful(vllm_config) -> bool:
@@ -136,6 +156,11 @@ PATCHES = (
           "(its own CPU MLA backend cannot attend to earlier context); the plugin's kernels read it from "
           "the paged caches, so the wrapper keeps the user's settings for the DSA models it serves",
           wrap=_cpu_check_and_update_config),
+    Patch("vllm.config.vllm", "VllmConfig", "_maybe_enable_breakable_cudagraph", ("self",),
+          "vLLM turns compilation off for the DSA architectures on every platform (it defaults them to "
+          "breakable CUDA graphs); on the CPU, for the models the plugin serves on vLLM's model code, the "
+          "wrapper leaves the CPU platform's default, torch.compile (1.3-1.5x the eager decode, docs/vllm.md), "
+          "unless VLLM_USE_BREAKABLE_CUDAGRAPH is set", wrap=_cpu_breakable_cudagraph),
     Patch(_DSV2, "DeepseekV32IndexerCache", "get_attn_backend", ("self",),
           "the index-K cache layer names vLLM's CUDA/Triton indexer backend directly, not through the registry",
           wrap=_indexer_cache_get_attn_backend),
