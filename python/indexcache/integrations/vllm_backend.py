@@ -321,9 +321,6 @@ def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positio
 # among it) into every later step. As an op it runs eagerly inside the compiled graph, as vLLM's own
 # indexer op (vllm::sparse_attn_indexer) does; the op finds its Indexer through the index-K cache layer
 # that vLLM registers under ``layer_name`` in the forward context (``bind_indexer_op``).
-_LIB = torch.library.Library("indexcache_vllm", "FRAGMENT")
-_LIB.define("indexer(Tensor hidden_states, Tensor qr, Tensor positions, Tensor(a!) topk_indices_buffer, "
-            "str layer_name) -> ()")
 
 
 def _indexer_op(hidden_states, qr, positions, topk_indices_buffer, layer_name):
@@ -339,8 +336,20 @@ def _indexer_op_fake(hidden_states, qr, positions, topk_indices_buffer, layer_na
     return None
 
 
-_LIB.impl("indexer", _indexer_op, "CPU")
-_LIB._register_fake("indexer", _indexer_op_fake)
+def _define_indexer_op():
+    """The op's library. A reload of this module keeps the library it made before (its namespace still
+    holds it): the op lives as long as that object, and a second definition would raise."""
+    if globals().get("_LIB") is not None:
+        return globals()["_LIB"]
+    lib = torch.library.Library("indexcache_vllm", "FRAGMENT")
+    lib.define("indexer(Tensor hidden_states, Tensor qr, Tensor positions, Tensor(a!) topk_indices_buffer, "
+               "str layer_name) -> ()")
+    lib.impl("indexer", _indexer_op, "CPU")
+    lib._register_fake("indexer", _indexer_op_fake)
+    return lib
+
+
+_LIB = _define_indexer_op()
 
 
 def bind_indexer_op(model) -> int:
