@@ -530,7 +530,7 @@ def matrix_block_sparse(records, device, rows, fp32_rate, select=None):
             blocks = torch.stack([torch.randperm(nb - 1)[:topk] for _ in range(rows * h_kv)]).int().view(rows, h_kv, topk)
             res = (torch.empty_like(qa), torch.empty(rows, h_q))
             ours = time_ours(lambda: ops.block_sparse_attention(qa, kc, vc, table, req, pos, blocks, bsz, 0.088, out=res),
-                             device, "block_sparse", dtype, min_time=0.3, max_iters=5)
+                             device, "block_sparse_attention", dtype, min_time=0.3, max_iters=5)
             matrix_record(records, "block_sparse_attention", dtype, h_q, f"{rows}q /{h_kv}kv x{topk}blk",
                           2 * 2 * rows * h_q * topk * bsz * 128, ours, fp32_rate)
 

@@ -100,7 +100,7 @@ PYBIND11_MODULE(_C, mod) {
       },
       py::arg("op") = "", py::arg("dtype") = "",
       "The CPU path requested ('auto' resolved to this CPU's first choice); with op (indexer, topk, "
-      "sparse_mla, block_sparse, quantize, delta_rule, rows_matmul, norm_rope, kpool_pool) and dtype (fp32, bf16, fp8; default bf16, "
+      "sparse_mla, block_topk, block_sparse_attention, quantize, delta_rule, rows_matmul, norm_rope, kpool_pool) and dtype (fp32, bf16, fp8; default bf16, "
       "fp32 for topk) "
       "the path that op takes for inputs of that dtype, whatever a call's heads or rows: where the "
       "requested path has no kernel of its own for them, the next of blas, avx512bf16, avx2, portable "

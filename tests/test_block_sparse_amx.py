@@ -25,19 +25,22 @@ def amx_here():
 
 
 def test_blas_path_runs_block_sparse_bf16_where_amx_is():
-    """On a CPU with AMX-BF16 (tile state granted) `auto` and `blas` take the AMX kernel for bf16;
-    fp32 goes on to avx512bf16; elsewhere blas has no block_sparse kernel."""
+    """On a CPU with AMX-BF16 (tile state granted) `auto` and `blas` take the AMX kernel for bf16
+    attention; fp32 attention goes on to avx2's lane kernel, block_topk to avx512bf16; elsewhere blas
+    has no block-sparse kernel."""
     kernels = set(_C._cpu_kernels()["blas"])
     if not amx_here():
-        assert "block_sparse/bf16" not in kernels
-        assert _C._cpu_isa("block_sparse", "bf16") != "blas"
+        assert "block_sparse_attention/bf16" not in kernels
+        assert _C._cpu_isa("block_sparse_attention", "bf16") != "blas"
         return
-    assert "block_sparse/bf16" in kernels and "block_sparse/fp32" not in kernels
-    assert _C._cpu_isa("block_sparse", "bf16") == "blas"
-    assert _C._cpu_isa("block_sparse", "fp32") == "avx512bf16"
+    assert "block_sparse_attention/bf16" in kernels and "block_sparse_attention/fp32" not in kernels
+    assert not {"block_topk/bf16", "block_topk/fp32"} & kernels
+    assert _C._cpu_isa("block_sparse_attention", "bf16") == "blas"
+    assert _C._cpu_isa("block_sparse_attention", "fp32") == "avx2"
+    assert _C._cpu_isa("block_topk", "bf16") == "avx512bf16"
     _C._set_cpu_isa("avx512bf16")
     try:
-        assert _C._cpu_isa("block_sparse", "bf16") == "avx512bf16"
+        assert _C._cpu_isa("block_sparse_attention", "bf16") == "avx512bf16"
     finally:
         _C._set_cpu_isa("auto")
 

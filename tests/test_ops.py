@@ -784,15 +784,17 @@ def test_cpu_path_errors():
 # The (op, dtype) pairs each path has a vectorised kernel of its own for (docs/ops.md, "CPU paths"),
 # written out here as the spec that isa.cpp's table must match.
 _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/fp32", "sparse_mla/bf16",
-        "sparse_mla/fp8", "block_sparse/fp32", "block_sparse/bf16", "quantize/fp32", "quantize/bf16",
+        "sparse_mla/fp8", "block_topk/fp32", "block_topk/bf16", "block_sparse_attention/fp32",
+        "block_sparse_attention/bf16", "quantize/fp32", "quantize/bf16",
         "delta_rule/fp32", "delta_rule/bf16", "rows_matmul/fp32", "rows_matmul/bf16", "norm_rope/fp32", "norm_rope/bf16",
         "kpool_pool/fp32", "kpool_pool/bf16"}
 _NO_AVX2 = {"norm_rope/fp32", "norm_rope/bf16", "kpool_pool/fp32", "kpool_pool/bf16"}
 KERNELS = {"portable": _ALL, "avx2": _ALL - _NO_AVX2,
-           "avx512bf16": _ALL,
+           # fp32 block-sparse attention goes on to avx2's lane kernel (faster than the 16-lane panels)
+           "avx512bf16": _ALL - {"block_sparse_attention/fp32"},
            "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}
            # bf16 block_sparse_attention on the AMX tiles (block_sparse_amx.cpp), where the CPU has them
-           | ({"block_sparse/bf16"} if _C._cpu_features()["amx_bf16"] and _C._cpu_features()["avx512bf16"] else set())}
+           | ({"block_sparse_attention/bf16"} if _C._cpu_features()["amx_bf16"] and _C._cpu_features()["avx512bf16"] else set())}
 FALLBACK = ["blas", "avx512bf16", "avx2", "portable"]
 
 

@@ -224,9 +224,8 @@ void register_block_sparse_cpu(torch::Library& m) {
 
 void block_topk_cpu(const BlockTopkParams& p) {
 #if defined(__x86_64__)
-  const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.qk_dtype);
-  // blas (AMX) has an attention kernel of its own only; its block_topk is the avx512bf16 one.
-  if (path == CpuPath::kAvx512Bf16 || path == CpuPath::kBlas) return avx512::block_topk(p);
+  const CpuPath path = cpu_op_path(CpuOp::kBlockTopk, p.qk_dtype);
+  if (path == CpuPath::kAvx512Bf16) return avx512::block_topk(p);
   if (path == CpuPath::kAvx2) return avx2_build::block_topk(p);
 #endif
   portable::block_topk(p);
@@ -234,14 +233,13 @@ void block_topk_cpu(const BlockTopkParams& p) {
 
 void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
 #if defined(__x86_64__)
-  const CpuPath path = cpu_op_path(CpuOp::kBlockSparse, p.dtype);
+  const CpuPath path = cpu_op_path(CpuOp::kBlockSparseAttn, p.dtype);
   if (path == CpuPath::kBlas) return block_sparse_attention_amx(p);
-  // fp32 on the avx512bf16 path runs the AVX2 build's lane kernel: on Zen 4 it took 0.71-0.89x the
-  // time of the AVX-512 keys-across panels at 8-64 query heads, and a 16-lane build of the lane
-  // kernel measured no faster than this 8-lane one (docs/performance.md, 2026-12-06); on the AMX
-  // Xeon the lanes were 6 % ahead at 8-16 heads. bf16 keeps the AVX-512 vdpbf16ps panels (1.3-1.4x).
-  if (path == CpuPath::kAvx512Bf16)
-    return p.dtype == DType::kFloat32 && cpu_features().avx2_fma ? avx2_build::attention(p) : avx512::attention(p);
+  // bf16 only: avx512bf16 declines fp32 attention (isa.cpp), which goes on to the AVX2 build's lane
+  // kernel, faster than these panels on every AVX-512 kind measured; a 16-lane build of the lane
+  // kernel measured no faster than the 8-lane one (docs/performance.md, 2026-12-06). bf16 keeps the
+  // AVX-512 vdpbf16ps panels (1.3-1.4x the lanes).
+  if (path == CpuPath::kAvx512Bf16) return avx512::attention(p);
   if (path == CpuPath::kAvx2) return avx2_build::attention(p);
 #endif
   portable::attention(p);

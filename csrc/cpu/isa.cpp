@@ -138,7 +138,8 @@ const char* cpu_op_name(CpuOp op) {
     case CpuOp::kIndexer: return "indexer";
     case CpuOp::kTopk: return "topk";
     case CpuOp::kSparseMla: return "sparse_mla";
-    case CpuOp::kBlockSparse: return "block_sparse";
+    case CpuOp::kBlockTopk: return "block_topk";
+    case CpuOp::kBlockSparseAttn: return "block_sparse_attention";
     case CpuOp::kQuantize: return "quantize";
     case CpuOp::kDeltaRule: return "delta_rule";
     case CpuOp::kRowsMatmul: return "rows_matmul";
@@ -153,7 +154,8 @@ bool cpu_op_takes(CpuOp op, DType dt) {
     case CpuOp::kIndexer: return true;
     case CpuOp::kTopk: return dt == DType::kFloat32;
     case CpuOp::kSparseMla: return true;
-    case CpuOp::kBlockSparse:
+    case CpuOp::kBlockTopk:
+    case CpuOp::kBlockSparseAttn:
     case CpuOp::kQuantize:
     case CpuOp::kDeltaRule:
     case CpuOp::kRowsMatmul:
@@ -178,20 +180,21 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
       return op != CpuOp::kNormRope && op != CpuOp::kKpoolPool;
     // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
     // AVX-512 top-k filter, block_sparse_impl.h (block_topk fp32 / bf16 and bf16 attention: 16-lane
-    // FMA / vdpbf16ps micro-kernels; fp32 attention runs the AVX2 build's lane kernel, faster than
-    // the 16-lane panels on Zen 4 and AMX, block_sparse.cpp), the e4m3 quantizer compiled for
-    // AVX-512 and fp32 sparse MLA's FMA kernels (sparse_mla_avx512.cpp). delta_rule_impl.h compiled
+    // FMA / vdpbf16ps micro-kernels), the e4m3 quantizer compiled for AVX-512 and fp32 sparse MLA's
+    // FMA kernels (sparse_mla_avx512.cpp). fp32 block-sparse attention is declined, so it goes on to
+    // avx2: the AVX2 build's lane kernel took 0.71-0.89x the 16-lane panels' time on Zen 4 at 8-64
+    // query heads and was 6 % ahead on the AMX Xeon (docs/performance.md, 2026-12-06). delta_rule_impl.h compiled
     // for AVX-512 takes both its dtypes (its inputs are converted to fp32 tiles once; the work is fp32
     // FMA). rows_matmul: vdpbf16ps for bf16 x bf16, widening + FMA for the other dtype pairs
     // (rows_matmul.cpp). norm_rope.cpp: 16-lane RMSNorm and rotation, bit-identical to its portable
     // loops. kpool_pool.cpp: 16 channels a vector.
     case CpuPath::kAvx512Bf16:
-      return true;
+      return !(op == CpuOp::kBlockSparseAttn && dt == DType::kFloat32);
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h); bf16
-    // block_sparse on the AMX tiles where the CPU has them (block_sparse_amx.cpp; its block_topk
-    // is the avx512bf16 one).
+    // block-sparse attention on the AMX tiles where the CPU has them (block_sparse_amx.cpp; block_topk
+    // goes on to avx512bf16).
     case CpuPath::kBlas:
-      if (op == CpuOp::kBlockSparse)
+      if (op == CpuOp::kBlockSparseAttn)
         return dt == DType::kBFloat16 && cpu_features().amx_bf16 && cpu_features().avx512bf16;
       return (op == CpuOp::kIndexer || op == CpuOp::kSparseMla) && dt != DType::kFloat32;
     case CpuPath::kAuto: return false;

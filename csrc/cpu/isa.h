@@ -40,15 +40,26 @@ void request_cpu_path(CpuPath p);
 CpuPath cpu_path();
 
 // The op families as dispatch sees them; each takes one path per input dtype.
-enum class CpuOp : int { kIndexer = 0, kTopk, kSparseMla, kBlockSparse, kQuantize, kDeltaRule, kRowsMatmul, kNormRope, kKpoolPool };
-inline constexpr CpuOp kCpuOps[] = {CpuOp::kIndexer,  CpuOp::kTopk,      CpuOp::kSparseMla,  CpuOp::kBlockSparse,
-                                    CpuOp::kQuantize, CpuOp::kDeltaRule, CpuOp::kRowsMatmul, CpuOp::kNormRope,
-                                    CpuOp::kKpoolPool};
-const char* cpu_op_name(CpuOp op);  // "indexer", "topk", "sparse_mla", "block_sparse", "quantize",
-                                   // "delta_rule", "rows_matmul", "norm_rope", "kpool_pool"
+enum class CpuOp : int {
+  kIndexer = 0,
+  kTopk,
+  kSparseMla,
+  kBlockTopk,
+  kBlockSparseAttn,
+  kQuantize,
+  kDeltaRule,
+  kRowsMatmul,
+  kNormRope,
+  kKpoolPool
+};
+inline constexpr CpuOp kCpuOps[] = {CpuOp::kIndexer,    CpuOp::kTopk,       CpuOp::kSparseMla, CpuOp::kBlockTopk,
+                                    CpuOp::kBlockSparseAttn, CpuOp::kQuantize, CpuOp::kDeltaRule, CpuOp::kRowsMatmul,
+                                    CpuOp::kNormRope,   CpuOp::kKpoolPool};
+const char* cpu_op_name(CpuOp op);  // "indexer", "topk", "sparse_mla", "block_topk", "block_sparse_attention",
+                                   // "quantize", "delta_rule", "rows_matmul", "norm_rope", "kpool_pool"
 // The input dtypes an op takes (the key of its dispatch): indexer fp32 / bf16 / fp8 (q and k);
 // topk fp32 (logits); sparse_mla fp32 (q or cache fp32), bf16 (bf16 q and cache), fp8 (bf16 q,
-// fp8_ds_mla cache); block_sparse fp32 / bf16; quantize fp32 / bf16 (its input); delta_rule fp32 / bf16 (q, k, v);
+// fp8_ds_mla cache); block_topk and block_sparse_attention fp32 / bf16 (q / k / v); quantize fp32 / bf16 (its input); delta_rule fp32 / bf16 (q, k, v);
 // rows_matmul fp32 / bf16 (the weight); norm_rope fp32 / bf16 (x: rms_norm and rope); kpool_pool
 // fp32 / bf16 (index_raw: the pooled indexer's k | gate rows).
 bool cpu_op_takes(CpuOp op, DType dt);
