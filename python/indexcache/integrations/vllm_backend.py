@@ -363,7 +363,9 @@ def bind_indexer_op(model) -> int:
         indexer = getattr(mod, "indexer", None)
         if indexer is None or not hasattr(indexer, "k_cache") or not hasattr(mod, "indexer_rope_emb"):
             continue
-        indexer.k_cache.__dict__["ic_indexer_op"] = (weakref.ref(indexer), weakref.ref(mod.indexer_rope_emb))
+        rope = mod.indexer_rope_emb
+        indexer.k_cache.__dict__["ic_indexer_op"] = (weakref.ref(indexer),
+                                                     weakref.ref(rope) if rope is not None else (lambda: None))
         n += 1
     return n
 
