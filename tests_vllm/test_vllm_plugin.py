@@ -367,29 +367,22 @@ def test_glm5_tensor_parallel_2(glm_path, glm_prompts, monkeypatch):
 # ------------------------------------------------------------------- compiled (torch.compile)
 
 
-# one case (each compiled engine costs CI ~30-60 s): freq 2 with chunks of 24 tokens and step reuse, so
-# the rows that recompute and the cache reads change from step to step, all of it inside the indexer op
-# that the compiled graph calls; DeepSeek-V3.2's case below has plain freq 2
-@pytest.mark.parametrize("overrides,engine_kw", [
-    ({"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 3},
-     dict(enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=2)),
-], ids=["R3-chunked"])
-def test_glm5_compiled_matches_our_model(glm_path, glm_prompts, overrides, engine_kw, monkeypatch):
+def test_glm5_compiled_matches_generate(glm_path, glm_prompts, monkeypatch):
     """vLLM's CPU platform compiles a model (torch.compile, traced once) unless it runs eagerly; the
     indexer runs as the opaque op ``indexcache_vllm::indexer``, so what it reads from each step's metadata
     is read at every step, not frozen at the trace (traced through, the profile run's empty metadata made
     every later step's top-k rows stale: median |log-prob difference| 4.9 on a GLM-5 checkpoint at
-    2048 tokens, docs/vllm.md)."""
+    2048 tokens, docs/vllm.md). One case, as each compiled engine costs CI ~30-60 s: freq 2 with step reuse
+    and chunks of 24 tokens, so the rows that recompute and the cache reads change from step to step, all
+    of it inside the op; DeepSeek-V3.2's case below has plain freq 2."""
     # vLLM turns compilation off for the DSA architectures (it defaults them to breakable CUDA graphs, on
     # every platform); the plugin keeps the CPU platform's default, the compiled model, unless this is set
     monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
-    reuse = "index_reuse_steps" in overrides
-    results = run_vllm(glm_path, glm_prompts, overrides, new_tokens=REUSE_TOKENS if reuse else NEW_TOKENS,
-                       enforce_eager=False, expect_mode="DYNAMO_TRACE_ONCE", **engine_kw)
-    if reuse:
-        check_against_generate(glm_path, glm_prompts, results, overrides)
-    else:
-        check_against_ours(glm_path, glm_prompts, results, overrides)
+    overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_reuse_steps": 3}
+    results = run_vllm(glm_path, glm_prompts, overrides, new_tokens=REUSE_TOKENS, enforce_eager=False,
+                       expect_mode="DYNAMO_TRACE_ONCE", enable_chunked_prefill=True, max_num_batched_tokens=24,
+                       max_num_seqs=2)
+    check_against_generate(glm_path, glm_prompts, results, overrides)
 
 
 @pytest.mark.parametrize("env,eager,mode", [

@@ -59,9 +59,10 @@ const char* cpu_op_name(CpuOp op);  // "indexer", "topk", "sparse_mla", "block_t
                                    // "quantize", "delta_rule", "rows_matmul", "norm_rope", "kpool_pool"
 // The input dtypes an op takes (the key of its dispatch): indexer fp32 / bf16 / fp8 (q and k);
 // topk fp32 (logits); sparse_mla fp32 (q or cache fp32), bf16 (bf16 q and cache), fp8 (bf16 q,
-// fp8_ds_mla cache); block_topk and block_sparse_attention fp32 / bf16 (q / k / v); quantize fp32 / bf16 (its input); delta_rule fp32 / bf16 (q, k, v);
-// rows_matmul fp32 / bf16 (the weight); norm_rope fp32 / bf16 (x: rms_norm and rope); kpool_pool
-// fp32 / bf16 (index_raw: the pooled indexer's k | gate rows).
+// fp8_ds_mla cache); block_topk and block_sparse_attention fp32 / bf16 (q / k / v); quantize fp32 /
+// bf16 (its input); delta_rule fp32 / bf16 (q, k, v); rows_matmul fp32 / bf16 (the weight); norm_rope
+// fp32 / bf16 (x: rms_norm and rope); kpool_pool fp32 / bf16 (index_raw: the pooled indexer's k | gate
+// rows).
 bool cpu_op_takes(CpuOp op, DType dt);
 // Whether path p has its own vectorised kernel for (op, dt); portable has every one (the scalar
 // reference loops, which no other path falls back to unless it is the only path the CPU runs).

@@ -42,18 +42,22 @@ def _cpu_get_attn_backend_cls(original):
     return classmethod(get_attn_backend_cls)
 
 
-def _served_dsa(vllm_config) -> bool:
+def _architectures(vllm_config) -> list:
     mc = vllm_config.model_config
-    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or []
-    return mc is not None and any(a in NATIVE or (a in SERVED and bool(getattr(mc, "use_mla", False)))
-                                  for a in archs)
+    return (getattr(getattr(mc, "hf_config", None), "architectures", None) or []) if mc is not None else []
+
+
+def _uses_mla(vllm_config) -> bool:
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def _served_dsa(vllm_config) -> bool:
+    return any(a in NATIVE or (a in SERVED and _uses_mla(vllm_config)) for a in _architectures(vllm_config))
 
 
 def _served_by_vllm_model(vllm_config) -> bool:
     """A DSA architecture the plugin serves on vLLM's own model code (not this package's model)."""
-    mc = vllm_config.model_config
-    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or [] if mc is not None else []
-    return mc is not None and bool(getattr(mc, "use_mla", False)) and any(a in SERVED for a in archs)
+    return _uses_mla(vllm_config) and any(a in SERVED for a in _architectures(vllm_config))
 
 
 def _cpu_breakable_cudagraph(original):
@@ -70,9 +74,7 @@ def _cpu_breakable_cudagraph(original):
 
 def _stateful(vllm_config) -> bool:
     """A NATIVE architecture whose caches carry per-request state (DeepSeek-V4's compressors)."""
-    mc = vllm_config.model_config
-    archs = getattr(getattr(mc, "hf_config", None), "architectures", None) or [] if mc is not None else []
-    return any(a in NATIVE and "deepseek_v4" in NATIVE[a][0] for a in archs)
+    return any(a in NATIVE and "deepseek_v4" in NATIVE[a][0] for a in _architectures(vllm_config))
 
 
 def _cpu_check_and_update_config(original):
