@@ -72,6 +72,13 @@ TORCH_LIBRARY(indexcache, m) {
   // gate_w / up_w [I_e, D], down_w [D, I_e], every intermediate rounded to x's dtype.
   m.def(
       "swiglu_rows(Tensor x, Tensor[] gate_w, Tensor[] up_w, Tensor[] down_w, float[] coef, Tensor(a!) out) -> ()");
+  // The same with the routing as tensors (a compiled or static decode step's MoE; CPU only): the
+  // lists hold this rank's routed experts [first_expert, first_expert + E - num_shared) then
+  // num_shared shared ones; row m sums its topk_ids [M, k] of this rank in ascending id, each times
+  // topk_weights [M, k] (fp32 products), then the shared experts at 1.0.
+  m.def(
+      "moe_rows(Tensor x, Tensor[] gate_w, Tensor[] up_w, Tensor[] down_w, Tensor topk_ids, Tensor topk_weights, "
+      "int first_expert, int num_experts, int num_shared, Tensor(a!) out) -> ()");
   // A decode step's small ops (CPU only), fp32 inside, one rounding to out's dtype: RMSNorm of rows
   // x [N, D] with weight w [D] -> out [N, D]; rotary embedding of x [N, H, R] by cos / sin fp32
   // [N, R / 2] (interleaved or split-half pairs) -> out [N, H, R], which may be x itself.

@@ -131,6 +131,12 @@ def _swiglu_rows_cases():
          [(0, x.half(), "x must be"), (1, [g, torch.randn(6, 7)], r"gate_w\[1\] and up_w\[1\] must be"),
           (3, [d, torch.randn(8, 5)], r"down_w\[1\] must be"), (4, [0.5], "one entry per expert"),
           (5, torch.empty(1, 8).bfloat16(), "out must be float32"), (5, torch.empty(2, 8), "out must be")]),
+        (o.moe_rows, (x, [g, g], [g, g], [d, d], torch.tensor([[1, 0]]), torch.tensor([[0.5, 0.5]]), 0, 2, 1,
+                      torch.empty(1, 8)),
+         [(0, x.half(), "x must be"), (1, [g, torch.randn(6, 7)], r"gate_w\[1\] and up_w\[1\] must be"),
+          (4, torch.tensor([1, 0]), "topk_ids must be"), (5, torch.tensor([[0.5]]), "topk_weights must be"),
+          (4, torch.tensor([[1.0, 0.0]]), "topk_ids must be"), (8, 3, "num_shared must lie in"),
+          (9, torch.empty(1, 8).bfloat16(), "out must be float32")]),
     ]
 
 

@@ -912,7 +912,7 @@ def test_paged_indexer_thin_calls_run_the_path_dispatch_names(next_n, heads):
 
 def test_every_op_has_a_kernel_per_backend():
     """Every schema of csrc/torch_bindings.cpp has its CPU kernel (cuda_error_word is CUDA only)
-    and, in a build with the CUDA kernels, its CUDA kernel (rows_matmul, swiglu_rows, rms_norm and rope
+    and, in a build with the CUDA kernels, its CUDA kernel (rows_matmul, swiglu_rows, moe_rows, rms_norm and rope
     are CPU only: the decode rows of a CPU step): the one registration block per backend (csrc/{cpu,cuda}/registration.*)
     misses none."""
     import indexcache
@@ -927,7 +927,7 @@ def test_every_op_has_a_kernel_per_backend():
         dump = torch._C._dispatch_dump(f"indexcache::{name}")
         if name != "cuda_error_word":
             assert "\nCPU: registered" in dump, f"{name} has no CPU kernel"
-        if cuda and name not in ("rows_matmul", "swiglu_rows", "rms_norm", "rope"):
+        if cuda and name not in ("rows_matmul", "swiglu_rows", "moe_rows", "rms_norm", "rope"):
             assert "\nCUDA: registered" in dump, f"{name} has no CUDA kernel"
 
 
@@ -963,6 +963,10 @@ def test_opcheck_all_ops():
         (o.swiglu_rows.default, (torch.randn(2, 8).bfloat16(), [torch.randn(6, 8).bfloat16(), torch.randn(3, 8)],
                                  [torch.randn(6, 8).bfloat16(), torch.randn(3, 8)],
                                  [torch.randn(8, 6).bfloat16(), torch.randn(8, 3)], [0.5, -1.0], torch.empty(2, 8))),
+        (o.moe_rows.default, (torch.randn(2, 8).bfloat16(), [torch.randn(6, 8).bfloat16(), torch.randn(3, 8)],
+                              [torch.randn(6, 8).bfloat16(), torch.randn(3, 8)],
+                              [torch.randn(8, 6).bfloat16(), torch.randn(8, 3)], torch.tensor([[1, 0], [0, 1]]),
+                              torch.rand(2, 2), 0, 2, 1, torch.empty(2, 8))),
     ]
     for op, args in cases:
         has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)

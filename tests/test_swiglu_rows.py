@@ -166,3 +166,110 @@ def test_model_blocks_equal_their_op_by_op_forward(monkeypatch, dtype):
                     assert diff.max().item() <= 1e-5 * scale
                 else:
                     assert (diff > 0).float().mean().item() <= 0.05 and diff.max().item() <= 2 ** -6 * scale
+
+
+# ------------------------------------------------------------------ moe_rows: the routing as tensors
+
+def by_hand(x, experts, ids, w, first, shared):
+    """Row by row in float64: the chosen experts of [first, first + len(experts)) in any order (the
+    sum's value, not its order), each times its weight, plus the shared ones."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for m in range(x.shape[0]):
+        chosen = [(experts[int(e) - first], float(w[m, j])) for j, e in enumerate(ids[m].tolist())
+                  if first <= e < first + len(experts)] + [(s, 1.0) for s in shared]
+        out[m] = exact(x[m:m + 1], [e for e, _ in chosen], [c for _, c in chosen])[0]
+    return out
+
+
+def bound(x, experts, ids, w, first, shared):
+    tol = torch.zeros(x.shape, dtype=torch.float64)
+    for m in range(x.shape[0]):
+        chosen = [(experts[int(e) - first], float(w[m, j])) for j, e in enumerate(ids[m].tolist())
+                  if first <= e < first + len(experts)] + [(s, 1.0) for s in shared]
+        tol[m] = bar(x[m:m + 1], [e for e, _ in chosen], [c for _, c in chosen])[0]
+    return tol
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("m,d,n_local,first,n_experts,k,n_shared", [
+    (1, 256, 8, 0, 8, 2, 1),     # a decode row: 8 experts, top-2, one shared (the bench's GLM-5)
+    (3, 70, 5, 4, 12, 3, 0),     # expert parallel: this rank holds [4, 9) of 12, no shared
+    (8, 33, 4, 0, 4, 4, 2),      # every expert chosen, two shared
+])
+def test_moe_rows_matches_definition(cpu_isa, x_dtype, m, d, n_local, first, n_experts, k, n_shared):
+    gen = torch.Generator().manual_seed(m * 100 + d + first)
+    x = torch.randn(m, d, generator=gen).to(x_dtype)
+    experts = experts_of(gen, d, [24 + 3 * e for e in range(n_local)], x_dtype)
+    shared = experts_of(gen, d, [40] * n_shared, x_dtype)
+    ids = torch.stack([torch.randperm(n_experts, generator=gen)[:k] for _ in range(m)])
+    w = torch.rand(m, k, generator=gen) + 0.1
+    out = torch.full((m, d), float("nan"))
+    ops.moe_rows(x, experts, ids, w, first, n_experts, shared, out=out)
+    assert torch.isfinite(out).all()
+    tol = bound(x, experts, ids, w, first, shared)
+    assert ((out.double() - by_hand(x, experts, ids, w, first, shared)).abs() <= tol).all()
+    ref = reference.moe_rows(x, experts, ids, w, first, n_experts, shared)
+    assert torch.equal(out, ref) or ((out.double() - ref.double()).abs() <= tol).all()
+    # int32 ids and bf16 weights (a bf16 router's): the same experts, the weights widened
+    again = ops.moe_rows(x, experts, ids.int(), w.bfloat16(), first, n_experts, shared)
+    ref16 = reference.moe_rows(x, experts, ids, w.bfloat16().float(), first, n_experts, shared)
+    assert ((again.double() - ref16.double()).abs() <= tol).all()
+
+
+def test_moe_rows_is_swiglu_rows_in_ascending_id():
+    """One row: bit-equal to ops.swiglu_rows over the row's experts sorted by id, then the shared one
+    (the eager one-row path, MoE._one_row_fused)."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    experts = experts_of(gen, 64, [32] * 6, torch.bfloat16)
+    shared = experts_of(gen, 64, [48], torch.bfloat16)
+    ids, w = torch.tensor([[5, 1, 3]]), torch.tensor([[0.5, 0.3, 0.2]])
+    got = ops.moe_rows(x, experts, ids, w, 0, 6, shared)
+    want = ops.swiglu_rows(x, [experts[1], experts[3], experts[5]] + shared, [0.3, 0.2, 0.5, 1.0])
+    assert torch.equal(got, want)
+
+
+def _moe_good():
+    x, g, d = torch.ones(1, 8), torch.ones(6, 8), torch.ones(8, 6)
+    return x, [g, g], [g, g], [d, d], torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]]), 0, 2, 0, torch.empty(1, 8)
+
+
+@pytest.mark.parametrize("i,value,msg", [
+    (4, torch.tensor([[0, 2]]), r"expert 2 outside \[0, num_experts 2\)"),
+    (4, torch.tensor([[-1, 0]]), r"expert -1 outside"),
+    (4, torch.tensor([[0, 1]]).float(), "topk_ids must be int64 or int32"),
+    (4, torch.tensor([0, 1]), r"topk_ids must be \[1, k\]"),
+    (5, torch.tensor([[0.5]]), "topk_weights must be"),
+    (5, torch.tensor([[1, 1]]), "topk_weights must be float32 or bfloat16"),
+    (6, 1, r"this rank's experts \[1, 3\) must lie in \[0, num_experts 2\)"),
+    (8, 3, r"num_shared must lie in \[0, 2\]"),
+    (3, [torch.ones(8, 6)], "one entry per expert"),
+    (9, torch.empty(1, 8).bfloat16(), "out must be float32"),
+])
+def test_moe_rows_refusals(i, value, msg):
+    args = list(_moe_good())
+    args[i] = value
+    with pytest.raises(RuntimeError, match=msg):
+        torch.ops.indexcache.moe_rows(*args)
+    with pytest.raises(ValueError, match="triple"):
+        ops.moe_rows(torch.ones(1, 8), [(torch.ones(6, 8),)], torch.tensor([[0]]), torch.ones(1, 1), 0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_moe_sync_free_rows_equal_routed(dtype):
+    """The MoE's sync-free decode rows (MoE._rows_fused: the static and compiled steps) against its
+    routed form (host-side routing), 1 to 5 rows; the masked form is not taken."""
+    transformers = pytest.importorskip("transformers")
+    from indexcache.models import GlmMoeDsaForCausalLM
+    model = GlmMoeDsaForCausalLM.from_config(transformers.GlmMoeDsaConfig(**GLM5).to_dict(), dtype=dtype, seed=4)
+    moe = next(m for m in model.modules() if isinstance(m, moe_mod.MoE))
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for rows in (1, 2, 5):
+            x = torch.randn(rows, GLM5["hidden_size"], generator=gen).to(dtype)
+            idx, w = moe.gate(x)
+            fused = moe._rows_fused(x, idx, w)
+            assert fused is not None, "the sync-free rows did not take ops.moe_rows"
+            want = moe._routed(x, idx, w) + moe.shared_experts(x).float()
+            tol = (2 ** -6 if dtype == torch.bfloat16 else 1e-5) * want.abs().max().item()
+            assert (fused - want).abs().max().item() <= tol, rows

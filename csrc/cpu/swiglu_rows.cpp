@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -56,23 +57,13 @@ void project(const void* x, int64_t x_sm, const void* w, int64_t w_sr, DType wd,
   rows_matmul_cpu(q);
 }
 
-void swiglu_rows_op(const at::Tensor& x, at::TensorList gate_w, at::TensorList up_w, at::TensorList down_w,
-                    at::ArrayRef<double> coef, at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2, "x must be [M, D], got shape ", x.sizes());
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == x.size(1), "out must be [", x.size(0),
-              ", ", x.size(1), "] like x, got ", out.sizes());
-  TORCH_CHECK(out.scalar_type() == at::kFloat, "out must be float32 (the fp32 sum), got ", out.scalar_type());
+// The experts of the weight lists, checked against x [M, D] (coef 0: the caller sets it).
+std::vector<SwigluExpert> experts_of(const at::Tensor& x, at::TensorList gate_w, at::TensorList up_w,
+                                     at::TensorList down_w) {
   const int64_t E = static_cast<int64_t>(gate_w.size());
-  TORCH_CHECK(static_cast<int64_t>(up_w.size()) == E && static_cast<int64_t>(down_w.size()) == E &&
-                  static_cast<int64_t>(coef.size()) == E,
-              "gate_w, up_w, down_w and coef need one entry per expert, got ", E, ", ", up_w.size(), ", ",
-              down_w.size(), " and ", coef.size());
-  TORCH_CHECK(!out.is_alias_of(x), "out must not share memory with x");
-  SwigluRowsParams p{};
-  p.x_dtype = float_dtype(x, "x");
-  p.M = x.size(0);
-  p.D = x.size(1);
-  p.E = E;
+  const int64_t D = x.size(1);
+  TORCH_CHECK(static_cast<int64_t>(up_w.size()) == E && static_cast<int64_t>(down_w.size()) == E,
+              "gate_w, up_w and down_w need one entry per expert, got ", E, ", ", up_w.size(), " and ", down_w.size());
   std::vector<SwigluExpert> experts(E);
   for (int64_t e = 0; e < E; ++e) {
     const std::string n = std::to_string(e);
@@ -84,9 +75,9 @@ void swiglu_rows_op(const at::Tensor& x, at::TensorList gate_w, at::TensorList u
       IC_CHECK_SAME_DEVICE(x, *t, "x", "the expert weights");
       check_unit_last(*t, (std::string(name) + "[" + n + "]").c_str());
     }
-    TORCH_CHECK(g.size(1) == p.D && u.sizes() == g.sizes(), "gate_w[", n, "] and up_w[", n, "] must be [I, ", p.D,
+    TORCH_CHECK(g.size(1) == D && u.sizes() == g.sizes(), "gate_w[", n, "] and up_w[", n, "] must be [I, ", D,
                 "], got ", g.sizes(), " and ", u.sizes());
-    TORCH_CHECK(d.size(0) == p.D && d.size(1) == g.size(0), "down_w[", n, "] must be [", p.D, ", ", g.size(0),
+    TORCH_CHECK(d.size(0) == D && d.size(1) == g.size(0), "down_w[", n, "] must be [", D, ", ", g.size(0),
                 "], got ", d.sizes());
     SwigluExpert& s = experts[e];
     s.gate_dtype = float_dtype(g, ("gate_w[" + n + "]").c_str());
@@ -99,22 +90,116 @@ void swiglu_rows_op(const at::Tensor& x, at::TensorList gate_w, at::TensorList u
     s.gate_sr = g.stride(0);
     s.up_sr = u.stride(0);
     s.down_sr = d.stride(0);
-    s.coef = static_cast<float>(coef[e]);
+    s.coef = 0.0f;
   }
+  return experts;
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, D], got shape ", x.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == x.size(1), "out must be [", x.size(0),
+              ", ", x.size(1), "] like x, got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "out must be float32 (the fp32 sum), got ", out.scalar_type());
+  TORCH_CHECK(!out.is_alias_of(x), "out must not share memory with x");
   check_unit_last(x, "x");
   check_unit_last(out, "out");
   IC_CHECK_SAME_DEVICE(x, out, "x", "out");
+}
+
+SwigluRowsParams rows_params(const at::Tensor& x, at::Tensor& out) {
+  SwigluRowsParams p{};
+  p.x_dtype = float_dtype(x, "x");
+  p.M = x.size(0);
+  p.D = x.size(1);
   p.x = x.data_ptr();
   p.out = out.data_ptr<float>();
-  p.experts = experts.data();
   p.x_sm = x.stride(0);
   p.o_sm = out.stride(0);
+  return p;
+}
+
+void swiglu_rows_op(const at::Tensor& x, at::TensorList gate_w, at::TensorList up_w, at::TensorList down_w,
+                    at::ArrayRef<double> coef, at::Tensor& out) {
+  check_rows(x, out);
+  std::vector<SwigluExpert> experts = experts_of(x, gate_w, up_w, down_w);
+  TORCH_CHECK(coef.size() == experts.size(), "gate_w, up_w, down_w and coef need one entry per expert, got ",
+              experts.size(), " and ", coef.size(), " coefs");
+  for (size_t e = 0; e < experts.size(); ++e) experts[e].coef = static_cast<float>(coef[e]);
+  SwigluRowsParams p = rows_params(x, out);
+  p.E = static_cast<int64_t>(experts.size());
+  p.experts = experts.data();
   swiglu_rows_cpu(p);
+}
+
+// A few rows' MoE with the routing as tensors (no host reads before the call: a compiled or
+// static decode step): row m sums its chosen experts of this rank in ascending id, each times its
+// routing weight, then the shared experts at 1.0 -- the experts and order of the eager one-row
+// path (models/blocks/moe.py, MoE._one_row_fused) -- by swiglu_rows_cpu, one row at a time.
+void moe_rows_op(const at::Tensor& x, at::TensorList gate_w, at::TensorList up_w, at::TensorList down_w,
+                 const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t first_expert, int64_t num_experts,
+                 int64_t num_shared, at::Tensor& out) {
+  check_rows(x, out);
+  std::vector<SwigluExpert> all = experts_of(x, gate_w, up_w, down_w);
+  const int64_t E = static_cast<int64_t>(all.size());
+  TORCH_CHECK(num_shared >= 0 && num_shared <= E, "num_shared must lie in [0, ", E, "] (the experts given), got ",
+              num_shared);
+  const int64_t local = E - num_shared;
+  TORCH_CHECK(first_expert >= 0 && first_expert + local <= num_experts, "this rank's experts [", first_expert, ", ",
+              first_expert + local, ") must lie in [0, num_experts ", num_experts, ")");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == M, "topk_ids must be [", M, ", k], got shape ",
+              topk_ids.sizes());
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must be ", topk_ids.sizes(),
+              " like topk_ids, got ", topk_weights.sizes());
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong || topk_ids.scalar_type() == at::kInt,
+              "topk_ids must be int64 or int32, got ", topk_ids.scalar_type());
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat || topk_weights.scalar_type() == at::kBFloat16,
+              "topk_weights must be float32 or bfloat16, got ", topk_weights.scalar_type());
+  IC_CHECK_SAME_DEVICE(x, topk_ids, "x", "topk_ids");
+  IC_CHECK_SAME_DEVICE(x, topk_weights, "x", "topk_weights");
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor w = topk_weights.to(at::kFloat).contiguous();
+  const int64_t k = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* wt = w.data_ptr<float>();
+  for (int64_t i = 0; i < M * k; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "topk_ids holds expert ", id[i], " outside [0, num_experts ",
+                num_experts, ")");
+  const int64_t es = x.element_size();
+  std::vector<std::pair<int64_t, int64_t>> chosen;  // (expert id, column)
+  std::vector<SwigluExpert> row;
+  for (int64_t m = 0; m < M; ++m) {
+    chosen.clear();
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = id[m * k + j];
+      if (e >= first_expert && e < first_expert + local) chosen.emplace_back(e, j);
+    }
+    std::sort(chosen.begin(), chosen.end());
+    row.clear();
+    for (const auto& [e, j] : chosen) {
+      row.push_back(all[e - first_expert]);
+      row.back().coef = wt[m * k + j];
+    }
+    for (int64_t s = local; s < E; ++s) {
+      row.push_back(all[s]);
+      row.back().coef = 1.0f;
+    }
+    SwigluRowsParams p = rows_params(x, out);
+    p.M = 1;
+    p.x = static_cast<const char*>(x.data_ptr()) + m * x.stride(0) * es;
+    p.out = out.data_ptr<float>() + m * out.stride(0);
+    p.E = static_cast<int64_t>(row.size());
+    p.experts = row.data();
+    swiglu_rows_cpu(p);
+  }
 }
 
 }  // namespace
 
-void register_swiglu_rows_cpu(torch::Library& m) { m.impl("swiglu_rows", &swiglu_rows_op); }
+void register_swiglu_rows_cpu(torch::Library& m) {
+  m.impl("swiglu_rows", &swiglu_rows_op);
+  m.impl("moe_rows", &moe_rows_op);
+}
 
 void swiglu_rows_cpu(const SwigluRowsParams& p) {
   for (int64_t m = 0; m < p.M; ++m)

@@ -360,6 +360,30 @@ def _swiglu_rows(x, gate_w, up_w, down_w, coef, out):
         torch._check(tuple(d.shape) == (x.shape[1], g.shape[0]), lambda: f"down_w[{e}] must be [D, I]")
 
 
+def _check_experts(x, gate_w, up_w, down_w):
+    torch._check(len(up_w) == len(gate_w) == len(down_w), lambda: "gate_w, up_w and down_w need one entry per expert")
+    for e, (g, u, d) in enumerate(zip(gate_w, up_w, down_w)):
+        for t, name in ((g, "gate_w"), (u, "up_w"), (d, "down_w")):
+            _dtype(t, FLOATS, f"{name}[{e}]")
+        torch._check(g.dim() == 2 and g.shape[1] == x.shape[1] and tuple(u.shape) == tuple(g.shape),
+                     lambda: f"gate_w[{e}] and up_w[{e}] must be [I, {x.shape[1]}]")
+        torch._check(tuple(d.shape) == (x.shape[1], g.shape[0]), lambda: f"down_w[{e}] must be [D, I]")
+
+
+@torch.library.register_fake("indexcache::moe_rows")
+def _moe_rows(x, gate_w, up_w, down_w, topk_ids, topk_weights, first_expert, num_experts, num_shared, out):
+    _dtype(x, FLOATS, "x")
+    torch._check(out.dtype == torch.float32, lambda: f"out must be float32 (the fp32 sum), got {out.dtype}")
+    torch._check(x.dim() == 2, lambda: f"x must be [M, D], got shape {tuple(x.shape)}")
+    torch._check(tuple(out.shape) == tuple(x.shape), lambda: f"out must be {list(x.shape)} like x, got {tuple(out.shape)}")
+    _check_experts(x, gate_w, up_w, down_w)
+    torch._check(0 <= num_shared <= len(gate_w), lambda: f"num_shared must lie in [0, {len(gate_w)}]")
+    torch._check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], lambda: f"topk_ids must be [{x.shape[0]}, k]")
+    torch._check(tuple(topk_weights.shape) == tuple(topk_ids.shape), lambda: "topk_weights must be shaped like topk_ids")
+    _dtype(topk_ids, (torch.int64, torch.int32), "topk_ids")
+    _dtype(topk_weights, (torch.float32, torch.bfloat16), "topk_weights")
+
+
 @torch.library.register_fake("indexcache::rows_matmul")
 def _rows_matmul(x, w, w_nk, out):
     for t, name in ((x, "x"), (w, "w"), (out, "out")):

@@ -371,6 +371,25 @@ def swiglu_rows(x: torch.Tensor, experts: list, coef: list, out: torch.Tensor | 
     return out
 
 
+
+def moe_rows(x: torch.Tensor, experts: list, topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_expert: int,
+             num_experts: int, shared: list = (), out: torch.Tensor | None = None) -> torch.Tensor:
+    """A few rows' MoE with its routing as tensors, CPU only (a compiled or static decode step: no
+    host reads before the call): ``experts`` this rank's routed experts ``[first_expert, first_expert
+    + len(experts))`` and ``shared`` the shared ones, each a ``(gate [I, D], up [I, D], down [D, I])``
+    triple; ``topk_ids`` ``[M, k]`` ids in ``[0, num_experts)`` (other ranks' skipped), ``topk_weights``
+    ``[M, k]``. Returns fp32 ``out [M, D]``: row m's chosen experts in ascending id, each times its
+    weight, then the shared ones at 1.0, as :func:`swiglu_rows` sums them.
+    :func:`indexcache.reference.moe_rows` is the definition."""
+    every = list(experts) + list(shared)
+    if any(len(e) != 3 for e in every):
+        raise ValueError("moe_rows takes each expert as a (gate, up, down) triple of weights")
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _ops.moe_rows(x, [e[0] for e in every], [e[1] for e in every], [e[2] for e in every], topk_ids, topk_weights,
+                  int(first_expert), int(num_experts), len(shared), out)
+    return out
+
 def _error_word(device) -> torch.Tensor | None:
     device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":

@@ -346,6 +346,23 @@ def swiglu_rows(x: torch.Tensor, experts: list, coef: list) -> torch.Tensor:
     return out
 
 
+
+def moe_rows(x: torch.Tensor, experts: list, topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_expert: int,
+             num_experts: int, shared: list = ()) -> torch.Tensor:
+    """``ops.moe_rows``: per row, :func:`swiglu_rows` over its chosen experts of ``[first_expert,
+    first_expert + len(experts))`` in ascending id with their routing weights (as fp32), then the
+    shared experts at 1.0."""
+    if ((topk_ids < 0) | (topk_ids >= num_experts)).any():
+        raise ValueError(f"topk_ids outside [0, {num_experts})")
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for m in range(x.shape[0]):
+        pairs = sorted((int(e), j) for j, e in enumerate(topk_ids[m].tolist())
+                       if first_expert <= e < first_expert + len(experts))
+        chosen = [experts[e - first_expert] for e, _ in pairs] + list(shared)
+        coef = [float(topk_weights[m, j].float()) for _, j in pairs] + [1.0] * len(shared)
+        out[m] = swiglu_rows(x[m:m + 1], chosen, coef)[0]
+    return out
+
 # ----------------------------------------------------------------------------- delta-rule linear attention
 # GLM-5.3-Flash's Kimi Delta Attention (per-channel gate) and Qwen3.8-Flash-Next's Gated DeltaNet
 # (scalar gate) are one recurrence; kernels compute it chunk-wise for prefill, step-wise for decode.

@@ -147,7 +147,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
         idx, weights = self.gate(x)
-        y = None if sync_free or x.shape[0] != 1 else self._one_row_fused(x, idx, weights)
+        if sync_free:
+            y = self._rows_fused(x, idx, weights)
+        else:
+            y = None if x.shape[0] != 1 else self._one_row_fused(x, idx, weights)
         if y is None:
             y = self._masked(x, idx, weights) if sync_free else self._routed(x, idx, weights)
             if self.shared_experts is not None:
@@ -166,6 +169,23 @@ class MoE(nn.Module):
         if not all(isinstance(m, MLP) for m in mlps):
             return None
         return swiglu_sum(x, mlps, coef)
+
+    def _rows_fused(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """Decode rows on the CPU with no host reads (a static or compiled step): ``ops.moe_rows``, the
+        routing read inside the op, the experts, order and sums of ``_one_row_fused``; None where
+        that op does not apply (then ``_masked``)."""
+        if x.dim() != 2 or not x.is_cpu:
+            return None
+        routed = [self.expert(e) for e in range(self.e0, self.e1)]
+        shared = [] if self.shared_experts is None else [self.shared_experts]
+        if not all(isinstance(m, MLP) for m in routed + shared):
+            return None
+        ws = [m.swiglu_weights() for m in routed + shared]
+        if any(w is None for w in ws) or not all(t.is_contiguous() for w in ws for t in w):
+            return None
+        if not few_rows(x, *(t for w in ws for t in w)):
+            return None
+        return ops.moe_rows(x, ws[:len(routed)], idx, weights, self.e0, self.n_experts, ws[len(routed):])
 
     def _masked(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """No host reads (CUDA graphs): every local expert runs on every row and keeps the rows routed
