@@ -179,9 +179,11 @@ def llama_run(bins: Path, gguf: Path, ctx: int, gen: int, threads: int) -> dict:
     return {"prefill_tok_s": prefill, "decode_tok_s": decode}
 
 
-def ours_run(model, ctx: int, gen: int, threads: int, seed: int) -> dict:
+def ours_run(model, ctx: int, gen: int, threads: int, seed: int, decode_step: str = "eager") -> dict:
     """The same measurement through ``indexcache.runtime.generate``: prefill of ``ctx`` random
-    tokens, then ``gen`` decode steps (the first token comes from prefill), greedy, no stop token."""
+    tokens, then ``gen`` decode steps (the first token comes from prefill), greedy, no stop token.
+    ``decode_step`` "compiled": the first step compiles and is timed apart (``compile_s``, as
+    llama-bench's warm-up run is), then ``gen`` steps are timed."""
     import torch
 
     from indexcache.runtime import generate
@@ -189,9 +191,10 @@ def ours_run(model, ctx: int, gen: int, threads: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 50000, (ctx,), generator=g).tolist()
     with torch.inference_mode():
-        res = generate(model, [ids], max_new_tokens=gen + 1, stop_tokens=[], decode_threads=threads,
-                       prefill_threads=threads)
-    return {"prefill_tok_s": res.prefill_tokens_per_s, "decode_tok_s": res.decode_tokens_per_s}
+        res = generate(model, [ids], max_new_tokens=gen + 1 + (decode_step == "compiled"), stop_tokens=[],
+                       decode_threads=threads, prefill_threads=threads, decode_step=decode_step)
+    return {"prefill_tok_s": res.prefill_tokens_per_s, "decode_tok_s": res.decode_tokens_per_s,
+            "decode_step": res.decode_step, "compile_s": res.compile_seconds}
 
 
 def ours_cache_bytes(model) -> dict:
@@ -312,6 +315,9 @@ def parse_args(argv=None):
     p.add_argument("--from-records", type=Path, default=None,
                    help="only summarise a .records.jsonl of an earlier (possibly cut short) run")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the llama.cpp build")
+    p.add_argument("--ours-decode-step", default="compiled", choices=["eager", "compiled"],
+                   help="how generate runs our decode steps (compiled: torch.compile on the CPU, its compile "
+                        "timed apart as compile_s)")
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.repeat, args.gen, args.check_prompt = [1024], 1, 16, 512
@@ -358,7 +364,8 @@ def measure(args, bins, ggufs, models) -> list:
                             if engine == "llama.cpp":
                                 r = llama_run(bins, gguf, ctx, args.gen, threads)
                             else:
-                                r = ours_run(models[dt][config], ctx, args.gen, threads, args.seed + rnd)
+                                r = ours_run(models[dt][config], ctx, args.gen, threads, args.seed + rnd,
+                                             args.ours_decode_step)
                             rec = dict(engine=engine, context=ctx, config=config, threads=threads, dtype=dt,
                                        round=rnd, gen=args.gen, loadavg=os.getloadavg()[0], **r)
                             log(json.dumps(rec))

@@ -14,7 +14,7 @@ import torch
 
 from indexcache.runtime.cuda_graph import DecodeStep, unsupported_reason
 from indexcache.models.deepseek_v32 import DeepseekV32ForCausalLM
-from indexcache.models.state import BatchMeta
+from indexcache.models.state import BatchMeta, StageTimer
 from indexcache.models.blocks import MoE
 from indexcache.models.tiny import tiny_config
 from indexcache.runtime import generate
@@ -112,6 +112,39 @@ def test_generate_static_equals_eager_as_the_batch_shrinks():
     assert static.decode_step == "static" and static.graph_captures == 0
     assert eager.decode_step == "eager"
     assert generate(model, prompts, 3, stop_tokens=[]).decode_step == "eager"  # auto on the CPU
+
+
+def test_generate_compiled_equals_eager():
+    """The step compiled for the CPU (one graph, torch.compile) gives eager's tokens as the batch
+    shrinks (one compile per batch size), bf16 (as models load), F and S layers (two layers: each
+    compile traces them all); its compiling step is timed apart."""
+    torch.manual_seed(4)
+    model = DeepseekV32ForCausalLM.from_config({**CFG, "num_hidden_layers": 2},
+                                               {"use_index_cache": True, "index_topk_pattern": "FS"},
+                                               dtype=torch.bfloat16, seed=4)
+    assert model.plan.pattern == "FS"
+    prompts = [torch.randint(0, CFG["vocab_size"], (n,)).tolist() for n in (9, 30, 17)]
+    eager = generate(model, prompts, 8, stop_tokens=[], decode_step="eager", decode_threads=1)
+    stop = eager.tokens[1][2]  # request 1 stops early: the decode batch goes from 3 rows to 2
+    eager = generate(model, prompts, 8, stop_tokens=[stop], decode_step="eager", decode_threads=1)
+    comp = generate(model, prompts, 8, stop_tokens=[stop], decode_step="compiled", decode_threads=1)
+    assert comp.tokens == eager.tokens and comp.finish_reasons == eager.finish_reasons
+    assert comp.decode_step == "compiled" and comp.compile_seconds > 0
+    # one compiling step of 3 rows, timed apart; the rest counted as decode
+    assert comp.decode_tokens == eager.decode_tokens - 3
+
+
+def test_compiled_step_refusals():
+    model = make()
+    with pytest.raises(ValueError, match="cannot time stages"):
+        generate(model, [[1, 2]], 2, decode_step="compiled", timer=StageTimer())
+    cache, _ = prefill(model, [[1, 2, 3]])
+    with pytest.raises(ValueError, match="either captured"):
+        DecodeStep(model, cache, 1, 4, graph=True, compiled=True)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    assert "for the CPU" in unsupported_reason(model, on_cuda, compiled=True)
+    with pytest.raises(ValueError, match="choose auto, eager, static, graph or compiled"):
+        generate(model, [[1, 2]], 2, decode_step="compile")
 
 
 def test_refusals(monkeypatch):

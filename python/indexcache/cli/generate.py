@@ -31,8 +31,10 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp32", "fp8_ds_mla"])
     p.add_argument("--indexer-fp32", action="store_true", help="score the indexer in fp32 instead of fp8")
     p.add_argument("--prefill-chunk-size", type=int, default=None, help="tokens per prefill forward")
-    p.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "graph"],
-                   help="plain decode steps: auto = a CUDA graph on CUDA when the model allows, else eager")
+    p.add_argument("--decode-step", default="auto", choices=["auto", "eager", "static", "graph", "compiled"],
+                   help="plain decode steps: auto = a CUDA graph on CUDA when the model allows, else eager; "
+                        "compiled = the step compiled by torch.compile on the CPU (the first step compiles: "
+                        "seconds, timed apart)")
     p.add_argument("--decode-threads", default="auto", metavar="auto|N",
                    help="CPU threads per decode step: auto = the count whose first steps time fastest")
     p.add_argument("--prefill-threads", default="auto", metavar="auto|N",
@@ -79,7 +81,8 @@ def _run(path, overrides, args, tokenizer):
               kv_cache_dtype=args.kv_cache_dtype, prefill_chunk_size=args.prefill_chunk_size, seed=args.seed,
               decode_step=args.decode_step, decode_threads=args.decode_threads, prefill_threads=args.prefill_threads)
     if not args.no_warmup:  # first calls pay one-off kernel setup; keep it out of the timings
-        generate(model, [ids[:8]], 2, **kw)
+        # (eager for a compiled run: its step compiles for the timed run's shapes, timed apart there)
+        generate(model, [ids[:8]], 2, **dict(kw, decode_step="eager") if args.decode_step == "compiled" else kw)
     res = generate(model, [ids], args.max_new_tokens, **kw)
     return model, res, tokenizer.decode(res.tokens[0]), notes
 
@@ -141,6 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "prefill_tokens_per_s": res.prefill_tokens_per_s, "decode_tokens": res.decode_tokens,
             "decode_seconds": res.decode_seconds, "decode_tokens_per_s": res.decode_tokens_per_s,
             "acceptance_rate": res.acceptance_rate, "decode_step": res.decode_step,
+            "compile_seconds": res.compile_seconds,
             "decode_threads": res.decode_threads, "prefill_threads": res.prefill_threads, "warnings": notes,
         } for ov, m, res, text, notes in runs]
         print(json.dumps(out[0] if len(out) == 1 else out))
@@ -163,6 +167,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"{_prefill_threads_note(res, args.device)}); "
                 f"decode: {res.decode_tokens} tokens in {res.decode_seconds:.3f} s ({res.decode_tokens_per_s:.1f} tok/s, "
                 f"{res.decode_step} steps, {_threads_note(res, args.device)})")
+        if res.decode_step == "compiled":
+            line += f"; compiling took {res.compile_seconds:.1f} s (its first steps, not in the decode figure)"
         if res.acceptance_rate is not None:
             line += f"; MTP acceptance {res.acceptance_rate:.2f} ({res.accepted_tokens}/{res.draft_tokens})"
         print(line)

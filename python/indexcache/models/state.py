@@ -368,7 +368,10 @@ class ForwardContext:
     def stage(self, layer_id: int, name: str):
         """A stage of layer ``layer_id``: a ``record_function`` range while torch's profiler runs, an
         NVTX range on CUDA, the StageTimer's time when one is set; otherwise nothing at all (a CPU
-        decode step has 5 a layer, and an idle ``record_function`` costs ~15 us)."""
+        decode step has 5 a layer, and an idle ``record_function`` costs ~15 us). Nothing inside a
+        compiled step (its ops are profiled as the compiled graph's)."""
+        if torch.compiler.is_compiling():
+            return _NO_STAGE
         if self.timer is None and not self.cos.is_cuda and not torch._C._autograd._profiler_enabled():
             return _NO_STAGE
         return self._stage(layer_id, name)

@@ -63,9 +63,16 @@ def few_rows(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     for w in weights:
         name = _ISA_DTYPE.get(w.dtype)
-        if name is None or _C._cpu_isa("rows_matmul", name) not in _VECTOR_PATHS:
+        if name is None or _rows_matmul_isa(name) not in _VECTOR_PATHS:
             return False
     return True
+
+
+@torch.compiler.assume_constant_result
+def _rows_matmul_isa(dtype_name: str) -> str:
+    """The path ``rows_matmul`` takes for a ``dtype_name`` weight here (``_C._cpu_isa``); a compiled
+    step reads it once, when it is traced (a later ``_C._set_cpu_isa`` reaches new compiles only)."""
+    return _C._cpu_isa("rows_matmul", dtype_name)
 
 
 _ISA_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # rows_matmul's dtypes, as _cpu_isa names them

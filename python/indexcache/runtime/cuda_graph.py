@@ -11,6 +11,10 @@ device"), and the MoE takes its masked form (``MoE._masked``). So the same Pytho
 (``graph=False``, any device: how the CPU tests check it) or is captured with
 ``torch.cuda.CUDAGraph`` and replayed (``graph=True``); a replay repeats exactly the kernels of
 the eager run, so its logits are bit-identical to an eager run of the same step.
+
+On the CPU the same step is compiled (``compiled=True``: ``torch.compile``, one graph, static
+shapes) instead: the eager step's ~1000 aten calls and their Python become one generated function
+around the extension's ops, its small ops fused (docs/profiling.md, fifteenth round).
 """
 
 from __future__ import annotations
@@ -25,11 +29,21 @@ from indexcache import ops
 from indexcache.models.state import BatchMeta, PagedKVCache
 
 
-def unsupported_reason(model, cache: PagedKVCache, graph: bool = False) -> Optional[str]:
+# How a CPU step is compiled. cpp.threads 1: inductor's own kernels (the fused small ops of one
+# decode row) run serially; with OpenMP regions of their own beside the extension's at::parallel_for
+# ones, a 2-thread step took 100x longer (2026-12-07, Zen 4: 23 ms a swiglu_rows call, 0.1 eager).
+# guard_filter_fn: no guard on the model's parameters at each call (1.2-1.9 ms a step on 2 cores);
+# a step is compiled for one generate call, over which the model is not changed.
+COMPILE_OPTIONS = {"cpp.threads": 1, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
+
+def unsupported_reason(model, cache: PagedKVCache, graph: bool = False, compiled: bool = False) -> Optional[str]:
     """Why ``model`` cannot run a sync-free decode step over ``cache`` (None: it can); ``graph``:
-    also as a captured CUDA graph."""
+    also as a captured CUDA graph; ``compiled``: also compiled for the CPU."""
     if graph and cache.device.type != "cuda":
         return f"a CUDA graph needs a CUDA device; the model is on {cache.device}"
+    if compiled and cache.device.type != "cpu":
+        return f"a compiled step is for the CPU (on CUDA use 'graph'); the model is on {cache.device}"
     if graph and os.environ.get("INDEXCACHE_CHECK", "0") not in ("", "0"):
         return "INDEXCACHE_CHECK=1 checks every CUDA op's indices on the host (a copy and a sync)"
     if model.par.world_size > 1:
@@ -47,10 +61,14 @@ def unsupported_reason(model, cache: PagedKVCache, graph: bool = False) -> Optio
 class DecodeStep:
     """One decode step of ``batch`` requests, one row each, over ``cache``; block tables padded to
     ``max_blocks`` columns. ``graph``: capture on the first call and replay after (CUDA only);
-    ``pool``: a CUDA graph memory pool to share with other steps (``DecodeStep.pool``)."""
+    ``pool``: a CUDA graph memory pool to share with other steps (``DecodeStep.pool``);
+    ``compiled``: compile the step with ``torch.compile`` on the first call (CPU only)."""
 
-    def __init__(self, model, cache: PagedKVCache, batch: int, max_blocks: int, graph: bool = False, pool=None):
-        reason = unsupported_reason(model, cache, graph)
+    def __init__(self, model, cache: PagedKVCache, batch: int, max_blocks: int, graph: bool = False, pool=None,
+                 compiled: bool = False):
+        if graph and compiled:
+            raise ValueError("a decode step is either captured (graph) or compiled, not both")
+        reason = unsupported_reason(model, cache, graph, compiled)
         if reason is not None:
             raise ValueError(f"no sync-free decode step here: {reason}")
         if not 1 <= batch <= model.topk_buffer.shape[0]:
@@ -69,6 +87,8 @@ class DecodeStep:
         self.pool = pool
         self.replays = 0
         self.caps: Optional[list] = None  # each row's allocated tokens (from its request's blocks)
+        self.run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+                    if compiled else self._forward)
 
     def prepare(self, token_ids: Sequence[int], cached: Sequence[int], rids: Optional[Sequence] = None) -> None:
         """Inputs of the next step: request b feeds ``token_ids[b]`` at position ``cached[b]``.
@@ -108,7 +128,7 @@ class DecodeStep:
         """Run the step; returns fp32 logits ``[batch, vocab]`` (the graph's output buffer when captured:
         overwritten by the next replay)."""
         if not self.use_graph:
-            self.logits = self._forward()
+            self.logits = self.run()
             return self.logits
         if self.graph is None:
             self._capture()

@@ -30,7 +30,7 @@ from .cuda_graph import DecodeStep, unsupported_reason
 from .sampling import accept, sample
 from .threads import DecodeThreads, prefill_threads
 
-DECODE_STEPS = ("auto", "eager", "static", "graph")
+DECODE_STEPS = ("auto", "eager", "static", "graph", "compiled")
 
 
 @dataclass
@@ -41,8 +41,10 @@ class GenerationSettings:
     num_speculative_tokens: MTP drafts per round (needs an MTP layer; 0 = plain decoding).
     decode_step: how plain decoding runs each step. "eager": a forward per step; "static": the
     sync-free step on static buffers (runtime/cuda_graph.py), run eagerly; "graph": that step
-    captured as a CUDA graph once per batch size and replayed; "auto": "graph" on a CUDA device
-    when the model supports it (no stage timer, no MTP drafts), else "eager".
+    captured as a CUDA graph once per batch size and replayed; "compiled": that step compiled by
+    ``torch.compile`` once per batch size (CPU only; the first step, which compiles, is timed apart:
+    ``GenerationResult.compile_seconds``); "auto": "graph" on a CUDA device when the model
+    supports it (no stage timer, no MTP drafts), else "eager".
     decode_threads: torch's intra-op threads during decode on the CPU (None: the count whose
     steps time fastest over the first steps, runtime/threads.py).
     prefill_threads: the same for prefill (None: on the CPU, for prompts of at least
@@ -82,6 +84,8 @@ class GenerationResult:
     mtp_reuse_forwards: int = 0       # MTP forwards that reused step 0's indices
     decode_step: str = "eager"        # how plain decode steps ran (generate's decode_step, resolved)
     graph_captures: int = 0           # CUDA graphs captured (one per decode batch size met)
+    compile_seconds: float = 0.0      # decode_step "compiled": the first decode step (it compiles),
+                                      # outside decode_seconds and decode_tokens
     decode_threads: int = 0           # intra-op threads the decode steps settled on
     prefill_threads: int = 0          # intra-op threads prefill ran on
     stage_seconds: dict = field(default_factory=dict)
@@ -167,10 +171,10 @@ def check_request(model, prompts: list, max_new_tokens: int, s: GenerationSettin
 def resolve_decode_step(mode: str, model, cache, k: int, timer) -> str:
     """The decode-step mode that runs ("eager", "static" or "graph"), or a ValueError saying why not."""
     if mode not in DECODE_STEPS:
-        raise ValueError(f"decode_step {mode!r}: choose auto, eager, static or graph")
+        raise ValueError(f"decode_step {mode!r}: choose auto, eager, static, graph or compiled")
     if mode == "eager":
         return mode
-    reason = unsupported_reason(model, cache, graph=mode != "static")
+    reason = unsupported_reason(model, cache, graph=mode in ("auto", "graph"), compiled=mode == "compiled")
     if reason is None and model.index_reuse_steps > 1:
         reason = f"index_reuse_steps {model.index_reuse_steps} decides per request on the host (use 'eager')"
     if mode == "auto":
@@ -181,6 +185,8 @@ def resolve_decode_step(mode: str, model, cache, k: int, timer) -> str:
         raise ValueError(f"decode_step {mode!r}: {reason}")
     if mode == "graph" and timer is not None:
         raise ValueError("decode_step 'graph' cannot time stages (the timer synchronises inside the step)")
+    if mode == "compiled" and timer is not None:
+        raise ValueError("decode_step 'compiled' cannot time stages (the compiled step is one function)")
     return mode
 
 
@@ -303,7 +309,8 @@ def _static_step(run: Run, live: list) -> DecodeStep:
     n, rids = len(live), [r.i for r in live]
     if n not in run.steps:
         pool = next((st.pool for st in run.steps.values() if st.pool is not None), None)
-        run.steps[n] = DecodeStep(run.model, run.cache, n, run.max_blocks, graph=run.step_mode == "graph", pool=pool)
+        run.steps[n] = DecodeStep(run.model, run.cache, n, run.max_blocks, graph=run.step_mode == "graph", pool=pool,
+                                  compiled=run.step_mode == "compiled")
     step = run.steps[n]
     fresh = run.step_rids.get(n) != rids
     step.prepare([r.next_token for r in live], [r.seq_len for r in live], rids if fresh else None)
@@ -412,10 +419,32 @@ def mtp_round(run: Run, live: list, timed: bool = False) -> float:
     return step0
 
 
+def _compile_steps(run: Run) -> int:
+    """Decode steps that compile the step, timed apart (``compile_seconds``): one at each thread
+    count the decode steps may take (torch guards a compiled graph on the count, so each compiles
+    its own). Returns the tokens they emitted."""
+    t0, before, emitted = run.now(), torch.get_num_threads(), 0
+    try:
+        for n in run.threads.cands:
+            live = run.live()
+            if not live:
+                break
+            torch.set_num_threads(n)
+            decode_step(run, live)
+            emitted += len(live)
+    finally:
+        torch.set_num_threads(before)
+    run.res.compile_seconds = run.now() - t0
+    return emitted
+
+
 def decode(run: Run) -> None:
     """Decode until every request is done. The first speculative round's step 0 finishes the
     prompt's MTP pass, so its time counts as prefill."""
-    t0, first_round = run.now(), True
+    first_round, compiled = True, 0
+    if run.step_mode == "compiled":
+        compiled = _compile_steps(run)
+    t0 = run.now()
     while True:
         live = run.live()
         if not live:
@@ -430,7 +459,7 @@ def decode(run: Run) -> None:
             first_round = False
     res = run.res
     res.decode_seconds = run.now() - t0
-    res.decode_tokens = sum(max(len(r.out) - 1, 0) for r in run.reqs)
+    res.decode_tokens = sum(max(len(r.out) - 1, 0) for r in run.reqs) - compiled
     res.decode_step = run.step_mode
     res.decode_threads = run.threads.current()
     res.graph_captures = sum(1 for st in run.steps.values() if st.graph is not None)

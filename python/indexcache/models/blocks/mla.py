@@ -74,7 +74,8 @@ def absorb_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
     else:
         out[..., :latent] = einsum_16bit("thd,hdc->thc", q_nope, w_uk)
     pe = out[..., latent:]
-    if not (q_pe.data_ptr() == pe.data_ptr() and q_pe.stride() == pe.stride()):
+    # (traced for a compiled step the copy always stands: a copy onto itself is a no-op there)
+    if torch.compiler.is_compiling() or not (q_pe.data_ptr() == pe.data_ptr() and q_pe.stride() == pe.stride()):
         pe.copy_(q_pe)
     return out
 
@@ -216,9 +217,11 @@ class MLA(nn.Module):
         """kv_b's weight ``[H, nope + v, latent]`` split into W_UK ``[H, nope, latent]`` and W_UV
         ``[H, v, latent]``. Views of the parameter itself (held in ``dtype``) are made once and kept
         while it is the same tensor with the same storage (they alias it: an in-place load is seen);
-        a cast or dequantized weight, or grad mode on (autograd records the views), makes them anew."""
+        a cast or dequantized weight, grad mode on (autograd records the views) or a compiled step's
+        trace makes them anew."""
         w = dense_weight(self.kv_b_proj, dtype)
-        keep = not torch.is_grad_enabled() and w is getattr(self.kv_b_proj, "weight", None)
+        keep = (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and w is getattr(self.kv_b_proj, "weight", None))
         key = (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device) if keep else None
         made = self.__dict__.get("_kv_b_views")
         if keep and made is not None and made[0] is w and made[1] == key:

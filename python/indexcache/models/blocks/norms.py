@@ -53,11 +53,11 @@ class LayerNorm(nn.Module):
         are the same tensors at the same version (``load_state_dict`` copies in place and bumps it;
         a new parameter or ``.to()`` is a new tensor); recomputed while gradients are on (autograd
         sees the cast, no inference-mode copy is saved for backward) or for inference-tensor
-        parameters (no version counter)."""
+        parameters (no version counter); in a compiled step's trace (the compiler folds the casts)."""
         w, b = self.weight, self.bias
         if w.dtype == b.dtype == torch.float32:
             return w, b
-        if torch.is_grad_enabled() or w.is_inference() or b.is_inference():
+        if torch.compiler.is_compiling() or torch.is_grad_enabled() or w.is_inference() or b.is_inference():
             return w.float(), b.float()
         key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in (w, b))
         cached = self.__dict__.get("_fp32_cache")
