@@ -34,7 +34,10 @@ from indexcache.models.state import BatchMeta, PagedKVCache
 # ones, a 2-thread step took 100x longer (2026-12-07, Zen 4: 23 ms a swiglu_rows call, 0.1 eager).
 # guard_filter_fn: no guard on the model's parameters at each call (1.2-1.9 ms a step on 2 cores);
 # a step is compiled for one generate call, over which the model is not changed.
-COMPILE_OPTIONS = {"cpp.threads": 1, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+# emulate_precision_casts: fused ops round each bf16 intermediate as the eager ops do (without it a
+# GLM-5 step's logits moved 1.6 % from eager's and greedy tokens parted after ~14; with it equal).
+COMPILE_OPTIONS = {"cpp.threads": 1, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                   "emulate_precision_casts": True}
 
 
 def unsupported_reason(model, cache: PagedKVCache, graph: bool = False, compiled: bool = False) -> Optional[str]:
