@@ -20,6 +20,7 @@ around the extension's ops, its small ops fused (docs/profiling.md, fifteenth ro
 from __future__ import annotations
 
 import os
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -33,7 +34,7 @@ from indexcache.models.state import BatchMeta, PagedKVCache
 # decode row) run serially; with OpenMP regions of their own beside the extension's at::parallel_for
 # ones, a 2-thread step took 100x longer (2026-12-07, Zen 4: 23 ms a swiglu_rows call, 0.1 eager).
 # guard_filter_fn: no guard on the model's parameters at each call (1.2-1.9 ms a step on 2 cores);
-# a step is compiled for one generate call, over which the model is not changed.
+# a step is compiled for one DecodeStep (one generate call), over which the model is not changed.
 # emulate_precision_casts: fused ops round each bf16 intermediate as the eager ops do (without it a
 # GLM-5 step's logits moved 1.6 % from eager's and greedy tokens parted after ~14; with it equal).
 COMPILE_OPTIONS = {"cpp.threads": 1, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -90,8 +91,15 @@ class DecodeStep:
         self.pool = pool
         self.replays = 0
         self.caps: Optional[list] = None  # each row's allocated tokens (from its request's blocks)
-        self.run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
-                    if compiled else self._forward)
+        self.run = self._forward
+        if compiled:
+            # A code object of this step's own: torch keeps compiled graphs per code object, and a
+            # graph bakes in its step's model (the plan, which layers hold an indexer) with the
+            # guards on it dropped (COMPILE_OPTIONS), so a second model of the same shapes must not
+            # find it (it did: the S layers of one ran as the other's F layers).
+            own = types.FunctionType(DecodeStep._forward.__code__.replace(), globals(), "_forward")
+            self.run = torch.compile(types.MethodType(own, self), fullgraph=True, dynamic=False,
+                                     options=COMPILE_OPTIONS)
 
     def prepare(self, token_ids: Sequence[int], cached: Sequence[int], rids: Optional[Sequence] = None) -> None:
         """Inputs of the next step: request b feeds ``token_ids[b]`` at position ``cached[b]``.
