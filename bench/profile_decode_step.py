@@ -2,14 +2,15 @@
 beside the StageTimer's stages, at each thread count asked for.
 
     python bench/profile_decode_step.py --model DIR [--context 2048] [--steps 16] [--threads 1,2]
-                                        [--dtype bf16] [--decode-step eager] [--top 25] [--json OUT]
+                                        [--dtype bf16] [--decode-step eager|compiled] [--top 25] [--json OUT]
 
 One greedy request: a ``--context``-token random prompt is prefilled (torch's thread count), then
 ``--steps`` decode steps warm up and ``--steps`` more are timed three ways, one after the other at
 each thread count: wall time alone; under the StageTimer (per-stage ms, the rest is "outside");
 under torch.profiler (ops by self CPU time, their calls per step, and the host reads of device
 data, ``aten::item`` / ``aten::_local_scalar_dense``, per step). Prints one table per thread count
-and, with --json, one record per thread count.
+and, with --json, one record per thread count. ``--decode-step compiled``: no stages (the step is
+one compiled function; its first warm-up steps compile it).
 """
 
 from __future__ import annotations
@@ -52,18 +53,21 @@ def steps_of(run: Run, n: int) -> list:
 
 def profile_threads(model, args, threads: int) -> dict:
     prefill_threads = torch.get_num_threads()
-    timer = StageTimer()
+    # a compiled step is one function: no stages to time (its warm-up steps compile it)
+    timer = None if args.decode_step == "compiled" else StageTimer()
     run = new_run(model, args.context, args.steps, args.decode_step, args.seed, timer)
     torch.set_num_threads(threads)
     try:
         run.s = replace(run.s, timer=None)
         steps_of(run, args.steps)                      # warm-up
         wall = steps_of(run, args.steps)
-        run.s = replace(run.s, timer=timer)
-        timer.times.clear()
-        staged = steps_of(run, args.steps)
-        stages = {k: v / args.steps * 1e3 for k, v in timer.times.items()}
-        run.s = replace(run.s, timer=None)
+        staged, stages = wall, {}
+        if timer is not None:
+            run.s = replace(run.s, timer=timer)
+            timer.times.clear()
+            staged = steps_of(run, args.steps)
+            stages = {k: v / args.steps * 1e3 for k, v in timer.times.items()}
+            run.s = replace(run.s, timer=None)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             profiled = steps_of(run, args.steps)
     finally:
