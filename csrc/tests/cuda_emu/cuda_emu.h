@@ -2,9 +2,12 @@
 // Force-included (-include cuda_emu.h) before the kernel headers: every CUDA thread of a
 // block becomes a std::thread, blocks run one after another, __syncthreads is a
 // std::barrier over the block, warp shuffles / ballots exchange through per-warp slots
-// between two warp barriers, and mma.sync m16n8k16 is computed from the fragments the 32
-// lanes hold, following the PTX ISA fragment layout. Function-scope __shared__ variables
-// become function statics (blocks never overlap). Only what the kernels here use.
+// (each lane writes its slot, one warp barrier, each lane reads; the slots alternate
+// between two copies, so that a lane's next exchange cannot overwrite what a slower lane
+// still reads: Warp::turn), and mma.sync m16n8k16 is computed from the fragments the 32
+// lanes hold (exchanged the same way), following the PTX ISA fragment layout.
+// Function-scope __shared__ variables become function statics (blocks never overlap).
+// Only what the kernels here use.
 //
 // It checks index math, barrier placement (a missing or divergent barrier deadlocks or
 // pairs the wrong lanes), warp-uniformity of shuffles and results; it says nothing about
@@ -84,9 +87,13 @@ struct Idx {
 struct Warp {
   explicit Warp(int n) : bar(n) {}
   std::barrier<> bar;
-  uint64_t slot[32] = {};
-  uint32_t a[32][4] = {};
-  uint32_t b[32][2] = {};
+  // Two copies of each exchange buffer, used by turns (a lane's next collective op takes the other
+  // copy): a lane that is through an op's barrier writes the other copy, which every lane finished
+  // reading before it arrived at that barrier, so one barrier per op suffices.
+  uint64_t slot[2][32] = {};
+  uint32_t a[2][32][4] = {};
+  uint32_t b[2][32][2] = {};
+  uint8_t turn[32] = {};  // each lane's own entry: the copy its next collective op uses
 };
 
 struct Block {
@@ -102,17 +109,23 @@ inline thread_local Block* t_blk = nullptr;
 inline unsigned char* dynamic_smem() { return t_blk->smem.data(); }
 inline int lane() { return static_cast<int>(t_thread.x & 31); }
 inline Warp& warp() { return *t_blk->warps[t_thread.x >> 5]; }
+// The buffer copy this lane's collective op uses (Warp::turn), flipped for its next one.
+inline int take_turn(Warp& w, int l) {
+  const int t = w.turn[l];
+  w.turn[l] = static_cast<uint8_t>(t ^ 1);
+  return t;
+}
 
 template <class T>
 T exchange(T v, int src) {
   static_assert(sizeof(T) <= 8, "shuffle of a wide type");
   Warp& w = warp();
+  const int t = take_turn(w, lane());
   uint64_t u = 0;
   std::memcpy(&u, &v, sizeof(T));
-  w.slot[lane()] = u;
+  w.slot[t][lane()] = u;
   w.bar.arrive_and_wait();
-  const uint64_t r = w.slot[src];
-  w.bar.arrive_and_wait();
+  const uint64_t r = w.slot[t][src];
   T out;
   std::memcpy(&out, &r, sizeof(T));
   return out;
@@ -184,16 +197,19 @@ inline void ldmatrix(uint32_t* r, const void* row, bool trans) {
   Warp& w = warp();
   const int l = lane();
   if (l < 8 * N && (reinterpret_cast<uintptr_t>(row) & 15u) != 0) throw std::runtime_error("emu: ldmatrix row not 16-byte aligned");
-  w.slot[l] = reinterpret_cast<uintptr_t>(row);
+  const int tn = take_turn(w, l);
+  w.slot[tn][l] = reinterpret_cast<uintptr_t>(row);
   w.bar.arrive_and_wait();
   for (int j = 0; j < N; ++j) {
     uint16_t e[2];
     for (int h = 0; h < 2; ++h) {
       const int rr = trans ? 2 * (l & 3) + h : l >> 2, cc = trans ? l >> 2 : 2 * (l & 3) + h;
-      std::memcpy(&e[h], reinterpret_cast<const unsigned char*>(w.slot[8 * j + rr]) + 2 * cc, 2);
+      std::memcpy(&e[h], reinterpret_cast<const unsigned char*>(w.slot[tn][8 * j + rr]) + 2 * cc, 2);
     }
     r[j] = static_cast<uint32_t>(e[0]) | (static_cast<uint32_t>(e[1]) << 16);
   }
+  // Unlike the register exchanges, this reads shared memory during the op: no lane goes on (and
+  // maybe writes those rows) before every lane has read, as the one warp-wide load on a GPU.
   w.bar.arrive_and_wait();
 }
 
@@ -206,19 +222,20 @@ template <class Lo, class Hi>
 inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Lo lo, Hi hi) {
   Warp& w = warp();
   const int l = lane();
-  for (int i = 0; i < 4; ++i) w.a[l][i] = a[i];
-  w.b[l][0] = b0;
-  w.b[l][1] = b1;
+  const int tn = take_turn(w, l);
+  for (int i = 0; i < 4; ++i) w.a[tn][l][i] = a[i];
+  w.b[tn][l][0] = b0;
+  w.b[tn][l][1] = b1;
   w.bar.arrive_and_wait();
-  auto A = [&w, lo, hi](int row, int k) {
+  auto A = [&w, tn, lo, hi](int row, int k) {
     const int g = row & 7, t = (k & 7) >> 1;
     const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-    const uint32_t r = w.a[4 * g + t][reg];
+    const uint32_t r = w.a[tn][4 * g + t][reg];
     return (k & 1) ? hi(r) : lo(r);
   };
-  auto B = [&w, lo, hi](int k, int n) {
+  auto B = [&w, tn, lo, hi](int k, int n) {
     const int t = (k & 7) >> 1;
-    const uint32_t r = w.b[4 * n + t][k >= 8 ? 1 : 0];
+    const uint32_t r = w.b[tn][4 * n + t][k >= 8 ? 1 : 0];
     return (k & 1) ? hi(r) : lo(r);
   };
   const int g = l >> 2, t = l & 3;
@@ -228,7 +245,6 @@ inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32
     for (int k = 0; k < 16; ++k) s += static_cast<double>(A(row, k)) * static_cast<double>(B(k, col));
     c[i] = static_cast<float>(static_cast<double>(c[i]) + s);
   }
-  w.bar.arrive_and_wait();
 }
 inline void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   mma_16816(c, a, b0, b1, bf16_lo, bf16_hi);
@@ -479,12 +495,12 @@ inline T __shfl_sync(unsigned, T v, int src) {
 }
 inline unsigned __ballot_sync(unsigned, int pred) {
   ::emu::Warp& w = ::emu::warp();
-  w.slot[::emu::lane()] = pred ? 1 : 0;
+  const int t = ::emu::take_turn(w, ::emu::lane());
+  w.slot[t][::emu::lane()] = pred ? 1 : 0;
   w.bar.arrive_and_wait();
   unsigned r = 0;
   for (int i = 0; i < 32; ++i)
-    if (w.slot[i]) r |= 1u << i;
-  w.bar.arrive_and_wait();
+    if (w.slot[t][i]) r |= 1u << i;
   return r;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
