@@ -364,6 +364,52 @@ def test_glm5_tensor_parallel_2(glm_path, glm_prompts, monkeypatch):
     check_against_ours(glm_path, glm_prompts, results, overrides)
 
 
+def test_glm5_sparse_forward_equals_unpatched(glm_path, glm_prompts, monkeypatch):
+    """The plugin's MLAAttention.forward_impl for its backend (vllm_backend.sparse_forward: the absorbed
+    products by ops.rows_matmul for a few rows) and its LM head for a few rows (few_rows_lm_head) against
+    vLLM's own forward_impl and oneDNN LM head on the same engine settings: the same greedy tokens and
+    log-probs within fp32 summation order. Both routes run: prompt rows (bmm) and decode rows (rows_matmul)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from indexcache.integrations import vllm_backend, vllm_patches
+
+    plugin.register()
+    rows, heads_calls, head_calls = [], [], []
+    sparse_forward, head_products = vllm_patches.sparse_forward, vllm_backend.head_products
+
+    def counted_forward(layer, q, kv_cache, meta, output):
+        rows.append(meta.num_actual_tokens)
+        return sparse_forward(layer, q, kv_cache, meta, output)
+
+    def counted_products(x, w, out):
+        heads_calls.append(vllm_backend.few_rows(x, w))
+        return head_products(x, w, out)
+
+    few_rows_lm_head = vllm_backend.few_rows_lm_head
+
+    def counted_lm_head(lm_head):
+        few_rows_lm_head(lm_head)
+        head_calls.append(getattr(lm_head.cpu_linear, "ic_few_rows", False))
+
+    monkeypatch.setattr(vllm_patches, "sparse_forward", counted_forward)
+    monkeypatch.setattr(vllm_backend, "head_products", counted_products)
+    monkeypatch.setattr(vllm_backend, "few_rows_lm_head", counted_lm_head)
+    overrides = {"use_index_cache": True, "index_topk_freq": 2}
+    ours = run_vllm(glm_path, glm_prompts, overrides)
+    assert min(rows) <= 8 < max(rows), rows  # decode rows and prompt rows both went through it
+    assert True in heads_calls and False in heads_calls and head_calls and all(head_calls)
+
+    original = MLAAttention.__dict__["forward_impl"].__indexcache_original__
+    monkeypatch.setattr(MLAAttention, "forward_impl", original)
+    monkeypatch.setattr(vllm_backend, "few_rows_lm_head", lambda lm_head: None)
+    n = len(rows)
+    vllm_only = run_vllm(glm_path, glm_prompts, overrides)
+    assert len(rows) == n  # the plugin's forward did not run
+    for (plp, gen, glp), (plp0, gen0, glp0) in zip(ours, vllm_only):
+        assert gen == gen0
+        torch.testing.assert_close(torch.tensor(plp[1:] + glp), torch.tensor(plp0[1:] + glp0), rtol=0, atol=2e-5)
+
+
 # ------------------------------------------------------------------- compiled (torch.compile)
 
 

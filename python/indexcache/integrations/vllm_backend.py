@@ -28,6 +28,7 @@ from indexcache import ops
 from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, MLA_LATENT, MLA_ROPE
 from indexcache.models import step_reuse
 from indexcache.models.blocks.indexer import fp8_query_inputs, paged_fp8_topk
+from indexcache.parallel.linear import few_rows
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
@@ -176,6 +177,66 @@ def contiguous_absorbed_weights(layer) -> None:
         w = getattr(layer, name, None)
         if isinstance(w, torch.Tensor) and not w.is_contiguous():
             replace_parameter(layer, name, w.contiguous())
+
+
+def head_products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[h] = x[h] @ w[h]`` per head (x ``[N, B, K]``, w ``[N, K, M]`` contiguous, out ``[N, B, M]``; x
+    and out may be transposed views of token-major rows): a few rows through ``ops.rows_matmul``, which
+    streams each head's weight once (about twice torch.bmm's rate at a decode row with the weight
+    coming from memory, docs/vllm.md), more rows through torch.bmm as vLLM runs them. Both sum in fp32
+    and round once to out's dtype."""
+    if w.is_contiguous() and few_rows(x, w):
+        ops.rows_matmul(x, w, False, out=out)
+    else:
+        torch.bmm(x, w, out=out)
+
+
+def sparse_forward_applies(layer, attn_metadata, output, output_scale, output_block_scale, q_dcp_replicated) -> bool:
+    """Whether :func:`sparse_forward` runs ``MLAAttention.forward_impl`` for this call: a layer on the
+    plugin's backend, a real step (not the profile run), no fused output quantization, no decode context
+    parallelism, no head padding. Anything else goes to vLLM's own forward_impl."""
+    return (isinstance(getattr(layer, "impl", None), IndexCacheSparseMLAImpl) and attn_metadata is not None
+            and output is not None and output_scale is None and output_block_scale is None
+            and q_dcp_replicated is None and getattr(layer.impl, "dcp_world_size", 1) <= 1
+            and getattr(layer, "q_pad_num_heads", None) is None and not getattr(layer, "use_pcp", False))
+
+
+def sparse_forward(layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: IndexCacheSparseMLAMetadata,
+                   output: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``MLAAttention.forward_impl`` for the plugin's backend, where every token takes the absorbed
+    sparse path (the metadata counts all as decode tokens): ``q_nope`` through ``W_UK_T`` into the query
+    beside ``q_pe``, ``forward_mqa``, the latent output through ``W_UV`` into ``output``'s first rows. The
+    same products and order as vLLM's method takes for these layers, without its branches for other
+    backends, and with :func:`head_products` for the two per-head products."""
+    n = attn_metadata.num_actual_tokens
+    heads, nope, latent = layer.num_heads, layer.qk_nope_head_dim, layer.kv_lora_rank
+    q = q[:n].reshape(n, heads, -1)
+    mqa_q = q.new_empty(n, heads, latent + q.shape[-1] - nope)
+    head_products(q[..., :nope].transpose(0, 1), layer.W_UK_T, mqa_q[..., :latent].transpose(0, 1))
+    mqa_q[..., latent:].copy_(q[..., nope:])
+    attn_out, _ = layer.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, layer)
+    head_products(attn_out.view(n, heads, latent).transpose(0, 1), layer.W_UV,
+                  output[:n].view(n, heads, layer.v_head_dim).transpose(0, 1))
+    return output
+
+
+def few_rows_lm_head(lm_head) -> None:
+    """Decode rows (a few) through the LM head by ``ops.rows_matmul``, other row counts by the linear vLLM
+    chose (oneDNN on the CPU): its weight is streamed once per step, 1.3-1.4x oneDNN's rate at one row
+    here (docs/vllm.md). vLLM keeps the LM head's weight beside its oneDNN handle, so nothing is
+    copied. Logits run eagerly (outside the compiled model), so the row count may decide per call.
+    Idempotent."""
+    linear = getattr(lm_head, "cpu_linear", None)
+    if linear is None or getattr(linear, "ic_few_rows", False):
+        return
+
+    def cpu_linear(x, weight, bias):
+        if bias is None and x.dim() == 2 and weight.dim() == 2 and weight.is_contiguous() and few_rows(x, weight):
+            return ops.rows_matmul(x, weight, True)
+        return linear(x, weight, bias)
+
+    cpu_linear.ic_few_rows = True
+    lm_head.cpu_linear = cpu_linear
 
 
 def _mla_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -205,7 +205,14 @@ def _served_class(base, name: str):
         hf = vllm_config.model_config.hf_text_config
         attach(self, hf, hf.index_topk_pattern, vllm_config.cache_config.block_size)
 
-    return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name})
+    def compute_logits(self, hidden_states):
+        from .vllm_backend import few_rows_lm_head
+
+        few_rows_lm_head(self.lm_head)  # after vLLM's post-load dispatch chose the LM head's linear
+        return base.compute_logits(self, hidden_states)
+
+    return type(name, (base,), {"__init__": __init__, "compute_logits": compute_logits, "__module__": __name__,
+                                "__qualname__": name})
 
 
 def _guarded_class(base, architecture: str):

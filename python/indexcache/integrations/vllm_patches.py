@@ -24,6 +24,8 @@ from .vllm_backend import (
     IndexCacheSparseMLAImpl,
     contiguous_absorbed_weights,
     indexer_op_forward,
+    sparse_forward,
+    sparse_forward_applies,
 )
 from .vllm_models import NATIVE, SERVED
 
@@ -119,6 +121,19 @@ def _mla_process_weights_after_loading(original):
     return process_weights_after_loading
 
 
+def _mla_forward_impl(original):
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output=None, output_scale=None,
+                     output_block_scale=None, quant_group_size=None, quant_scale_ue8m0=None, quant_col_major=None,
+                     quant_tma_aligned=None, q_dcp_replicated=None):
+        if sparse_forward_applies(self, attn_metadata, output, output_scale, output_block_scale, q_dcp_replicated):
+            return sparse_forward(self, q, kv_cache, attn_metadata, output)
+        return original(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output=output, output_scale=output_scale,
+                        output_block_scale=output_block_scale, quant_group_size=quant_group_size,
+                        quant_scale_ue8m0=quant_scale_ue8m0, quant_col_major=quant_col_major,
+                        quant_tma_aligned=quant_tma_aligned, q_dcp_replicated=q_dcp_replicated)
+    return forward_impl
+
+
 def _runner_model_forward(original):
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):
@@ -175,6 +190,15 @@ PATCHES = (
           "and torch.bmm on the CPU copies a strided bf16 operand on every call (a 1 MB copy per weight, layer "
           "and decode step); the impl's own hook runs before they exist, so the wrapper stores them contiguous "
           "after vLLM's method for the layers on the plugin's backend", wrap=_mla_process_weights_after_loading),
+    Patch("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "forward_impl",
+          ("self", "q", "k_c_normed", "k_pe", "kv_cache", "attn_metadata", "output", "output_scale",
+           "output_block_scale", "quant_group_size", "quant_scale_ue8m0", "quant_col_major", "quant_tma_aligned",
+           "q_dcp_replicated"),
+          "the absorbed products (q_nope through W_UK_T, the latent output through W_UV) are inline torch.bmm "
+          "calls in vLLM's method, at half the memory rate a decode row can reach on the CPU; for layers on the "
+          "plugin's backend (every token sparse, no output quantization or context parallelism) the wrapper "
+          "runs the same steps with ops.rows_matmul for a few rows (vllm_backend.sparse_forward)",
+          wrap=_mla_forward_impl),
     Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward",
           ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
           "vLLM's attention metadata does not say which request a row is; step reuse (index_reuse_steps) keys "
