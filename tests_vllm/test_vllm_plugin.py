@@ -391,19 +391,30 @@ def test_glm5_sparse_forward_equals_unpatched(glm_path, glm_prompts, monkeypatch
         few_rows_lm_head(lm_head)
         head_calls.append(getattr(lm_head.cpu_linear, "ic_few_rows", False))
 
+    lm_rows = []
+    rows_matmul = vllm_backend.ops.rows_matmul
+
+    def counted_rows_matmul(x, w, w_nk=True, out=None, out_dtype=None):
+        if x.dim() == 2:
+            lm_rows.append(x.shape[0])
+        return rows_matmul(x, w, w_nk, out=out, out_dtype=out_dtype)
+
     monkeypatch.setattr(vllm_patches, "sparse_forward", counted_forward)
     monkeypatch.setattr(vllm_backend, "head_products", counted_products)
     monkeypatch.setattr(vllm_backend, "few_rows_lm_head", counted_lm_head)
+    monkeypatch.setattr(vllm_backend.ops, "rows_matmul", counted_rows_matmul)
     overrides = {"use_index_cache": True, "index_topk_freq": 2}
-    ours = run_vllm(glm_path, glm_prompts, overrides)
-    assert min(rows) <= 8 < max(rows), rows  # decode rows and prompt rows both went through it
+    new_tokens = [NEW_TOKENS, NEW_TOKENS + 4]  # the last steps decode one request alone: the LM head's one row
+    ours = run_vllm(glm_path, glm_prompts, overrides, new_tokens=new_tokens)
+    assert min(rows) <= vllm_backend.HEAD_PRODUCT_ROWS < max(rows), rows  # decode rows and prompt rows both
     assert True in heads_calls and False in heads_calls and head_calls and all(head_calls)
+    assert lm_rows and set(lm_rows) == {1}, lm_rows
 
     original = MLAAttention.__dict__["forward_impl"].__indexcache_original__
     monkeypatch.setattr(MLAAttention, "forward_impl", original)
     monkeypatch.setattr(vllm_backend, "few_rows_lm_head", lambda lm_head: None)
     n = len(rows)
-    vllm_only = run_vllm(glm_path, glm_prompts, overrides)
+    vllm_only = run_vllm(glm_path, glm_prompts, overrides, new_tokens=new_tokens)
     assert len(rows) == n  # the plugin's forward did not run
     for (plp, gen, glp), (plp0, gen0, glp0) in zip(ours, vllm_only):
         assert gen == gen0

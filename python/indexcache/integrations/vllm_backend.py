@@ -179,13 +179,21 @@ def contiguous_absorbed_weights(layer) -> None:
             replace_parameter(layer, name, w.contiguous())
 
 
+# Row counts up to which ops.rows_matmul beats what vLLM runs, measured on the Zen 4 with the weights
+# coming from memory (docs/vllm.md): the per-head products 1.4-2x torch.bmm at 1-2 rows, level at 4,
+# slower at 8; the LM head 1.3x oneDNN at one row, slower from 2 (rows_matmul adds each row's
+# arithmetic to the weight's streaming time, where oneDNN's blocked kernel hides it).
+HEAD_PRODUCT_ROWS = 2
+LM_HEAD_ROWS = 1
+
+
 def head_products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """``out[h] = x[h] @ w[h]`` per head (x ``[N, B, K]``, w ``[N, K, M]`` contiguous, out ``[N, B, M]``; x
-    and out may be transposed views of token-major rows): a few rows through ``ops.rows_matmul``, which
-    streams each head's weight once (about twice torch.bmm's rate at a decode row with the weight
-    coming from memory, docs/vllm.md), more rows through torch.bmm as vLLM runs them. Both sum in fp32
-    and round once to out's dtype."""
-    if w.is_contiguous() and few_rows(x, w):
+    and out may be transposed views of token-major rows): up to ``HEAD_PRODUCT_ROWS`` rows through
+    ``ops.rows_matmul``, which streams each head's weight once (about twice torch.bmm's rate at a
+    decode row with the weight coming from memory), more rows through torch.bmm as vLLM runs them.
+    Both sum in fp32 and round once to out's dtype."""
+    if x.shape[-2] <= HEAD_PRODUCT_ROWS and w.is_contiguous() and few_rows(x, w):
         ops.rows_matmul(x, w, False, out=out)
     else:
         torch.bmm(x, w, out=out)
@@ -221,17 +229,18 @@ def sparse_forward(layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata
 
 
 def few_rows_lm_head(lm_head) -> None:
-    """Decode rows (a few) through the LM head by ``ops.rows_matmul``, other row counts by the linear vLLM
-    chose (oneDNN on the CPU): its weight is streamed once per step, 1.3-1.4x oneDNN's rate at one row
-    here (docs/vllm.md). vLLM keeps the LM head's weight beside its oneDNN handle, so nothing is
-    copied. Logits run eagerly (outside the compiled model), so the row count may decide per call.
-    Idempotent."""
+    """Up to ``LM_HEAD_ROWS`` rows (one request's decode step) through the LM head by ``ops.rows_matmul``,
+    other row counts by the linear vLLM chose (oneDNN on the CPU): the weight is streamed at 1.3-1.4x
+    oneDNN's rate at one row here (docs/vllm.md). vLLM keeps the LM head's weight beside its oneDNN
+    handle, so nothing is copied. Logits run eagerly (outside the compiled model), so the row count
+    may decide per call. Idempotent."""
     linear = getattr(lm_head, "cpu_linear", None)
     if linear is None or getattr(linear, "ic_few_rows", False):
         return
 
     def cpu_linear(x, weight, bias):
-        if bias is None and x.dim() == 2 and weight.dim() == 2 and weight.is_contiguous() and few_rows(x, weight):
+        if (bias is None and x.dim() == 2 and x.shape[0] <= LM_HEAD_ROWS and weight.dim() == 2
+                and weight.is_contiguous() and few_rows(x, weight)):
             return ops.rows_matmul(x, weight, True)
         return linear(x, weight, bias)
 
