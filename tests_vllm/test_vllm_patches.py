@@ -286,11 +286,11 @@ def test_absorbed_weights_stored_contiguous():
 
 
 def test_few_rows_lm_head():
-    """The LM head's linear for one row is ops.rows_matmul (the same fp32 sums as a linear, rounded once);
+    """The LM head's linear for up to LM_HEAD_ROWS rows is ops.rows_matmul (the same fp32 sums as a linear);
     more rows, or a bias, go to the linear vLLM chose; wrapping twice changes nothing."""
     import torch.nn.functional as F
 
-    from indexcache.integrations.vllm_backend import few_rows_lm_head
+    from indexcache.integrations.vllm_backend import LM_HEAD_ROWS, few_rows_lm_head
 
     calls = []
 
@@ -305,15 +305,16 @@ def test_few_rows_lm_head():
     few_rows_lm_head(layer)
     assert layer.cpu_linear is wrapped
     w = torch.randn(1000, 64)
-    x = torch.randn(1, 64)
-    got = layer.cpu_linear(x, w, None)
-    torch.testing.assert_close(got, x.double().mm(w.double().t()).float(), rtol=1e-5, atol=1e-5)
+    for m in range(1, LM_HEAD_ROWS + 1):
+        x = torch.randn(m, 64)
+        got = layer.cpu_linear(x, w, None)
+        torch.testing.assert_close(got, x.double().mm(w.double().t()).float(), rtol=1e-5, atol=1e-5)
     assert calls == []
-    x = torch.randn(2, 64)  # more rows than LM_HEAD_ROWS
+    x = torch.randn(LM_HEAD_ROWS + 1, 64)
     torch.testing.assert_close(layer.cpu_linear(x, w, None), F.linear(x, w))
     bias = torch.randn(1000)
     torch.testing.assert_close(layer.cpu_linear(x[:1], w, bias), F.linear(x[:1], w, bias))
-    assert calls == [2, 1]
+    assert calls == [LM_HEAD_ROWS + 1, 1]
     bare = torch.nn.Module()  # no CPU linear chosen (another platform): nothing to wrap
     few_rows_lm_head(bare)
     assert not hasattr(bare, "cpu_linear")

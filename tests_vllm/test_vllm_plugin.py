@@ -404,11 +404,11 @@ def test_glm5_sparse_forward_equals_unpatched(glm_path, glm_prompts, monkeypatch
     monkeypatch.setattr(vllm_backend, "few_rows_lm_head", counted_lm_head)
     monkeypatch.setattr(vllm_backend.ops, "rows_matmul", counted_rows_matmul)
     overrides = {"use_index_cache": True, "index_topk_freq": 2}
-    new_tokens = [NEW_TOKENS, NEW_TOKENS + 4]  # the last steps decode one request alone: the LM head's one row
+    new_tokens = [NEW_TOKENS, NEW_TOKENS + 4]  # the last steps decode one request alone
     ours = run_vllm(glm_path, glm_prompts, overrides, new_tokens=new_tokens)
     assert min(rows) <= vllm_backend.HEAD_PRODUCT_ROWS < max(rows), rows  # decode rows and prompt rows both
     assert True in heads_calls and False in heads_calls and head_calls and all(head_calls)
-    assert lm_rows and set(lm_rows) == {1}, lm_rows
+    assert 1 in lm_rows and max(lm_rows) <= vllm_backend.LM_HEAD_ROWS, lm_rows
 
     original = MLAAttention.__dict__["forward_impl"].__indexcache_original__
     monkeypatch.setattr(MLAAttention, "forward_impl", original)

@@ -82,71 +82,92 @@ using cpu::tail16;
 
 inline __mmask32 tail32(int64_t left) { return left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1); }
 
-// R weight rows (w_nk) dotted with one x row: out[j] for j < R. Each row's loads are issued one row
-// after another (j outer, k inner): R rows read as R interleaved streams 1 KB apart ran at 5-9 GB/s
-// from DRAM on the Zen 4 machine against 16-22 GB/s for the same rows read in order (docs/profiling.md).
-// Each row sums into a local register (an array indexed by j was kept on the stack, a store and a
-// reload per step: 9 GB/s from DRAM and 45 GB/s from cache for a 1 KB row, against 25-30 and 87 held in
-// a register), and every load prefetches kPrefetchBytes further along the weight (rows in order, so
-// the prefetch runs ahead across 4 KB pages where the hardware's does not): 35-40 GB/s from DRAM, one
-// thread, docs/profiling.md. The sum order (k ascending, one accumulator, then a reduce) is unchanged.
-template <int R>
-IC_AVX512 inline void dot_rows(const void* x, const char* w, int64_t w_row_bytes, int64_t K, DType xd, DType wd,
-                               float* out) {
-  if (xd == DType::kBFloat16 && wd == DType::kBFloat16) {
-    for (int j = 0; j < R; ++j) {
-      const uint16_t* wr = reinterpret_cast<const uint16_t*>(w + j * w_row_bytes);
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 mk = tail32(K - k);
-        _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(x) + k);
-        acc = _mm512_dpbf16_ps(acc, xv, (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + k));
-      }
-      out[j] = _mm512_reduce_add_ps(acc);
-    }
-    return;
-  }
-  const int64_t we = esize(wd);
-  for (int j = 0; j < R; ++j) {
-    const char* wr = w + j * w_row_bytes;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mk = tail16(K - k);
-      _mm_prefetch(wr + k * we + kPrefetchBytes, _MM_HINT_T0);
-      acc = _mm512_fmadd_ps(load16(elem_ptr(x, k, xd), xd, mk), load16(wr + k * we, wd, mk), acc);
-    }
-    out[j] = _mm512_reduce_add_ps(acc);
-  }
-}
+constexpr int kRowsAtOnce = 8;  // x rows served by one pass over the weight (MR sums a step)
 
 // w [K, N]: out[n0:n1) += x[k] w[k, n0:n1) for k ascending, one fp32 sum per column held in acc (an
 // L1 buffer of the block's columns, loaded, FMA'd and stored back per k). The weight is read row after
 // row along each row's bytes, a kKnBlock-column stretch at a time: the 64-column strips this loop
-// read before, each 128 B of every 1 KB row, ran at 6 GB/s from DRAM (docs/profiling.md).
+// read before, each 128 B of every 1 KB row, ran at 6 GB/s from DRAM (docs/profiling.md). Each weight
+// vector serves up to kRowsAtOnce x rows while it is in a register (each row's own buffer); a
+// column's sum order does not depend on the rows beside it.
 IC_AVX512 void kn_task_avx512(const RowsMatmulParams& p, const char* x, const char* w, char* out, int64_t n0,
                               int64_t n1) {
   const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype), oe = esize(p.out_dtype);
   const int64_t w_row_bytes = p.w_sr * we, cols = n1 - n0, nv = (cols + 15) / 16, wv = 16 * we;
   const __mmask16 last = tail16(cols - 16 * (nv - 1));
-  alignas(64) float acc[kKnBlock];
-  for (int64_t m = 0; m < p.M; ++m) {
-    std::fill(acc, acc + 16 * nv, 0.0f);
-    const char* xr = x + m * p.x_sm * xe;
+  alignas(64) float acc[kRowsAtOnce][kKnBlock];
+  for (int64_t m0 = 0; m0 < p.M; m0 += kRowsAtOnce) {
+    const int mr = static_cast<int>(std::min<int64_t>(kRowsAtOnce, p.M - m0));
+    for (int m = 0; m < mr; ++m) std::fill(acc[m], acc[m] + 16 * nv, 0.0f);
     for (int64_t k = 0; k < p.K; ++k) {
-      const __m512 xs = _mm512_set1_ps(load_f(xr, k, p.x_dtype));
+      __m512 xs[kRowsAtOnce];
+      for (int m = 0; m < mr; ++m) xs[m] = _mm512_set1_ps(load_f(x + (m0 + m) * p.x_sm * xe, k, p.x_dtype));
       const char* wr = w + k * w_row_bytes + n0 * we;
       for (int64_t b = 0; b < cols * we; b += 64) _mm_prefetch(wr + b + kPrefetchBytes, _MM_HINT_T0);
-      int64_t j = 0;
-      for (; j + 1 < nv; ++j)
-        _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(xs, load16(wr + j * wv, p.w_dtype, __mmask16(0xFFFF)),
-                                                      _mm512_load_ps(acc + 16 * j)));
-      _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(xs, load16(wr + j * wv, p.w_dtype, last),
-                                                    _mm512_load_ps(acc + 16 * j)));
+      for (int64_t j = 0; j < nv; ++j) {
+        const __m512 wvec = load16(wr + j * wv, p.w_dtype, j + 1 < nv ? __mmask16(0xFFFF) : last);
+        for (int m = 0; m < mr; ++m)
+          _mm512_store_ps(acc[m] + 16 * j, _mm512_fmadd_ps(xs[m], wvec, _mm512_load_ps(acc[m] + 16 * j)));
+      }
     }
-    char* orow = out + (m * p.o_sm + n0) * oe;
-    for (int64_t j = 0; j < nv; ++j)
-      store16(orow + 16 * j * oe, _mm512_load_ps(acc + 16 * j), p.out_dtype, j + 1 < nv ? __mmask16(0xFFFF) : last);
+    for (int m = 0; m < mr; ++m) {
+      char* orow = out + ((m0 + m) * p.o_sm + n0) * oe;
+      for (int64_t j = 0; j < nv; ++j)
+        store16(orow + 16 * j * oe, _mm512_load_ps(acc[m] + 16 * j), p.out_dtype,
+                j + 1 < nv ? __mmask16(0xFFFF) : last);
+    }
+  }
+}
+
+// One weight row (w_nk) dotted with MR x rows: out[m] for m < MR. The weight rows are read one after
+// another, each along its bytes: rows read as interleaved streams 1 KB apart ran at 5-9 GB/s from DRAM
+// on the Zen 4 machine against 16-22 GB/s for the same rows read in order (docs/profiling.md). Each
+// sum lives in a register (an array kept on the stack, a store and a reload per step, ran at 9 GB/s
+// from DRAM against 25-30), and every load prefetches kPrefetchBytes further along the weight (rows in
+// order, so the prefetch runs ahead across 4 KB pages where the hardware's does not): 35-40 GB/s from
+// DRAM, one thread, docs/profiling.md. A weight row serves all MR x rows while it is in registers (one
+// x row at a time re-read the block for each: at 4-8 rows the LM head took 2-3.6x its one-row time,
+// 0.4-0.6x oneDNN's, docs/performance.md), and the MR sums are independent chains. The sum order of
+// each (m, n) (k ascending in one accumulator, then a reduce) does not depend on MR or on the rows
+// beside it, so a row's result is bit-identical alone or in a batch.
+template <int MR>
+IC_AVX512 inline void dot_row_rows(const char* const* xr, const char* wr, int64_t K, DType xd, DType wd,
+                                   float* out) {
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  if (xd == DType::kBFloat16 && wd == DType::kBFloat16) {
+    const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wr);
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask32 mk = tail32(K - k);
+      _mm_prefetch(reinterpret_cast<const char*>(w16 + k) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, w16 + k);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, reinterpret_cast<const uint16_t*>(xr[m]) + k);
+        acc[m] = _mm512_dpbf16_ps(acc[m], xv, wv);
+      }
+    }
+  } else {
+    const int64_t we = esize(wd);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mk = tail16(K - k);
+      _mm_prefetch(wr + k * we + kPrefetchBytes, _MM_HINT_T0);
+      const __m512 wv = load16(wr + k * we, wd, mk);
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(load16(elem_ptr(xr[m], k, xd), xd, mk), wv, acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <int MR>
+IC_AVX512 void nk_rows_avx512(const RowsMatmulParams& p, const char* x, const char* w, char* out, int64_t m0,
+                              int64_t n0, int64_t n1) {
+  const int64_t xe = esize(p.x_dtype), w_row_bytes = p.w_sr * esize(p.w_dtype);
+  const char* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * p.x_sm * xe;
+  float r[MR];
+  for (int64_t n = n0; n < n1; ++n) {
+    dot_row_rows<MR>(xr, w + n * w_row_bytes, p.K, p.x_dtype, p.w_dtype, r);
+    for (int m = 0; m < MR; ++m) store_f(out, (m0 + m) * p.o_sm + n, r[m], p.out_dtype);
   }
 }
 
@@ -154,25 +175,13 @@ IC_AVX512 void avx512_task(const RowsMatmulParams& p, int64_t g, int64_t n0, int
   const char* x = elem_ptr(p.x, g * p.x_sg, p.x_dtype);
   const char* w = elem_ptr(p.w, g * p.w_sg, p.w_dtype);
   char* out = const_cast<char*>(elem_ptr(p.out, g * p.o_sg, p.out_dtype));
-  const int64_t xe = esize(p.x_dtype), we = esize(p.w_dtype);
-  const int64_t w_row_bytes = p.w_sr * we;
-  if (p.w_nk) {
-    for (int64_t m = 0; m < p.M; ++m) {
-      const char* xr = x + m * p.x_sm * xe;
-      int64_t n = n0;
-      float r[4];
-      for (; n + 4 <= n1; n += 4) {
-        dot_rows<4>(xr, w + n * w_row_bytes, w_row_bytes, p.K, p.x_dtype, p.w_dtype, r);
-        for (int j = 0; j < 4; ++j) store_f(out, m * p.o_sm + n + j, r[j], p.out_dtype);
-      }
-      for (; n < n1; ++n) {
-        dot_rows<1>(xr, w + n * w_row_bytes, w_row_bytes, p.K, p.x_dtype, p.w_dtype, r);
-        store_f(out, m * p.o_sm + n, r[0], p.out_dtype);
-      }
-    }
-    return;
-  }
-  kn_task_avx512(p, x, w, out, n0, n1);
+  if (!p.w_nk) return kn_task_avx512(p, x, w, out, n0, n1);
+  using Rows = void (*)(const RowsMatmulParams&, const char*, const char*, char*, int64_t, int64_t, int64_t);
+  static constexpr Rows kRows[kRowsAtOnce] = {nk_rows_avx512<1>, nk_rows_avx512<2>, nk_rows_avx512<3>,
+                                              nk_rows_avx512<4>, nk_rows_avx512<5>, nk_rows_avx512<6>,
+                                              nk_rows_avx512<7>, nk_rows_avx512<8>};
+  for (int64_t m0 = 0; m0 < p.M; m0 += kRowsAtOnce)
+    kRows[std::min<int64_t>(kRowsAtOnce, p.M - m0) - 1](p, x, w, out, m0, n0, n1);
 }
 #undef IC_AVX512
 

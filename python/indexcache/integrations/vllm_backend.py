@@ -180,11 +180,10 @@ def contiguous_absorbed_weights(layer) -> None:
 
 
 # Row counts up to which ops.rows_matmul beats what vLLM runs, measured on the Zen 4 with the weights
-# coming from memory (docs/vllm.md): the per-head products 1.4-2x torch.bmm at 1-2 rows, level at 4,
-# slower at 8; the LM head 1.3x oneDNN at one row, slower from 2 (rows_matmul adds each row's
-# arithmetic to the weight's streaming time, where oneDNN's blocked kernel hides it).
+# coming from memory (bench/bench_vllm_products.py, docs/performance.md): the per-head products 1.1-2x
+# torch.bmm at 1-2 rows, the LM head 1.3-1.9x oneDNN; level at 4 rows, 0.6-0.8x at 8.
 HEAD_PRODUCT_ROWS = 2
-LM_HEAD_ROWS = 1
+LM_HEAD_ROWS = 2
 
 
 def head_products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -229,9 +228,9 @@ def sparse_forward(layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata
 
 
 def few_rows_lm_head(lm_head) -> None:
-    """Up to ``LM_HEAD_ROWS`` rows (one request's decode step) through the LM head by ``ops.rows_matmul``,
-    other row counts by the linear vLLM chose (oneDNN on the CPU): the weight is streamed at 1.3-1.4x
-    oneDNN's rate at one row here (docs/vllm.md). vLLM keeps the LM head's weight beside its oneDNN
+    """Up to ``LM_HEAD_ROWS`` rows (a decode step of one or two requests) through the LM head by
+    ``ops.rows_matmul``, other row counts by the linear vLLM chose (oneDNN on the CPU): the weight is
+    streamed at 1.3-1.9x oneDNN's rate there (docs/vllm.md). vLLM keeps the LM head's weight beside its oneDNN
     handle, so nothing is copied. Logits run eagerly (outside the compiled model), so the row count
     may decide per call. Idempotent."""
     linear = getattr(lm_head, "cpu_linear", None)
