@@ -198,14 +198,16 @@ def head_products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         torch.bmm(x, w, out=out)
 
 
-def sparse_forward_applies(layer, attn_metadata, output, output_scale, output_block_scale, q_dcp_replicated) -> bool:
-    """Whether :func:`sparse_forward` runs ``MLAAttention.forward_impl`` for this call: a layer on the
-    plugin's backend, a real step (not the profile run), no fused output quantization, no decode context
-    parallelism, no head padding. Anything else goes to vLLM's own forward_impl."""
+def sparse_forward_applies(layer, attn_metadata, output, options: dict) -> bool:
+    """Whether :func:`sparse_forward` runs ``MLAAttention.forward_impl`` for this call (``options``: its
+    keyword arguments after ``output``): a layer on the plugin's backend, a real step (not the profile
+    run), no fused output quantization, no decode context parallelism, no head padding. Anything else
+    goes to vLLM's own forward_impl."""
     return (isinstance(getattr(layer, "impl", None), IndexCacheSparseMLAImpl) and attn_metadata is not None
-            and output is not None and output_scale is None and output_block_scale is None
-            and q_dcp_replicated is None and getattr(layer.impl, "dcp_world_size", 1) <= 1
-            and getattr(layer, "q_pad_num_heads", None) is None and not getattr(layer, "use_pcp", False))
+            and output is not None and options.get("output_scale") is None
+            and options.get("output_block_scale") is None and options.get("q_dcp_replicated") is None
+            and getattr(layer.impl, "dcp_world_size", 1) <= 1 and getattr(layer, "q_pad_num_heads", None) is None
+            and not getattr(layer, "use_pcp", False))
 
 
 def sparse_forward(layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: IndexCacheSparseMLAMetadata,

@@ -122,15 +122,12 @@ def _mla_process_weights_after_loading(original):
 
 
 def _mla_forward_impl(original):
-    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output=None, output_scale=None,
-                     output_block_scale=None, quant_group_size=None, quant_scale_ue8m0=None, quant_col_major=None,
-                     quant_tma_aligned=None, q_dcp_replicated=None):
-        if sparse_forward_applies(self, attn_metadata, output, output_scale, output_block_scale, q_dcp_replicated):
+    # vLLM passes everything after attn_metadata by keyword (output, the fused-quantization scales,
+    # q_dcp_replicated); the wrapper reads what decides the route and hands the call on unchanged otherwise
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output=None, *more, **options):
+        if not more and sparse_forward_applies(self, attn_metadata, output, options):
             return sparse_forward(self, q, kv_cache, attn_metadata, output)
-        return original(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output=output, output_scale=output_scale,
-                        output_block_scale=output_block_scale, quant_group_size=quant_group_size,
-                        quant_scale_ue8m0=quant_scale_ue8m0, quant_col_major=quant_col_major,
-                        quant_tma_aligned=quant_tma_aligned, q_dcp_replicated=q_dcp_replicated)
+        return original(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *more, **options)
     return forward_impl
 
 
