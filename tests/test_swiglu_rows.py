@@ -170,24 +170,24 @@ def test_model_blocks_equal_their_op_by_op_forward(monkeypatch, dtype):
 
 # ------------------------------------------------------------------ moe_rows: the routing as tensors
 
-def by_hand(x, experts, ids, w, first, shared):
-    """Row by row in float64: the chosen experts of [first, first + len(experts)) in any order (the
-    sum's value, not its order), each times its weight, plus the shared ones."""
+def per_row(fn, x, experts, ids, w, first, shared):
+    """fn (exact or bar) row by row in float64 over the row's chosen experts of [first, first +
+    len(experts)) in any order (the sum's value, not its order), each times its weight, plus the
+    shared ones."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for m in range(x.shape[0]):
         chosen = [(experts[int(e) - first], float(w[m, j])) for j, e in enumerate(ids[m].tolist())
                   if first <= e < first + len(experts)] + [(s, 1.0) for s in shared]
-        out[m] = exact(x[m:m + 1], [e for e, _ in chosen], [c for _, c in chosen])[0]
+        out[m] = fn(x[m:m + 1], [e for e, _ in chosen], [c for _, c in chosen])[0]
     return out
 
 
+def by_hand(x, experts, ids, w, first, shared):
+    return per_row(exact, x, experts, ids, w, first, shared)
+
+
 def bound(x, experts, ids, w, first, shared):
-    tol = torch.zeros(x.shape, dtype=torch.float64)
-    for m in range(x.shape[0]):
-        chosen = [(experts[int(e) - first], float(w[m, j])) for j, e in enumerate(ids[m].tolist())
-                  if first <= e < first + len(experts)] + [(s, 1.0) for s in shared]
-        tol[m] = bar(x[m:m + 1], [e for e, _ in chosen], [c for _, c in chosen])[0]
-    return tol
+    return per_row(bar, x, experts, ids, w, first, shared)
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES)

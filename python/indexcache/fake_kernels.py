@@ -352,12 +352,7 @@ def _swiglu_rows(x, gate_w, up_w, down_w, coef, out):
     torch._check(tuple(out.shape) == tuple(x.shape), lambda: f"out must be {list(x.shape)} like x, got {tuple(out.shape)}")
     torch._check(len(up_w) == len(gate_w) == len(down_w) == len(coef),
                  lambda: "gate_w, up_w, down_w and coef need one entry per expert")
-    for e, (g, u, d) in enumerate(zip(gate_w, up_w, down_w)):
-        for t, name in ((g, "gate_w"), (u, "up_w"), (d, "down_w")):
-            _dtype(t, FLOATS, f"{name}[{e}]")
-        torch._check(g.dim() == 2 and g.shape[1] == x.shape[1] and tuple(u.shape) == tuple(g.shape),
-                     lambda: f"gate_w[{e}] and up_w[{e}] must be [I, {x.shape[1]}]")
-        torch._check(tuple(d.shape) == (x.shape[1], g.shape[0]), lambda: f"down_w[{e}] must be [D, I]")
+    _check_experts(x, gate_w, up_w, down_w)
 
 
 def _check_experts(x, gate_w, up_w, down_w):
