@@ -7,30 +7,26 @@ What the plugin adds through vLLM's own extension points:
   ``indexcache.mla_kv_cache_insert``; ``forward_mqa`` turns the shared top-k rows (request-relative
   positions) into physical slots (``positions_to_slots``) and runs ``sparse_mla`` for every token
   of the step, prefill and decode alike (absorbed form).
-* ``IndexCacheIndexerBackend``: the index-K cache's metadata (slot mapping, block table, per-request
-  query and sequence lengths), built without vLLM's CUDA/Triton indexer builder.
+* the absorbed MLA forward for that backend's layers (``sparse_forward``, with the per-head products and
+  the LM head through ``rows_matmul`` at a few rows).
 
-The model classes are in :mod:`indexcache.integrations.vllm_models`; what has no extension point and
-is therefore patched (this module's indexer forward among it) in
+The indexer is in :mod:`indexcache.integrations.vllm_indexer`, the model classes in
+:mod:`indexcache.integrations.vllm_models`; what has no extension point and is therefore patched in
 :data:`indexcache.integrations.vllm_patches.PATCHES`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
 
 from indexcache import ops
-from indexcache.formats import FP8_DS_MLA_BYTES, INDEX_K_BYTES, MLA_LATENT, MLA_ROPE
-from indexcache.models import step_reuse
-from indexcache.models.blocks.indexer import fp8_query_inputs, paged_fp8_topk
+from indexcache.formats import FP8_DS_MLA_BYTES, MLA_LATENT, MLA_ROPE
 from indexcache.parallel.linear import few_rows
 
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -43,20 +39,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from . import vllm_step_reuse
-
 logger = logging.getLogger("indexcache.vllm")
 
 BACKEND_NAME = "INDEXCACHE_SPARSE_MLA"
 BACKEND_PATH = f"{__name__}.IndexCacheSparseMLABackend"
-INDEX_ROW_BYTES = INDEX_K_BYTES  # 128 e4m3 values + one fp32 scale per key
-
-
-def _env_hadamard() -> Optional[bool]:
-    raw = os.environ.get("INDEXCACHE_INDEXER_HADAMARD")
-    if raw is None:
-        return None
-    return raw.strip().lower() not in ("0", "false", "no", "off")
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,207 +276,3 @@ class IndexCacheSparseMLABackend(AttentionBackend):
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return [MLA_LATENT + MLA_ROPE]
-
-
-# --------------------------------------------------------------------------------------------
-# Lightning indexer
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class IndexCacheIndexerMetadata(AttentionMetadata):
-    num_reqs: int
-    num_actual_tokens: int
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
-    seq_lens: torch.Tensor  # int32 [num_reqs]
-    q_lens_cpu: list  # per request, host ints
-    seq_lens_cpu: list
-
-
-class IndexCacheIndexerMetadataBuilder(AttentionMetadataBuilder[IndexCacheIndexerMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-
-    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device: torch.device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> IndexCacheIndexerMetadata:
-        m = common_attn_metadata
-        qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
-        q_lens = torch.diff(qsl).tolist()
-        seq_lens = m.seq_lens[: m.num_reqs].to(torch.int32)
-        return IndexCacheIndexerMetadata(
-            num_reqs=m.num_reqs, num_actual_tokens=m.num_actual_tokens, slot_mapping=m.slot_mapping,
-            block_table=m.block_table_tensor[: m.num_reqs].to(torch.int32), seq_lens=seq_lens,
-            q_lens_cpu=q_lens, seq_lens_cpu=seq_lens.cpu().tolist(),
-        )
-
-
-class IndexCacheIndexerBackend(AttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32, torch.float16]
-
-    @staticmethod
-    def get_name() -> str:
-        return "INDEXCACHE_INDEXER"
-
-    @staticmethod
-    def get_builder_cls():
-        return IndexCacheIndexerMetadataBuilder
-
-    @staticmethod
-    def get_impl_cls():
-        raise NotImplementedError("the index-K cache has no attention impl")
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return [INDEX_ROW_BYTES]
-
-
-def _indexer_hadamard(indexer) -> bool:
-    """DeepSeek's reference rotates q and k by the 128-point Hadamard transform before fp8 (DESIGN §4);
-    ``indexer_hadamard: false`` in the config (or INDEXCACHE_INDEXER_HADAMARD=0) reproduces vLLM's GPU
-    kernels, which skip it."""
-    env = _env_hadamard()
-    if env is not None:
-        return env
-    return bool(getattr(indexer.config, "indexer_hadamard", True))
-
-
-def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
-    """Replaces vLLM's ``Indexer.forward``: q/k/weights as vLLM computes them, then this package's fp8
-    quantization (Hadamard as in DeepSeek's reference), index-K cache insert and fused top-k into the
-    shared buffer. Under ``index_reuse_steps`` > 1 (``vllm_step_reuse``) only the rows that recompute
-    project queries and score keys; every row's key enters the cache."""
-    buf = self.topk_indices_buffer
-    meta = _indexer_metadata(self)
-    if meta is None:  # profiling / dummy run: nothing to index
-        return buf
-    plan = vllm_step_reuse.plan_layer(self, meta, positions, buf)
-    kw, _ = self.wk_weights_proj(hidden_states)
-    k = self.k_norm(kw[:, : self.head_dim])
-    r = self.rope_dim
-    k_rot = k[..., :r].unsqueeze(1).contiguous()
-    every = plan is None or plan.rows is None
-    q = weights = None
-    if every or plan.meta is not None:  # some rows compute (vLLM's rotary modules take q and k together)
-        sub = slice(None) if every else plan.rows
-        q, _ = self.wq_b(qr[sub])
-        q = q.view(-1, self.n_head, self.head_dim)
-        q_pe, k_pe = rotary_emb(positions[sub], q[..., :r].contiguous(), k_rot[sub])
-        q = torch.cat([q_pe.reshape(-1, self.n_head, r), q[..., r:]], dim=-1)
-        weights = kw[sub, self.head_dim:]
-    if not every:  # every row's key enters the cache, the reusing rows' too
-        _, k_pe = rotary_emb(positions, k_rot.clone(), k_rot)
-    k = torch.cat([k_pe.reshape(-1, r), k[..., r:]], dim=-1)
-    return indexer_topk(self, meta, q, k, weights, plan)
-
-
-# The indexer as one opaque op. vLLM's CPU platform compiles a model (torch.compile, traced once:
-# CompilationMode.DYNAMO_TRACE_ONCE) unless told otherwise; a trace through indexer_forward would freeze
-# what it read from the step's metadata at trace time (the profile run's "no metadata: nothing to index"
-# among it) into every later step. As an op it runs eagerly inside the compiled graph, as vLLM's own
-# indexer op (vllm::sparse_attn_indexer) does; the op finds its Indexer through the index-K cache layer
-# that vLLM registers under ``layer_name`` in the forward context (``bind_indexer_op``).
-
-
-def _indexer_op(hidden_states, qr, positions, topk_indices_buffer, layer_name):
-    cache_layer = get_forward_context().no_compile_layers.get(layer_name)
-    bound = getattr(cache_layer, "ic_indexer_op", None)
-    indexer, rotary_emb = (bound[0](), bound[1]()) if bound is not None else (None, None)
-    if indexer is None or indexer.topk_indices_buffer.data_ptr() != topk_indices_buffer.data_ptr():
-        raise RuntimeError(f"indexcache: no indexer is bound to the index-K cache layer {layer_name!r}")
-    indexer_forward(indexer, hidden_states, qr, positions, rotary_emb)
-
-
-def _indexer_op_fake(hidden_states, qr, positions, topk_indices_buffer, layer_name):
-    return None
-
-
-def _define_indexer_op():
-    """The op's library. A reload of this module keeps the library it made before (its namespace still
-    holds it): the op lives as long as that object, and a second definition would raise."""
-    if globals().get("_LIB") is not None:
-        return globals()["_LIB"]
-    lib = torch.library.Library("indexcache_vllm", "FRAGMENT")
-    lib.define("indexer(Tensor hidden_states, Tensor qr, Tensor positions, Tensor(a!) topk_indices_buffer, "
-               "str layer_name) -> ()")
-    lib.impl("indexer", _indexer_op, "CPU")
-    lib._register_fake("indexer", _indexer_op_fake)
-    return lib
-
-
-_LIB = _define_indexer_op()
-
-
-def bind_indexer_op(model) -> int:
-    """Let ``indexcache_vllm::indexer`` find every indexer of ``model`` (and the rotary module its MLA layer
-    hands it) from its index-K cache layer's name; returns how many were bound. Weak references: the
-    cache layer is the indexer's own submodule, a strong one would be a cycle in the module tree."""
-    import weakref
-
-    n = 0
-    for mod in model.modules():
-        indexer = getattr(mod, "indexer", None)
-        if indexer is None or not hasattr(indexer, "k_cache") or not hasattr(mod, "indexer_rope_emb"):
-            continue
-        rope = mod.indexer_rope_emb
-        indexer.k_cache.__dict__["ic_indexer_op"] = (weakref.ref(indexer),
-                                                     weakref.ref(rope) if rope is not None else (lambda: None))
-        n += 1
-    return n
-
-
-def indexer_op_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
-    """vLLM's ``Indexer.forward`` as the plugin runs it: the whole indexer through the opaque op."""
-    torch.ops.indexcache_vllm.indexer(hidden_states, qr, positions, self.topk_indices_buffer, self.k_cache.prefix)
-    return self.topk_indices_buffer
-
-
-def _indexer_metadata(self) -> Optional[IndexCacheIndexerMetadata]:
-    attn_metadata = get_forward_context().attn_metadata
-    if not isinstance(attn_metadata, dict):
-        return None
-    meta = attn_metadata.get(self.k_cache.prefix)
-    if not isinstance(meta, IndexCacheIndexerMetadata):
-        raise RuntimeError(f"indexcache: layer {self.k_cache.prefix} has metadata {type(meta).__name__}, "
-                           "expected the plugin's indexer metadata")
-    return meta
-
-
-def indexer_topk(self, meta: IndexCacheIndexerMetadata, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
-                 plan=None) -> torch.Tensor:
-    """Keys of every row into the index-K cache; the top-k rows of the step into the shared buffer (the
-    rows of ``plan.rows`` scored, the others by the reuse rule; every row without a plan). ``q`` None:
-    no row computes."""
-    buf = self.topk_indices_buffer
-    n = meta.num_actual_tokens
-    if n > buf.shape[0]:
-        raise ValueError(f"indexcache: {n} tokens in one step exceed the shared top-k buffer's "
-                         f"{buf.shape[0]} rows (max_num_batched_tokens)")
-    if self.head_dim != 128:
-        raise NotImplementedError(f"indexcache: index_head_dim {self.head_dim}: the fp8 indexer takes 128")
-    hadamard = _indexer_hadamard(self)
-    every = plan is None or plan.rows is None
-    if q is not None:  # q and weights: every row's (``every``) or those of plan.rows
-        rows_q = slice(None, n) if every else slice(None)
-        q_fp8, w = fp8_query_inputs(q[rows_q].float(), weights[rows_q].float(), hadamard)
-    cache = self.k_cache.kv_cache
-    cache = cache.reshape(cache.shape[0], -1)
-    ops.index_k_cache_insert(k[:n].float().contiguous(), meta.slot_mapping[:n].to(torch.int64), cache, hadamard)
-    ops.fill_topk_buffer_(buf, n)
-    if every:
-        paged_fp8_topk(q_fp8, w, cache, meta.block_table, meta.seq_lens, meta.q_lens_cpu, meta.seq_lens_cpu,
-                       self.topk_tokens, buf)
-    else:
-        if plan.meta is not None:  # the requests that compute, as a batch of their own
-            sub = plan.meta
-            out = torch.full((plan.rows.numel(), self.topk_tokens), -1, dtype=buf.dtype, device=buf.device)
-            paged_fp8_topk(q_fp8, w, cache, sub.block_table, sub.seq_lens, sub.q_lens,
-                           vllm_step_reuse.host_seq_lens(sub), self.topk_tokens, out)
-            buf[plan.rows] = out
-        step_reuse.write_reused(plan, buf[:n])
-    if plan is not None:
-        step_reuse.check(plan, buf[:n])
-        step_reuse.save(plan, buf[:n])
-    return buf

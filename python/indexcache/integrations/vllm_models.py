@@ -197,7 +197,7 @@ def _served_class(base, name: str):
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         use_native_rope(self)
         use_reference_latent_norm_eps(self)
-        from .vllm_backend import bind_indexer_op
+        from .vllm_indexer import bind_indexer_op
         from .vllm_step_reuse import attach
 
         bind_indexer_op(self)

@@ -51,7 +51,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 from indexcache.models.state import BatchMeta
 
 from . import vllm_step_reuse
-from .vllm_backend import IndexCacheIndexerBackend, IndexCacheIndexerMetadata
+from .vllm_indexer import IndexCacheIndexerBackend, IndexCacheIndexerMetadata
 
 logger = logging.getLogger("indexcache.vllm")
 

@@ -20,13 +20,12 @@ from . import vllm_models, vllm_step_reuse
 from .vllm_backend import (
     BACKEND_NAME,
     BACKEND_PATH,
-    IndexCacheIndexerBackend,
     IndexCacheSparseMLAImpl,
     contiguous_absorbed_weights,
-    indexer_op_forward,
     sparse_forward,
     sparse_forward_applies,
 )
+from .vllm_indexer import IndexCacheIndexerBackend, indexer_op_forward
 from .vllm_models import NATIVE, SERVED
 
 logger = logging.getLogger("indexcache.vllm")

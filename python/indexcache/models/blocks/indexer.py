@@ -4,7 +4,7 @@ dense or paged keys, ``forward``) and the differentiable torch definition (``den
 ``select``) that training runs. The scoring inputs (``fp8_query_inputs``, ``fp8_key_inputs``,
 ``fp32_query_inputs``: the eps rule, the quantization, the head weights) are defined once here,
 for this model and for both engine integrations (``integrations.transformers``,
-``integrations.vllm_backend``)."""
+``integrations.vllm_indexer``)."""
 
 from __future__ import annotations
 
