@@ -20,7 +20,10 @@ worker binds ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0`` or ``0-1``)::
 
 ``--modes eager compiled`` times vLLM's eager model (its default for the DSA architectures) and its
 compiled one (``VLLM_USE_BREAKABLE_CUDAGRAPH=0``: torch.compile, traced once, inductor) side by side,
-with the engine's start-up time (the compile is in it).
+with the engine's start-up time (the compile is in it). Each configuration (freq, mode) runs in a
+child process of its own, as a served model does: a second compiled engine in one process can be
+handed the first one's graph (``--freqs 4 1`` in one process crashed in the all-F engine's first
+step, docs/vllm.md); ``--in-process`` measures them all in this process.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -161,6 +166,17 @@ def measure_steps(path, freq: int, prompt_len: int, decode: int, repeats: int, k
              "decode_tok_s_min": min(dec), "decode_tok_s_max": max(dec)}]
 
 
+def child_rows(args, freq: int, mode: str) -> list:
+    """measure_steps for one configuration in a fresh process (this script with ``--in-process``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, __file__, "--model", args.model, "--prompt-len", str(args.prompt_len),
+               "--decode", str(args.decode), "--repeats", str(args.repeats), "--kv-mib", str(args.kv_mib),
+               "--freqs", str(freq), "--modes", mode, "--in-process", "--json", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["rows"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 4])
@@ -178,6 +194,8 @@ def main(argv=None):
                          "(VLLM_USE_BREAKABLE_CUDAGRAPH=0: vLLM's CPU torch.compile), interleaved per freq")
     ap.add_argument("--model", help="serve this checkpoint (e.g. bench_llamacpp.py's) instead of writing one; "
                                     "one request at a time, decode timed step by step (measure_steps)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="with --model: every configuration in this process, not one child process each")
     args = ap.parse_args(argv)
     if "compiled" in args.modes:
         # vLLM sets this to 1 for the DSA architectures unless it is set, and reads it once per process;
@@ -190,8 +208,11 @@ def main(argv=None):
         rows = []
         for freq in args.freqs:
             for mode in args.modes:
-                rows += measure_steps(args.model, freq, args.prompt_len, args.decode, args.repeats, args.kv_mib,
-                                      vocab, mode)
+                if args.in_process:
+                    rows += measure_steps(args.model, freq, args.prompt_len, args.decode, args.repeats,
+                                          args.kv_mib, vocab, mode)
+                else:
+                    rows += child_rows(args, freq, mode)
         for r in rows:
             print(f"freq {r['freq']}, {r['mode']} (engine start {r['start_s']:.0f} s), context {r['context']}, "
                   f"{r['threads']} threads: prefill {r['prefill_tok_s']:.1f} "
