@@ -3,10 +3,9 @@
 * ``IndexCacheIndexerBackend``: the index-K cache's metadata (slot mapping, block table, per-request
   query and sequence lengths), built without vLLM's CUDA/Triton indexer builder.
 * ``indexer_op_forward``, which replaces vLLM's ``Indexer.forward`` (a row of
-  :data:`indexcache.integrations.vllm_patches.PATCHES`): the queries, keys and head weights traced into
-  vLLM's compiled graph, the index-K cache insert and the fused fp8 top-k into vLLM's shared top-k buffer
-  through the opaque op ``indexcache_vllm::indexer_topk``; under step reuse the whole indexer through
-  ``indexcache_vllm::indexer``.
+  :data:`indexcache.integrations.vllm_patches.PATCHES`): the whole indexer (projections, RoPE, fp8
+  quantization, index-K cache insert, the fused fp8 top-k into vLLM's shared top-k buffer) as one
+  opaque op, ``indexcache_vllm::indexer``.
 """
 
 from __future__ import annotations
@@ -105,10 +104,10 @@ def _indexer_hadamard(indexer) -> bool:
 
 
 def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
-    """Replaces vLLM's ``Indexer.forward`` under step reuse (``index_reuse_steps`` > 1,
-    ``vllm_step_reuse``), as one opaque op: q/k/weights as vLLM computes them, only for the rows that
-    recompute, then this package's fp8 quantization, index-K cache insert and fused top-k into the
-    shared buffer. Every row's key enters the cache."""
+    """The body of ``indexcache_vllm::indexer``: q/k/weights as vLLM computes them (under step reuse,
+    ``index_reuse_steps`` > 1, only for the rows that recompute: ``vllm_step_reuse``), then this
+    package's fp8 quantization, index-K cache insert and fused top-k into the shared buffer. Every
+    row's key enters the cache."""
     buf = self.topk_indices_buffer
     meta = _indexer_metadata(self)
     if meta is None:  # profiling / dummy run: nothing to index
@@ -148,27 +147,17 @@ def _indexer_queries(self, qr: torch.Tensor, positions: torch.Tensor, k_rot: tor
     return torch.cat([q_pe.reshape(-1, self.n_head, r), q[..., r:]], dim=-1), k_pe
 
 
-def indexer_inputs(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
-    """Every row's fp8 queries ``[T, H, 128]``, folded head weights ``[T, H]`` and fp32 keys ``[T, 128]``:
-    the indexer's metadata-free half, which vLLM's compiled graph traces (its linears, norm and RoPE
-    fuse there as in vLLM's own indexer; the quantization is this package's op)."""
-    k, kw = _indexer_keys(self, hidden_states)
-    r = self.rope_dim
-    q, k_pe = _indexer_queries(self, qr, positions, k[..., :r].unsqueeze(1).contiguous(), rotary_emb)
-    k = torch.cat([k_pe.reshape(-1, r), k[..., r:]], dim=-1)
-    q_fp8, w = fp8_query_inputs(q.float(), kw[:, self.head_dim:].float(), _indexer_hadamard(self))
-    return q_fp8, w, k.float().contiguous()
-
-
-# The indexer's metadata half as opaque ops. vLLM's CPU platform compiles a model (torch.compile, traced
-# once: CompilationMode.DYNAMO_TRACE_ONCE) unless told otherwise; a trace through code that reads the step's
+# The indexer as one opaque op. vLLM's CPU platform compiles a model (torch.compile, traced once:
+# CompilationMode.DYNAMO_TRACE_ONCE) unless told otherwise; a trace through code that reads the step's
 # metadata would freeze what it read at trace time (the profile run's "no metadata: nothing to index" among
-# it) into every later step. So the queries, keys and head weights are traced (``indexer_inputs``) and the
-# cache insert and top-k run as ``indexcache_vllm::indexer_topk``, eagerly inside the compiled graph, as
-# vLLM's own indexer op (vllm::sparse_attn_indexer) does. Under step reuse the rows that compute are chosen
-# from the metadata, so the whole indexer is one op there (``indexcache_vllm::indexer``). Either op finds
-# its Indexer through the index-K cache layer that vLLM registers under ``layer_name`` in the forward
-# context (``bind_indexer_op``).
+# it) into every later step. As an op it runs eagerly inside the compiled graph, as vLLM's own indexer op
+# (vllm::sparse_attn_indexer) does; it finds its Indexer through the index-K cache layer that vLLM registers
+# under ``layer_name`` in the forward context (``bind_indexer_op``). The queries' half is not traced apart
+# (tried 2026-12-07: an opaque ``indexer_topk`` op after traced projections): nothing in the graph ties the
+# attention op, which reads the top-k buffer through its impl, to the op that fills it, and inductor ran
+# some layers' attention first, silently (an all-F GLM-5 engine's prompt log-probs 0.5-0.9 nats off the
+# eager engine's, docs/vllm.md). The whole op has the same missing edge; with it the compiled engines
+# have matched the eager ones (tests_vllm, and that check), but nothing enforces its place.
 
 
 def _bound(layer_name: str, topk_indices_buffer: torch.Tensor) -> tuple:
@@ -185,13 +174,6 @@ def _indexer_op(hidden_states, qr, positions, topk_indices_buffer, layer_name):
     indexer_forward(indexer, hidden_states, qr, positions, rotary_emb)
 
 
-def _indexer_topk_op(q_fp8, weights, k, topk_indices_buffer, layer_name):
-    indexer, _ = _bound(layer_name, topk_indices_buffer)
-    meta = _indexer_metadata(indexer)
-    if meta is not None:  # None: profiling / dummy run, nothing to index
-        cache_and_topk(indexer, meta, q_fp8, weights, k)
-
-
 def _no_output(*args):
     return None
 
@@ -204,12 +186,8 @@ def _define_indexer_ops():
     lib = torch.library.Library("indexcache_vllm", "FRAGMENT")
     lib.define("indexer(Tensor hidden_states, Tensor qr, Tensor positions, Tensor(a!) topk_indices_buffer, "
                "str layer_name) -> ()")
-    lib.define("indexer_topk(Tensor q_fp8, Tensor weights, Tensor k, Tensor(a!) topk_indices_buffer, "
-               "str layer_name) -> ()")
     lib.impl("indexer", _indexer_op, "CPU")
-    lib.impl("indexer_topk", _indexer_topk_op, "CPU")
     lib._register_fake("indexer", _no_output)
-    lib._register_fake("indexer_topk", _no_output)
     return lib
 
 
@@ -235,17 +213,11 @@ def bind_indexer_op(model) -> int:
 
 
 def indexer_op_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
-    """vLLM's ``Indexer.forward`` as the plugin runs it: the queries, keys and weights in the caller's
-    graph and the cache insert and top-k through the opaque op; the whole indexer through the other op
-    under step reuse."""
+    """vLLM's ``Indexer.forward`` as the plugin runs it: the whole indexer through the opaque op."""
     if self.head_dim != 128:
         raise NotImplementedError(f"indexcache: index_head_dim {self.head_dim}: the fp8 indexer takes 128")
-    buf, name = self.topk_indices_buffer, self.k_cache.prefix
-    if getattr(self, "ic_reuse", None) is not None:
-        torch.ops.indexcache_vllm.indexer(hidden_states, qr, positions, buf, name)
-    else:
-        q_fp8, w, k = indexer_inputs(self, hidden_states, qr, positions, rotary_emb)
-        torch.ops.indexcache_vllm.indexer_topk(q_fp8, w, k, buf, name)
+    buf = self.topk_indices_buffer
+    torch.ops.indexcache_vllm.indexer(hidden_states, qr, positions, buf, self.k_cache.prefix)
     return buf
 
 
