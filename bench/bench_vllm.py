@@ -21,9 +21,9 @@ worker binds ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0`` or ``0-1``)::
 ``--modes eager compiled`` times vLLM's eager model (its default for the DSA architectures) and its
 compiled one (``VLLM_USE_BREAKABLE_CUDAGRAPH=0``: torch.compile, traced once, inductor) side by side,
 with the engine's start-up time (the compile is in it). Each configuration (freq, mode) runs in a
-child process of its own, as a served model does: a second compiled engine in one process can be
-handed the first one's graph (``--freqs 4 1`` in one process crashed in the all-F engine's first
-step, docs/vllm.md); ``--in-process`` measures them all in this process.
+child process of its own, as a served model does, so no engine's compile or process state reaches
+the next (with a since-removed indexer split, ``--freqs 4 1`` in one process crashed in the second
+engine, docs/vllm.md); ``--in-process`` measures them all in this process.
 """
 
 from __future__ import annotations
