@@ -104,47 +104,32 @@ def _indexer_hadamard(indexer) -> bool:
 
 
 def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
-    """The body of ``indexcache_vllm::indexer``: q/k/weights as vLLM computes them (under step reuse,
-    ``index_reuse_steps`` > 1, only for the rows that recompute: ``vllm_step_reuse``), then this
-    package's fp8 quantization, index-K cache insert and fused top-k into the shared buffer. Every
-    row's key enters the cache."""
+    """Replaces vLLM's ``Indexer.forward``: q/k/weights as vLLM computes them, then this package's fp8
+    quantization (Hadamard as in DeepSeek's reference), index-K cache insert and fused top-k into the
+    shared buffer. Under ``index_reuse_steps`` > 1 (``vllm_step_reuse``) only the rows that recompute
+    project queries and score keys; every row's key enters the cache."""
     buf = self.topk_indices_buffer
     meta = _indexer_metadata(self)
     if meta is None:  # profiling / dummy run: nothing to index
         return buf
     plan = vllm_step_reuse.plan_layer(self, meta, positions, buf)
-    every = plan is None or plan.rows is None
-    k, kw = _indexer_keys(self, hidden_states)
+    kw, _ = self.wk_weights_proj(hidden_states)
+    k = self.k_norm(kw[:, : self.head_dim])
     r = self.rope_dim
     k_rot = k[..., :r].unsqueeze(1).contiguous()
+    every = plan is None or plan.rows is None
     q = weights = None
     if every or plan.meta is not None:  # some rows compute (vLLM's rotary modules take q and k together)
         sub = slice(None) if every else plan.rows
-        q, k_pe = _indexer_queries(self, qr[sub], positions[sub], k_rot[sub], rotary_emb)
+        q, _ = self.wq_b(qr[sub])
+        q = q.view(-1, self.n_head, self.head_dim)
+        q_pe, k_pe = rotary_emb(positions[sub], q[..., :r].contiguous(), k_rot[sub])
+        q = torch.cat([q_pe.reshape(-1, self.n_head, r), q[..., r:]], dim=-1)
         weights = kw[sub, self.head_dim:]
     if not every:  # every row's key enters the cache, the reusing rows' too
         _, k_pe = rotary_emb(positions, k_rot.clone(), k_rot)
     k = torch.cat([k_pe.reshape(-1, r), k[..., r:]], dim=-1)
-    q_fp8 = w = None
-    if q is not None:  # q and weights: every row's (``every``) or those of plan.rows
-        rows_q = slice(None, meta.num_actual_tokens) if every else slice(None)
-        q_fp8, w = fp8_query_inputs(q[rows_q].float(), weights[rows_q].float(), _indexer_hadamard(self))
-    return cache_and_topk(self, meta, q_fp8, w, k, plan)
-
-
-def _indexer_keys(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the normed index key before RoPE ``[T, 128]``, the fused key + head-weight projection)."""
-    kw, _ = self.wk_weights_proj(hidden_states)
-    return self.k_norm(kw[:, : self.head_dim]), kw
-
-
-def _indexer_queries(self, qr: torch.Tensor, positions: torch.Tensor, k_rot: torch.Tensor, rotary_emb):
-    """(q ``[T, H, 128]`` with RoPE on its first ``rope_dim`` lanes, k's rotated lanes)."""
-    r = self.rope_dim
-    q, _ = self.wq_b(qr)
-    q = q.view(-1, self.n_head, self.head_dim)
-    q_pe, k_pe = rotary_emb(positions, q[..., :r].contiguous(), k_rot)
-    return torch.cat([q_pe.reshape(-1, self.n_head, r), q[..., r:]], dim=-1), k_pe
+    return indexer_topk(self, meta, q, k, weights, plan)
 
 
 # The indexer as one opaque op. vLLM's CPU platform compiles a model (torch.compile, traced once:
@@ -160,38 +145,33 @@ def _indexer_queries(self, qr: torch.Tensor, positions: torch.Tensor, k_rot: tor
 # have matched the eager ones (tests_vllm, and that check), but nothing enforces its place.
 
 
-def _bound(layer_name: str, topk_indices_buffer: torch.Tensor) -> tuple:
+def _indexer_op(hidden_states, qr, positions, topk_indices_buffer, layer_name):
     cache_layer = get_forward_context().no_compile_layers.get(layer_name)
     bound = getattr(cache_layer, "ic_indexer_op", None)
     indexer, rotary_emb = (bound[0](), bound[1]()) if bound is not None else (None, None)
     if indexer is None or indexer.topk_indices_buffer.data_ptr() != topk_indices_buffer.data_ptr():
         raise RuntimeError(f"indexcache: no indexer is bound to the index-K cache layer {layer_name!r}")
-    return indexer, rotary_emb
-
-
-def _indexer_op(hidden_states, qr, positions, topk_indices_buffer, layer_name):
-    indexer, rotary_emb = _bound(layer_name, topk_indices_buffer)
     indexer_forward(indexer, hidden_states, qr, positions, rotary_emb)
 
 
-def _no_output(*args):
+def _indexer_op_fake(hidden_states, qr, positions, topk_indices_buffer, layer_name):
     return None
 
 
-def _define_indexer_ops():
-    """The ops' library. A reload of this module keeps the library it made before (its namespace still
-    holds it): the ops live as long as that object, and a second definition would raise."""
+def _define_indexer_op():
+    """The op's library. A reload of this module keeps the library it made before (its namespace still
+    holds it): the op lives as long as that object, and a second definition would raise."""
     if globals().get("_LIB") is not None:
         return globals()["_LIB"]
     lib = torch.library.Library("indexcache_vllm", "FRAGMENT")
     lib.define("indexer(Tensor hidden_states, Tensor qr, Tensor positions, Tensor(a!) topk_indices_buffer, "
                "str layer_name) -> ()")
     lib.impl("indexer", _indexer_op, "CPU")
-    lib._register_fake("indexer", _no_output)
+    lib._register_fake("indexer", _indexer_op_fake)
     return lib
 
 
-_LIB = _define_indexer_ops()
+_LIB = _define_indexer_op()
 
 
 def bind_indexer_op(model) -> int:
@@ -214,11 +194,8 @@ def bind_indexer_op(model) -> int:
 
 def indexer_op_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rotary_emb):
     """vLLM's ``Indexer.forward`` as the plugin runs it: the whole indexer through the opaque op."""
-    if self.head_dim != 128:
-        raise NotImplementedError(f"indexcache: index_head_dim {self.head_dim}: the fp8 indexer takes 128")
-    buf = self.topk_indices_buffer
-    torch.ops.indexcache_vllm.indexer(hidden_states, qr, positions, buf, self.k_cache.prefix)
-    return buf
+    torch.ops.indexcache_vllm.indexer(hidden_states, qr, positions, self.topk_indices_buffer, self.k_cache.prefix)
+    return self.topk_indices_buffer
 
 
 def _indexer_metadata(self) -> Optional[IndexCacheIndexerMetadata]:
@@ -232,19 +209,23 @@ def _indexer_metadata(self) -> Optional[IndexCacheIndexerMetadata]:
     return meta
 
 
-def cache_and_topk(self, meta: IndexCacheIndexerMetadata, q_fp8: Optional[torch.Tensor], w: Optional[torch.Tensor],
-                   k: torch.Tensor, plan=None) -> torch.Tensor:
+def indexer_topk(self, meta: IndexCacheIndexerMetadata, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                 plan=None) -> torch.Tensor:
     """Keys of every row into the index-K cache; the top-k rows of the step into the shared buffer (the
-    rows of ``plan.rows`` scored, the others by the reuse rule; every row without a plan). ``q_fp8`` and
-    ``w`` (``fp8_query_inputs``): at least the scored rows' (every row's, or those of plan.rows); None:
+    rows of ``plan.rows`` scored, the others by the reuse rule; every row without a plan). ``q`` None:
     no row computes."""
     buf = self.topk_indices_buffer
     n = meta.num_actual_tokens
     if n > buf.shape[0]:
         raise ValueError(f"indexcache: {n} tokens in one step exceed the shared top-k buffer's "
                          f"{buf.shape[0]} rows (max_num_batched_tokens)")
+    if self.head_dim != 128:
+        raise NotImplementedError(f"indexcache: index_head_dim {self.head_dim}: the fp8 indexer takes 128")
     hadamard = _indexer_hadamard(self)
     every = plan is None or plan.rows is None
+    if q is not None:  # q and weights: every row's (``every``) or those of plan.rows
+        rows_q = slice(None, n) if every else slice(None)
+        q_fp8, w = fp8_query_inputs(q[rows_q].float(), weights[rows_q].float(), hadamard)
     cache = self.k_cache.kv_cache
     cache = cache.reshape(cache.shape[0], -1)
     ops.index_k_cache_insert(k[:n].float().contiguous(), meta.slot_mapping[:n].to(torch.int64), cache, hadamard)
