@@ -36,6 +36,10 @@ struct LaneVec {
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V from_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
 #else
   using V = __m256;
   static V zero() { return _mm256_setzero_ps(); }
@@ -45,6 +49,7 @@ struct LaneVec {
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V from_bf16(const uint16_t* p) { return ::indexcache::avx2::bf16x8(p); }
 #endif
 };
 constexpr int64_t kLaneW = kVecLanes;  // lanes per vector: 8 or 16
@@ -69,10 +74,101 @@ inline void pack_q_lanes(const float* const* qrow, int64_t m_n, int64_t d, const
   }
 }
 
+// The next block's key and value rows, copied (fp32) or converted into the idle pair of tiles while
+// the current block is computed: in MiniMax-M3's cache a KV head's rows lie h_kv * d * es apart
+// (2 KiB), each in few L1 / L2 sets, so rows read in place missed on every pass, a block-wide
+// software prefetch stalled as long as the copy it was meant to hide (and its lines fell out of L2's
+// few sets before use), and a copy at the block's start waited on DRAM for about a third of the op
+// at 8 query heads. The copy keeps pace with the block's work (upto: the rows due so far), each row
+// prefetched kAhead rows before it is copied. In the AVX-512 build, where d is a multiple of 16, the
+// copy runs inside the micro-kernels' inner loops instead, one key and one value vector per
+// iteration (step, each prefetching the same columns kAhead rows on), so its loads and stores
+// overlap the FMAs: 2-7 % faster on the AMX Xeon than copying between the micro-kernel calls, where a
+// hot block's copy alone (no DRAM miss) cost a quarter of the op at 8 query heads. The AVX2 build
+// copies between the calls: its 16 registers leave no room, and step() there cost 10-15 %.
+
+// x [n] (fp32 or bf16) -> fp32 dst [n], kLaneW lanes at a time (no call: rows are 512 bytes).
+inline void row_to_float(const void* x, DType dt, int64_t n, float* dst) {
+  int64_t i = 0;
+  if (dt == DType::kFloat32) {
+    const float* f = static_cast<const float*>(x);
+    for (; i + kLaneW <= n; i += kLaneW) LV::store(dst + i, LV::load(f + i));
+    for (; i < n; ++i) dst[i] = f[i];
+    return;
+  }
+  const uint16_t* b = static_cast<const uint16_t*>(x);
+  for (; i + kLaneW <= n; i += kLaneW) LV::store(dst + i, LV::from_bf16(b + i));
+  for (; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(b[i]) << 16);
+}
+
+constexpr bool kPacedCopy = kLaneW == 16;
+
+struct RowCopy {
+  static constexpr int64_t kAhead = 8;  // 4-12 measured alike, 1 and 32 slower (8-lane, bursts)
+  static constexpr int64_t kLead = 8;   // rows the paced copy may run ahead of the rows due
+  const char* kc = nullptr;
+  const char* vc = nullptr;
+  DType dt = DType::kFloat32;
+  int64_t d = 0, dp = 0, row_bytes = 0, n = 0, done = 0;
+  const int64_t* off = nullptr;  // byte offsets of the rows in the caches
+  float* kt = nullptr;           // [n][d]
+  float* vt = nullptr;           // [n][dp]
+  int64_t limit = 0, col = 0;    // rows the paced copy may reach; the next column of row `done`
+
+  bool paced() const { return kPacedCopy && d % kLaneW == 0; }
+  void prefetch(int64_t i) const {
+    for (int64_t l = 0; l < row_bytes; l += 64) {
+      __builtin_prefetch(kc + off[i] + l, 0, 3);
+      __builtin_prefetch(vc + off[i] + l, 0, 3);
+    }
+  }
+  void start() {
+    for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(i);
+    col = 0;
+    limit = paced() ? std::min(n, kLead) : 0;
+  }
+  // One key vector and one value vector of row `done`, while short of limit (the micro-kernels'
+  // inner loops call this where kPacedCopy).
+  void step() {
+    if (done >= limit) return;
+    const int64_t es = dt == DType::kFloat32 ? 4 : 2;
+    const char* ks = kc + off[done] + col * es;
+    const char* vs = vc + off[done] + col * es;
+    if (done + kAhead < n) {  // the same columns kAhead rows on
+      __builtin_prefetch(kc + off[done + kAhead] + col * es, 0, 3);
+      __builtin_prefetch(vc + off[done + kAhead] + col * es, 0, 3);
+    }
+    if (dt == DType::kFloat32) {
+      LV::store(kt + done * d + col, LV::load(reinterpret_cast<const float*>(ks)));
+      LV::store(vt + done * dp + col, LV::load(reinterpret_cast<const float*>(vs)));
+    } else {
+      LV::store(kt + done * d + col, LV::from_bf16(reinterpret_cast<const uint16_t*>(ks)));
+      LV::store(vt + done * dp + col, LV::from_bf16(reinterpret_cast<const uint16_t*>(vs)));
+    }
+    if ((col += kLaneW) == d) ++done, col = 0;
+  }
+  // Rows [0, m) are due (m clamped to n): left to step() with kLead rows of slack where paced, else
+  // (and at the block's end: now) copied here.
+  void upto(int64_t m, bool now = false) {
+    m = std::min(m, n);
+    if (!now && paced()) {
+      limit = std::min(n, m + kLead);
+      return;
+    }
+    const int64_t es = dt == DType::kFloat32 ? 4 : 2;
+    for (; done < m; ++done, col = 0) {
+      if (done + kAhead < n) prefetch(done + kAhead);
+      row_to_float(kc + off[done] + col * es, dt, d - col, kt + done * d + col);
+      row_to_float(vc + off[done] + col * es, dt, d - col, vt + done * dp + col);
+    }
+  }
+};
+
 // s[r][W·v + l] = key r · Qᵀ[:, W·v + l] for r < MR keys (rows of kt, d apart), v < NV vectors of
 // W = kLaneW lanes; qt points at the first lane, rows of qt and s ldm apart.
 template <int MR, int NV>
-inline void lane_scores(const float* kt, const float* __restrict qt, int64_t ldm, int64_t d, float* __restrict s) {
+inline void lane_scores(const float* kt, const float* __restrict qt, int64_t ldm, int64_t d, float* __restrict s,
+                        RowCopy& next) {
   // Named accumulators, loops unrolled by pragma: GCC kept an array of vectors on the stack and
   // stored it every iteration (the kernel ran at half its FMA rate).
   LV::V a0[MR], a1[MR];
@@ -86,6 +182,7 @@ inline void lane_scores(const float* kt, const float* __restrict qt, int64_t ldm
   for (int64_t c = 0; c < d; ++c) {
     const LV::V q0 = LV::load(qt + c * ldm);
     const LV::V q1 = NV > 1 ? LV::load(qt + c * ldm + kLaneW) : q0;
+    if constexpr (kPacedCopy) next.step();
 #pragma GCC unroll 32
     for (int r = 0; r < MR; ++r) {
       const LV::V kb = LV::bcast(k[r] + c);
@@ -101,11 +198,11 @@ inline void lane_scores(const float* kt, const float* __restrict qt, int64_t ldm
 }
 
 template <int NV, int MR = kLaneMR>
-inline void lane_scores_n(int mr, const float* kt, const float* qt, int64_t ldm, int64_t d, float* s) {
+inline void lane_scores_n(int mr, const float* kt, const float* qt, int64_t ldm, int64_t d, float* s, RowCopy& next) {
   if constexpr (MR > 1) {
-    if (mr < MR) return lane_scores_n<NV, MR - 1>(mr, kt, qt, ldm, d, s);
+    if (mr < MR) return lane_scores_n<NV, MR - 1>(mr, kt, qt, ldm, d, s, next);
   }
-  lane_scores<MR, NV>(kt, qt, ldm, d, s);
+  lane_scores<MR, NV>(kt, qt, ldm, d, s, next);
 }
 
 // One kLaneW-lane column of a block's scores s [nk_max][ldm] (s points at its first lane) in place
@@ -147,7 +244,7 @@ inline void lane_softmax(float* s, int64_t ldm, int64_t nk_max, const int32_t* n
 // rows ldm apart; vt the value tile [keys][dp].
 template <int MR>
 inline void lane_pv(const float* __restrict pc, int64_t ldm, const float* __restrict vt, int64_t k0, int64_t nk,
-                    int64_t dp, const float* alpha, float* const* orow) {
+                    int64_t dp, const float* alpha, float* const* orow, RowCopy& next) {
   for (int64_t c = 0; c < dp; c += 2 * kLaneW) {
     LV::V a0[MR], a1[MR];
 #pragma GCC unroll 16
@@ -163,6 +260,7 @@ inline void lane_pv(const float* __restrict pc, int64_t ldm, const float* __rest
     for (int64_t i = k0; i < nk; ++i) {
       const LV::V v0 = LV::load(vt + i * dp + c), v1 = LV::load(vt + i * dp + c + kLaneW);
       const float* p = pc + i * ldm;
+      if constexpr (kPacedCopy) next.step();
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const LV::V pb = LV::bcast(p + r);
@@ -180,62 +278,12 @@ inline void lane_pv(const float* __restrict pc, int64_t ldm, const float* __rest
 
 template <int MR = kLaneMR>
 inline void lane_pv_n(int mr, const float* pc, int64_t ldm, const float* vt, int64_t k0, int64_t nk, int64_t dp,
-                      const float* alpha, float* const* orow) {
+                      const float* alpha, float* const* orow, RowCopy& next) {
   if constexpr (MR > 1) {
-    if (mr < MR) return lane_pv_n<MR - 1>(mr, pc, ldm, vt, k0, nk, dp, alpha, orow);
+    if (mr < MR) return lane_pv_n<MR - 1>(mr, pc, ldm, vt, k0, nk, dp, alpha, orow, next);
   }
-  lane_pv<MR>(pc, ldm, vt, k0, nk, dp, alpha, orow);
+  lane_pv<MR>(pc, ldm, vt, k0, nk, dp, alpha, orow, next);
 }
-
-// The next block's key and value rows, copied (fp32) or converted into the idle pair of tiles a
-// few rows at a time while the current block is computed: in MiniMax-M3's cache a KV head's rows
-// lie h_kv * d * es apart (2 KiB), each in few L1 / L2 sets, so rows read in place missed on every
-// pass, a block-wide software prefetch stalled as long as the copy it was meant to hide (and its
-// lines fell out of L2's few sets before use), and a copy at the block's start waited on DRAM for
-// about a third of the op at 8 query heads. Spread over the block's micro-kernel calls, each row
-// prefetched kAhead rows before it is copied, the misses overlap the FMAs.
-// x [n] (fp32 or bf16) -> fp32 dst [n], 8 lanes at a time (no call: rows are 512 bytes).
-inline void row_to_float(const void* x, DType dt, int64_t n, float* dst) {
-  int64_t i = 0;
-  if (dt == DType::kFloat32) {
-    const float* f = static_cast<const float*>(x);
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(f + i));
-    for (; i < n; ++i) dst[i] = f[i];
-    return;
-  }
-  const uint16_t* b = static_cast<const uint16_t*>(x);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ::indexcache::avx2::bf16x8(b + i));
-  for (; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(b[i]) << 16);
-}
-
-struct RowCopy {
-  static constexpr int64_t kAhead = 8;  // 4-12 measured alike, 1 and 32 slower
-  const char* kc = nullptr;
-  const char* vc = nullptr;
-  DType dt = DType::kFloat32;
-  int64_t d = 0, dp = 0, row_bytes = 0, n = 0, done = 0;
-  const int64_t* off = nullptr;  // byte offsets of the rows in the caches
-  float* kt = nullptr;           // [n][d]
-  float* vt = nullptr;           // [n][dp]
-
-  void prefetch(int64_t i) const {
-    for (int64_t l = 0; l < row_bytes; l += 64) {
-      __builtin_prefetch(kc + off[i] + l, 0, 3);
-      __builtin_prefetch(vc + off[i] + l, 0, 3);
-    }
-  }
-  void start() const {
-    for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(i);
-  }
-  // Rows [done, m) (m clamped to n).
-  void upto(int64_t m) {
-    for (m = std::min(m, n); done < m; ++done) {
-      if (done + kAhead < n) prefetch(done + kAhead);
-      row_to_float(kc + off[done], dt, d, kt + done * d);
-      row_to_float(vc + off[done], dt, d, vt + done * dp);
-    }
-  }
-};
 
 // A task's lane scratch, sized for mv query vectors (a block's are at most the group's); two pairs
 // of K / V tiles, the current block's and the next one's.
@@ -271,9 +319,9 @@ inline void lanes_block(int64_t m_n, int64_t nk_max, int64_t d, int64_t dp, floa
     for (int64_t i = 0; i < nk_max; i += step) {
       const int mr = static_cast<int>(std::min<int64_t>(step, nk_max - i));
       if (nl == 2 * kLaneW)
-        lane_scores_n<2>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0]);
+        lane_scores_n<2>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0], next);
       else
-        lane_scores_n<1, 2 * kLaneMR>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0]);
+        lane_scores_n<1, 2 * kLaneMR>(mr, kt + i * d, &ls.qt[m0], ldm, d, &ls.s[i * ldm + m0], next);
       work += mr * nl;
       next.upto(next.n * work / total);
     }
@@ -288,13 +336,14 @@ inline void lanes_block(int64_t m_n, int64_t nk_max, int64_t d, int64_t dp, floa
     for (int r = 1; r < mr; ++r) nk_min = std::min<int64_t>(nk_min, ls.nk[m0 + r]);
     // Keys every vector of the panel sees go through the panel; a vector whose row ends further
     // inside this block adds its own keys past those alone, in the same order.
-    lane_pv_n(mr, &ls.s[m0], ldm, vt, 0, nk_min, dp, &ls.alpha[m0], &ls.orow[m0]);
+    lane_pv_n(mr, &ls.s[m0], ldm, vt, 0, nk_min, dp, &ls.alpha[m0], &ls.orow[m0], next);
     for (int r = 0; r < mr; ++r)
-      if (ls.nk[m0 + r] > nk_min) lane_pv<1>(&ls.s[m0 + r], ldm, vt, nk_min, ls.nk[m0 + r], dp, nullptr, &ls.orow[m0 + r]);
+      if (ls.nk[m0 + r] > nk_min)
+        lane_pv<1>(&ls.s[m0 + r], ldm, vt, nk_min, ls.nk[m0 + r], dp, nullptr, &ls.orow[m0 + r], next);
     work += mr * nk_max;
     next.upto(next.n * work / total);
   }
-  next.upto(next.n);
+  next.upto(next.n, true);
 }
 
 // One attention task's blocks on the lanes: the group's selections sel[0, nsel) of KV head kh
@@ -320,7 +369,7 @@ inline void lanes_task(const BlockSparseAttnParams& p, int64_t t0, int64_t nsel,
     next.start();
   };
   copy_of(0, 0);
-  next.upto(next.n);
+  next.upto(next.n, true);
   for (int64_t a = 0, cur = 0; a < nsel; cur ^= 1) {
     int64_t b;
     const int64_t i0 = static_cast<int64_t>(w.sel[a].first) * bsz, nk_max = block_run(a, &b);
