@@ -16,7 +16,7 @@ import indexcache._C as _C
 from indexcache import ops
 from indexcache import reference as ref
 
-from test_block_sparse import make_paged
+from test_block_sparse import assert_rows_alone_and_one_thread_equal, make_paged
 from test_ops import rel_err
 
 
@@ -125,16 +125,6 @@ def test_lane_widths_give_the_same_bits(h_q, h_kv, d, block_size, topk, rows_per
 def test_lane_kernel_threads_and_grouping(cpu_isa, dtype):
     """Many rows of one request share blocks (vectors of several rows in one panel, the paced copy over
     long blocks): one thread, the default threads and each row alone give the same bits."""
-    q, kc, vc, table, req, pos, blocks = lane_case(dtype, [1500, 300], 24, 2, 128, 64, 8, 40, seed=7)
-    out, lse = run_poisoned(q, kc, vc, table, req, pos, blocks, 64, 0.09)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        o1, l1 = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, 64, 0.09)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(o1, out) and torch.equal(l1, lse)
-    for t in (0, 13, 39, q.shape[0] - 1):
-        ot, lt = ops.block_sparse_attention(q[t:t + 1], kc, vc, table, req[t:t + 1], pos[t:t + 1], blocks[t:t + 1],
-                                            64, 0.09)
-        assert torch.equal(ot[0], out[t]) and torch.equal(lt[0], lse[t])
+    args = (*lane_case(dtype, [1500, 300], 24, 2, 128, 64, 8, 40, seed=7), 64, 0.09)
+    out, lse = run_poisoned(*args)
+    assert_rows_alone_and_one_thread_equal(args, out, lse, (0, 13, 39, args[0].shape[0] - 1))
