@@ -276,14 +276,22 @@ def test_attention_rows_alone_equal_rows_grouped(cpu_isa, dtype):
     # other rows (or how many threads) share them: each row alone, bit for bit, as in the batch.
     q, kc, vc, table, req, pos, blocks = make_attention(dtype, [700, 90], 16, 2, 64, 16, 32, 8, 30, seed=11)
     out, lse = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, 32, 0.125)
-    for t in (0, 7, 29, 31, q.shape[0] - 1):
+    assert_rows_alone_and_one_thread_equal((q, kc, vc, table, req, pos, blocks, 32, 0.125), out, lse,
+                                           (0, 7, 29, 31, q.shape[0] - 1))
+
+
+def assert_rows_alone_and_one_thread_equal(args, out, lse, rows):
+    """block_sparse_attention(*args) gave (out, lse); each of `rows` alone and the whole batch on one
+    thread give the same bits."""
+    q, kc, vc, table, req, pos, blocks, block_size, scale = args
+    for t in rows:
         o1, l1 = ops.block_sparse_attention(q[t:t + 1], kc, vc, table, req[t:t + 1], pos[t:t + 1], blocks[t:t + 1],
-                                            32, 0.125)
+                                            block_size, scale)
         assert torch.equal(o1[0], out[t]) and torch.equal(l1[0], lse[t])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        o2, l2 = ops.block_sparse_attention(q, kc, vc, table, req, pos, blocks, 32, 0.125)
+        o2, l2 = ops.block_sparse_attention(*args)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(o2, out) and torch.equal(l2, lse)

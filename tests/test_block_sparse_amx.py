@@ -26,7 +26,7 @@ def amx_here():
 
 def test_blas_path_runs_block_sparse_bf16_where_amx_is():
     """On a CPU with AMX-BF16 (tile state granted) `auto` and `blas` take the AMX kernel for bf16
-    attention; fp32 attention goes on to avx2's lane kernel, block_topk to avx512bf16; elsewhere blas
+    attention; fp32 attention goes on to avx512bf16's 16-lane kernel, block_topk to avx512bf16; elsewhere blas
     has no block-sparse kernel."""
     kernels = set(_C._cpu_kernels()["blas"])
     if not amx_here():
@@ -36,7 +36,7 @@ def test_blas_path_runs_block_sparse_bf16_where_amx_is():
     assert "block_sparse_attention/bf16" in kernels and "block_sparse_attention/fp32" not in kernels
     assert not {"block_topk/bf16", "block_topk/fp32"} & kernels
     assert _C._cpu_isa("block_sparse_attention", "bf16") == "blas"
-    assert _C._cpu_isa("block_sparse_attention", "fp32") == "avx2"
+    assert _C._cpu_isa("block_sparse_attention", "fp32") == "avx512bf16"
     assert _C._cpu_isa("block_topk", "bf16") == "avx512bf16"
     _C._set_cpu_isa("avx512bf16")
     try:

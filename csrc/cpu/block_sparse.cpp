@@ -14,9 +14,9 @@
 // online per (row, head), and P·V added by the same shape of micro-kernel (block_sparse_impl.h;
 // bf16 on the avx512bf16 path: both products on vdpbf16ps, P split into two bf16 parts,
 // block_sparse_bf16.h). The next block's K/V rows are prefetched while one block is computed.
-// The avx2 path lays the block's query vectors across the lanes instead (block_sparse_lanes.h:
-// no key transpose, a lane-wise softmax, the next block's rows copied during this one), and so
-// does fp32 attention on the avx512bf16 path: it runs the same AVX2 build (faster there too).
+// fp32 attention on the avx2 and avx512bf16 paths lays the block's query vectors across the lanes
+// instead (block_sparse_lanes.h, 8 or 16 lanes from one source: no key transpose, a lane-wise
+// softmax, the next block's rows copied during this one), and so does bf16 on the avx2 path.
 // Each (row, head) is reduced in its own fixed order, so results are bit-identical run to run and
 // whatever the grouping or thread count.
 //
@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
 #include <initializer_list>
 #include <utility>
@@ -185,10 +186,12 @@ IC_BLOCK_SPARSE_DRIVERS
 #undef IC_VEC_BYTES
 #define IC_VEC_BYTES 64
 #define IC_BF16_DOT 1
+#define IC_LANES 1  // fp32 attention: 16 query vectors across the lanes of __m512
 namespace avx512 {
 #include "block_sparse_impl.h"
 IC_BLOCK_SPARSE_DRIVERS
 }  // namespace avx512
+#undef IC_LANES
 #pragma GCC pop_options
 #endif
 
@@ -235,10 +238,7 @@ void block_sparse_attention_cpu(const BlockSparseAttnParams& p) {
 #if defined(__x86_64__)
   const CpuPath path = cpu_op_path(CpuOp::kBlockSparseAttn, p.dtype);
   if (path == CpuPath::kBlas) return block_sparse_attention_amx(p);
-  // bf16 only: avx512bf16 declines fp32 attention (isa.cpp), which goes on to the AVX2 build's lane
-  // kernel, faster than these panels on every AVX-512 kind measured; a 16-lane build of the lane
-  // kernel measured no faster than the 8-lane one (docs/performance.md, 2026-12-06). bf16 keeps the
-  // AVX-512 vdpbf16ps panels (1.3-1.4x the lanes).
+  // fp32: the lane kernel at 16 lanes (block_sparse_lanes.h); bf16: the vdpbf16ps panels.
   if (path == CpuPath::kAvx512Bf16) return avx512::attention(p);
   if (path == CpuPath::kAvx2) return avx2_build::attention(p);
 #endif

@@ -557,7 +557,7 @@ inline void attention(const BlockSparseAttnParams& p) {
   at::parallel_for(0, ngroups * p.h_kv, 1, [&](int64_t w0, int64_t w1) {
     AttnScratch w(mv, max_rows, p.topk, d, dp, ss, dot_bf16, fused);
 #if defined(IC_LANES)
-    LaneScratch ls(mv, d, dp, ss);
+    LaneScratch ls(dot_bf16 ? 0 : mv, d, dp, dot_bf16 ? 0 : ss);  // bf16 on vdpbf16ps: not used
 #endif
 #if defined(IC_AMX)
     // The blas path: AMX tiles for both products (block_sparse_amx.h). Tiles read whole 16-row,
@@ -650,50 +650,14 @@ inline void attention(const BlockSparseAttnParams& p) {
         }
       };
 #if defined(IC_LANES)
-      // The avx2 path: query vectors across the lanes (block_sparse_lanes.h); each block's K / V
-      // tiles copied while the block before it is computed (RowCopy), the first one up front.
-      (void)pv_keys, (void)prefetch_block;  // the panels' P·V and the block-wide prefetch: not used here
-      RowCopy next;
-      next.kc = static_cast<const char*>(p.k_cache), next.vc = static_cast<const char*>(p.v_cache);
-      next.dt = p.dtype, next.d = d, next.dp = dp, next.row_bytes = d * es, next.off = ls.off.data();
-      auto copy_of = [&](int64_t a, int cur) {  // next: block sel[a]'s rows into tiles cur
-        next.n = next.done = 0;
-        if (a >= nsel) return;
-        int64_t b;
-        next.n = block_run(a, &b);
-        each_row(static_cast<int64_t>(w.sel[a].first) * bsz, next.n, [&](int64_t i, int64_t off) { ls.off[i] = off; });
-        next.kt = ls.kt[cur].data(), next.vt = ls.vt[cur].data();
-        next.start();
-      };
-      copy_of(0, 0);
-      next.upto(next.n);
-      for (int64_t a = 0, cur = 0; a < nsel; cur ^= 1) {
-        int64_t b;
-        const int64_t i0 = static_cast<int64_t>(w.sel[a].first) * bsz, nk_max = block_run(a, &b);
-        const int64_t m_n = (b - a) * g, ldm = (m_n + 7) / 8 * 8;
-        for (int64_t j = 0, m = 0; j < b - a; ++j) {
-          const int64_t r = w.sel[a + j].second, nkr = std::min<int64_t>(p.pos[t0 + r] + 1, i0 + bsz) - i0;
-          for (int64_t hh = 0; hh < g; ++hh, ++m) w.nk[m] = nkr, w.vg[m] = r * g + hh;
-        }
-        for (int64_t m = 0; m < ldm; ++m) {
-          const bool real = m < m_n;
-          const int64_t gm = real ? w.vg[m] : 0;
-          if (real) ls.qrow[m] = &w.qg[gm * d], ls.orow[m] = &w.o[gm * dp];
-          ls.nk[m] = real ? static_cast<int32_t>(w.nk[m]) : 0;
-          ls.rmax[m] = real ? w.run_max[gm] : ninf;
-          ls.rsum[m] = real ? w.run_sum[gm] : 0.0f;
-          ls.bad[m] = real ? w.bad[gm] : 0;
-        }
-        copy_of(b, static_cast<int>(cur ^ 1));
-        lanes_block(m_n, nk_max, d, dp, p.scale, ls.kt[cur].data(), ls.vt[cur].data(), ls, next);
-        for (int64_t m = 0; m < m_n; ++m) {
-          const int64_t gm = w.vg[m];
-          w.run_max[gm] = ls.rmax[m], w.run_sum[gm] = ls.rsum[m], w.bad[gm] = ls.bad[m] != 0;
-        }
-        a = b;
-      }
+      // fp32 (and bf16 where vdpbf16ps does not run): query vectors across the lanes
+      // (block_sparse_lanes.h); in this build the panels below run only for vdpbf16ps.
+      const bool lanes = !dot_bf16;
+      if (lanes) lanes_task(p, t0, nsel, block_run, each_row, w, ls);
 #else
-      for (int64_t a = 0; a < nsel;) {
+      const bool lanes = false;
+#endif
+      for (int64_t a = 0; a < (lanes ? 0 : nsel);) {
         int64_t b;
         const int64_t i0 = static_cast<int64_t>(w.sel[a].first) * bsz, nk_max = block_run(a, &b);
         const int64_t m_n = (b - a) * g, ncols = (nk_max + kNW - 1) / kNW * kNW;
@@ -821,7 +785,6 @@ inline void attention(const BlockSparseAttnParams& p) {
         }
         a = b;
       }
-#endif
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t hh = 0; hh < g; ++hh) {
           const int64_t gm = r * g + hh, hq = (t0 + r) * p.h_q + kh * g + hh;

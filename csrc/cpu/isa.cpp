@@ -181,15 +181,17 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // vdpbf16ps for bf16 / fp8 scores (the indexer's fp32 tile loop compiled for AVX-512F), the
     // AVX-512 top-k filter, block_sparse_impl.h (block_topk fp32 / bf16 and bf16 attention: 16-lane
     // FMA / vdpbf16ps micro-kernels), the e4m3 quantizer compiled for AVX-512 and fp32 sparse MLA's
-    // FMA kernels (sparse_mla_avx512.cpp). fp32 block-sparse attention is declined, so it goes on to
-    // avx2: the AVX2 build's lane kernel took 0.71-0.89x the 16-lane panels' time on Zen 4 at 8-64
-    // query heads and was 6 % ahead on the AMX Xeon (docs/performance.md, 2026-12-06).
+    // FMA kernels (sparse_mla_avx512.cpp). fp32 block-sparse attention: avx2's lane kernel compiled at
+    // 16 lanes (block_sparse_lanes.h, the same bits as avx2's), 1.2-1.7x avx2's rate at 8-64 query
+    // heads on the AMX Xeon (two 512-bit FMA ports); on Zen 4, where a 512-bit FMA takes two 256-bit
+    // halves, about avx2's time is expected (an earlier 16-lane version: 1.0-1.07x avx2's time there,
+    // docs/performance.md 2026-12-06 and 2026-12-07).
     // delta_rule_impl.h compiled for AVX-512 takes both its dtypes (its inputs are converted to fp32
     // tiles once; the work is fp32 FMA). rows_matmul: vdpbf16ps for bf16 x bf16, widening + FMA for
     // the other dtype pairs (rows_matmul.cpp). norm_rope.cpp: 16-lane RMSNorm and rotation,
     // bit-identical to its portable loops. kpool_pool.cpp: 16 channels a vector.
     case CpuPath::kAvx512Bf16:
-      return !(op == CpuOp::kBlockSparseAttn && dt == DType::kFloat32);
+      return true;
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h); bf16
     // block-sparse attention on the AMX tiles where the CPU has them (block_sparse_amx.cpp; block_topk
     // goes on to avx512bf16).
