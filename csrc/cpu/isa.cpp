@@ -55,6 +55,21 @@ bool probe_brgemm_bf16(bool release_tiles) {
   return true;
 }
 
+// AMD family 19h (Zen 3, Zen 4): where such a CPU has AVX-512 (Zen 4) it issues each 512-bit
+// FMA as two 256-bit halves, so a 16-lane kernel has no more FMA rate than an 8-lane one.
+bool probe_avx512_halves() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned base = (a >> 8) & 0xFu, family = base == 0xFu ? base + ((a >> 20) & 0xFFu) : base;
+  return family == 0x19u;
+#else
+  return false;
+#endif
+}
+
 CpuFeatures probe() {
   CpuFeatures f;
 #if defined(__x86_64__)
@@ -62,6 +77,7 @@ CpuFeatures probe() {
   f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   f.avx512bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
   f.amx_bf16 = probe_amx_bf16();
+  f.avx512_halves = f.avx512 && probe_avx512_halves();
 #endif
   f.brgemm_tiles = f.amx_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
   f.brgemm_bf16 = probe_brgemm_bf16(f.brgemm_tiles);
@@ -183,15 +199,15 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // FMA / vdpbf16ps micro-kernels), the e4m3 quantizer compiled for AVX-512 and fp32 sparse MLA's
     // FMA kernels (sparse_mla_avx512.cpp). fp32 block-sparse attention: avx2's lane kernel compiled at
     // 16 lanes (block_sparse_lanes.h, the same bits as avx2's), 1.2-1.7x avx2's rate at 8-64 query
-    // heads on the AMX Xeon (two 512-bit FMA ports); on Zen 4, where a 512-bit FMA takes two 256-bit
-    // halves, about avx2's time is expected (an earlier 16-lane version: 1.0-1.07x avx2's time there,
-    // docs/performance.md 2026-12-06 and 2026-12-07).
+    // heads on the AMX Xeon (two 512-bit FMA ports). Declined where a 512-bit FMA takes two 256-bit
+    // halves (Zen 4, avx512_halves), so fp32 goes on to avx2 there: an earlier 16-lane version took
+    // 1.0-1.07x avx2's time on a Zen 4 (docs/performance.md 2026-12-06 and 2026-12-07).
     // delta_rule_impl.h compiled for AVX-512 takes both its dtypes (its inputs are converted to fp32
     // tiles once; the work is fp32 FMA). rows_matmul: vdpbf16ps for bf16 x bf16, widening + FMA for
     // the other dtype pairs (rows_matmul.cpp). norm_rope.cpp: 16-lane RMSNorm and rotation,
     // bit-identical to its portable loops. kpool_pool.cpp: 16 channels a vector.
     case CpuPath::kAvx512Bf16:
-      return true;
+      return !(op == CpuOp::kBlockSparseAttn && dt == DType::kFloat32 && cpu_features().avx512_halves);
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h); bf16
     // block-sparse attention on the AMX tiles where the CPU has them (block_sparse_amx.cpp; block_topk
     // goes on to avx512bf16).
