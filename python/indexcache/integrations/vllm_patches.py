@@ -143,8 +143,10 @@ def _mla_forward_impl(original):
 
 def _mla_forward(original):
     def forward(self, q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
-        if isinstance(self.impl, IndexCacheSparseMLAImpl) and not self.use_direct_call:
-            k_pe = topk_ready(k_pe, self.impl.topk_indices_buffer)
+        ours = isinstance(self.impl, IndexCacheSparseMLAImpl)
+        buf = self.impl.topk_indices_buffer if ours else None
+        if buf is not None and not self.use_direct_call:  # no buffer: forward_mqa names the problem
+            k_pe = topk_ready(k_pe, buf)
         return original(self, q, kv_c_normed, k_pe, output_shape, q_dcp_replicated)
     return forward
 
