@@ -55,21 +55,6 @@ bool probe_brgemm_bf16(bool release_tiles) {
   return true;
 }
 
-// AMD family 19h (Zen 3, Zen 4): where such a CPU has AVX-512 (Zen 4) it issues each 512-bit
-// FMA as two 256-bit halves, so a 16-lane kernel has no more FMA rate than an 8-lane one.
-bool probe_avx512_halves() {
-#if defined(__x86_64__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
-  const unsigned base = (a >> 8) & 0xFu, family = base == 0xFu ? base + ((a >> 20) & 0xFFu) : base;
-  return family == 0x19u;
-#else
-  return false;
-#endif
-}
-
 CpuFeatures probe() {
   CpuFeatures f;
 #if defined(__x86_64__)
@@ -77,7 +62,9 @@ CpuFeatures probe() {
   f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   f.avx512bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
   f.amx_bf16 = probe_amx_bf16();
-  f.avx512_halves = f.avx512 && probe_avx512_halves();
+  // AMD family 19h (Zen 3, Zen 4): where such a CPU has AVX-512 (Zen 4) it issues each 512-bit FMA as
+  // two 256-bit halves, so a 16-lane kernel has no more FMA rate than an 8-lane one.
+  f.avx512_halves = f.avx512 && __builtin_cpu_is("amdfam19h");
 #endif
   f.brgemm_tiles = f.amx_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
   f.brgemm_bf16 = probe_brgemm_bf16(f.brgemm_tiles);
