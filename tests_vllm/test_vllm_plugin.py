@@ -425,13 +425,15 @@ def test_glm5_sparse_forward_equals_unpatched(glm_path, glm_prompts, monkeypatch
 
 
 def test_glm5_compiled_matches_generate(glm_path, glm_prompts, monkeypatch):
-    """vLLM's CPU platform compiles a model (torch.compile, traced once) unless it runs eagerly; the
-    indexer runs as the opaque op ``indexcache_vllm::indexer``, so what it reads from each step's metadata
-    is read at every step, not frozen at the trace (traced through, the profile run's empty metadata made
-    every later step's top-k rows stale: median |log-prob difference| 4.9 on a GLM-5 checkpoint at
-    2048 tokens, docs/vllm.md). One case, as each compiled engine costs CI ~30-60 s: freq 2 with step reuse
-    and chunks of 24 tokens, so the rows that recompute and the cache reads change from step to step, all
-    of it inside the op; DeepSeek-V3.2's case below has plain freq 2."""
+    """vLLM's CPU platform compiles a model (torch.compile, traced once) unless it runs eagerly; what the
+    indexer reads from each step's metadata runs in opaque ops (under step reuse the whole indexer,
+    ``indexcache_vllm::indexer``), so it is read at every step, not frozen at the trace (traced through,
+    the profile run's empty metadata made every later step's top-k rows stale: median |log-prob
+    difference| 4.9 on a GLM-5 checkpoint at 2048 tokens, docs/vllm.md). One case, as each compiled engine
+    costs CI ~30-60 s: freq 2 with step reuse and chunks of 24 tokens, so the rows that recompute and the
+    cache reads change from step to step, all of it inside the op; DeepSeek-V3.2's case below has plain
+    freq 2, where the queries are traced and only the cache insert and top-k are the op
+    (``indexcache_vllm::indexer_topk``)."""
     # vLLM turns compilation off for the DSA architectures (it defaults them to breakable CUDA graphs, on
     # every platform); the plugin keeps the CPU platform's default, the compiled model, unless this is set
     monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
@@ -491,7 +493,8 @@ def test_compilation_mode_on_cpu(glm_path, monkeypatch, env, eager, mode):
 
 def test_deepseek_v32_compiled_matches_our_model(v32_path, monkeypatch):
     """DeepSeek-V3.2 (the README's default checkpoint's architecture) compiled, as the CPU platform runs
-    it by default under the plugin."""
+    it by default under the plugin: the indexer's projections, norm, RoPE and fp8 quantization in the
+    compiled graph, its cache insert and top-k through ``indexcache_vllm::indexer_topk``."""
     monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
     toks = prompts([53, 30], seed=4)
     overrides = {"use_index_cache": True, "index_topk_freq": 2, "index_skip_topk_offset": 1}
