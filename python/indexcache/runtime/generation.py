@@ -28,6 +28,7 @@ from indexcache.models.state import BatchMeta, StageTimer
 
 from .cuda_graph import DecodeStep, unsupported_reason
 from .sampling import accept, sample
+from .stack_room import call_with_room
 from .threads import DecodeThreads, prefill_threads
 
 DECODE_STEPS = ("auto", "eager", "static", "graph", "compiled")
@@ -479,7 +480,9 @@ def generate(model, prompts, max_new_tokens: int = 32, settings: Optional[Genera
     run = Run(model, prompts, max_new_tokens, s)
     try:
         prefill(run)
-        decode(run)
+        # A decode step's Python calls go deep and come back ~100 times a step: from a frame of
+        # its own so that they never map and unmap CPython's frame-stack chunks (stack_room.py).
+        call_with_room(decode, run)
     finally:
         run.threads.restore()
     return run.res
