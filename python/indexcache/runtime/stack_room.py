@@ -10,7 +10,7 @@ interrupt to the other core, which costs the most under a hypervisor. On the 2-c
 (KVM, 2026-12-07) that made ``bench/bench_llamacpp.py``'s all-F decode at 2 threads 45-52 tok/s
 against 80-92 from a shallower caller: perf put the lost time in ``munmap`` ->
 ``flush_tlb_mm_range`` -> ``x2apic_send_IPI``, strace found ~10,000 16 KiB ``munmap`` calls from
-``_PyThreadState_PopFrame`` (docs/performance.md, "Where the 2-thread decode went").
+``_PyThreadState_PopFrame`` (docs/performance.md, "the 2-thread all-F cell explained and fixed").
 
 :func:`call_with_room` calls a function from a frame that is bigger than a chunk, so that frame
 starts a fresh chunk of 64 KiB of which about 32 KiB are left for the callee and everything it
