@@ -480,7 +480,7 @@ def generate(model, prompts, max_new_tokens: int = 32, settings: Optional[Genera
     run = Run(model, prompts, max_new_tokens, s)
     try:
         prefill(run)
-        # A decode step's Python calls go deep and come back ~100 times a step: from a frame of
+        # A decode step's Python calls go deep and come back many times a step: from a frame of
         # its own so that they never map and unmap CPython's frame-stack chunks (stack_room.py).
         call_with_room(decode, run)
     finally:

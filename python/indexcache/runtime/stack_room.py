@@ -7,8 +7,8 @@ chunk's end therefore maps and unmaps on every crossing. Where the depth is depe
 called the loop, so the same decode loop crossed in one caller and not in another. Each ``munmap``
 of a process that runs a second thread (torch's OpenMP worker at 2 threads) sends a TLB-flush
 interrupt to the other core, which costs the most under a hypervisor. On the 2-core AMX Xeon
-(KVM, 2026-12-07) that made ``bench/bench_llamacpp.py``'s all-F decode at 2 threads 45-52 tok/s
-against 80-92 from a shallower caller: perf put the lost time in ``munmap`` ->
+(KVM, 2026-12-07) that held ``bench/bench_llamacpp.py``'s all-F decode at 2 threads to 45-52 tok/s,
+80-92 in the same caller once the loop had a chunk of its own: perf put the lost time in ``munmap`` ->
 ``flush_tlb_mm_range`` -> ``x2apic_send_IPI``, strace found ~10,000 16 KiB ``munmap`` calls from
 ``_PyThreadState_PopFrame`` (docs/performance.md, "the 2-thread all-F cell explained and fixed").
 
