@@ -147,7 +147,6 @@ PYBIND11_MODULE(_C, mod) {
     d["avx512"] = f.avx512;
     d["avx512bf16"] = f.avx512bf16;
     d["amx_bf16"] = f.amx_bf16;
-    d["avx512_halves"] = f.avx512_halves;
     d["brgemm_bf16"] = f.brgemm_bf16;
     d["brgemm_tiles"] = f.brgemm_tiles;
     return d;

@@ -790,9 +790,7 @@ _ALL = {"indexer/fp32", "indexer/bf16", "indexer/fp8", "topk/fp32", "sparse_mla/
         "kpool_pool/fp32", "kpool_pool/bf16"}
 _NO_AVX2 = {"norm_rope/fp32", "norm_rope/bf16", "kpool_pool/fp32", "kpool_pool/bf16"}
 KERNELS = {"portable": _ALL, "avx2": _ALL - _NO_AVX2,
-           # fp32 block-sparse attention: the lane kernel at 16 lanes (block_sparse_lanes.h), declined
-           # where AVX-512 runs as two 256-bit halves (Zen 4: no faster than avx2's 8 lanes)
-           "avx512bf16": _ALL - ({"block_sparse_attention/fp32"} if _C._cpu_features()["avx512_halves"] else set()),
+           "avx512bf16": _ALL,
            "blas": {"indexer/bf16", "indexer/fp8", "sparse_mla/bf16", "sparse_mla/fp8"}
            # bf16 block_sparse_attention on the AMX tiles (block_sparse_amx.cpp), where the CPU has them
            | ({"block_sparse_attention/bf16"} if _C._cpu_features()["amx_bf16"] and _C._cpu_features()["avx512bf16"] else set())}

@@ -62,9 +62,6 @@ CpuFeatures probe() {
   f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   f.avx512bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
   f.amx_bf16 = probe_amx_bf16();
-  // AMD family 19h (Zen 3, Zen 4): where such a CPU has AVX-512 (Zen 4) it issues each 512-bit FMA as
-  // two 256-bit halves, so a 16-lane kernel has no more FMA rate than an 8-lane one.
-  f.avx512_halves = f.avx512 && __builtin_cpu_is("amdfam19h");
 #endif
   f.brgemm_tiles = f.amx_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
   f.brgemm_bf16 = probe_brgemm_bf16(f.brgemm_tiles);
@@ -186,15 +183,13 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // FMA / vdpbf16ps micro-kernels), the e4m3 quantizer compiled for AVX-512 and fp32 sparse MLA's
     // FMA kernels (sparse_mla_avx512.cpp). fp32 block-sparse attention: avx2's lane kernel compiled at
     // 16 lanes (block_sparse_lanes.h, the same bits as avx2's), 1.2-1.7x avx2's rate at 8-64 query
-    // heads on the AMX Xeon (two 512-bit FMA ports). Declined where a 512-bit FMA takes two 256-bit
-    // halves (Zen 4, avx512_halves), so fp32 goes on to avx2 there: an earlier 16-lane version took
-    // 1.0-1.07x avx2's time on a Zen 4 (docs/performance.md 2026-12-06 and 2026-12-07).
+    // heads on the AMX Xeon (two 512-bit FMA ports); on a Zen 4, whose 512-bit FMA is two 256-bit
+    // halves, level with avx2 at 8-16 heads and 1.1x at 64 (docs/performance.md, 2026-12-08).
     // delta_rule_impl.h compiled for AVX-512 takes both its dtypes (its inputs are converted to fp32
     // tiles once; the work is fp32 FMA). rows_matmul: vdpbf16ps for bf16 x bf16, widening + FMA for
     // the other dtype pairs (rows_matmul.cpp). norm_rope.cpp: 16-lane RMSNorm and rotation,
     // bit-identical to its portable loops. kpool_pool.cpp: 16 channels a vector.
-    case CpuPath::kAvx512Bf16:
-      return !(op == CpuOp::kBlockSparseAttn && dt == DType::kFloat32 && cpu_features().avx512_halves);
+    case CpuPath::kAvx512Bf16: return true;
     // oneDNN brgemm in bf16: the indexer and sparse MLA with bf16 / fp8 inputs (blas.h); bf16
     // block-sparse attention on the AMX tiles where the CPU has them (block_sparse_amx.cpp; block_topk
     // goes on to avx512bf16).

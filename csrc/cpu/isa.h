@@ -20,7 +20,6 @@ struct CpuFeatures {
   bool avx512 = false;       // AVX-512 F + BW
   bool avx512bf16 = false;   // AVX-512 F + BW + BF16 dot products
   bool amx_bf16 = false;     // AMX-TILE + AMX-BF16 in CPUID, and Linux granted the tile state
-  bool avx512_halves = false; // AVX-512 run as two 256-bit halves (AMD family 19h: Zen 4)
   bool brgemm_bf16 = false;  // torch's cpublas::brgemm accepts bf16 (VNNI-packed B) here
   bool brgemm_tiles = false; // ... and runs it on the AMX tiles (torch's could_pack)
 };
