@@ -3,8 +3,8 @@
 // Torch-free (included by .cu files only).
 //
 // The same code also builds for the CPU with csrc/tests/cuda_emu/cuda_emu.h force-included
-// (IC_CUDA_EMULATION): threads become std::threads, so the kernels and their launch logic
-// can be tested on a machine with no GPU.
+// (IC_CUDA_EMULATION): threads become fibers that take turns between barriers, so the kernels
+// and their launch logic can be tested on a machine with no GPU.
 #pragma once
 
 #ifndef IC_CUDA_EMULATION

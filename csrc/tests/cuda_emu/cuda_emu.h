@@ -1,36 +1,45 @@
 // A small CUDA emulator for testing csrc/cuda/*_impl.cuh on a machine with no GPU.
 // Force-included (-include cuda_emu.h) before the kernel headers: every CUDA thread of a
-// block becomes a std::thread, blocks run one after another, __syncthreads is a
-// std::barrier over the block, warp shuffles / ballots exchange through per-warp slots
-// (each lane writes its slot, one warp barrier, each lane reads; the slots alternate
-// between two copies, so that a lane's next exchange cannot overwrite what a slower lane
-// still reads: Warp::turn), and mma.sync m16n8k16 is computed from the fragments the 32
+// block becomes a fiber (its own stack, ucontext), and the fibers of a launch take turns on the
+// calling thread, each running until it waits at a barrier (or exits); blocks run one after
+// another. __syncthreads is a barrier over the block, warp shuffles / ballots exchange through
+// per-warp slots (each lane writes its slot, one warp barrier, each lane reads; the slots
+// alternate between two copies, so that a lane's next exchange cannot overwrite what a slower
+// lane still reads: Warp::turn), and mma.sync m16n8k16 is computed from the fragments the 32
 // lanes hold (exchanged the same way), following the PTX ISA fragment layout.
 // Function-scope __shared__ variables become function statics (blocks never overlap).
 // Only what the kernels here use.
 //
-// It checks index math, barrier placement (a missing or divergent barrier deadlocks or
-// pairs the wrong lanes), warp-uniformity of shuffles and results; it says nothing about
-// speed, and a data race shows up only if it changes a result (or under -fsanitize=thread).
+// It checks index math, barrier placement, warp-uniformity of shuffles and results; it says
+// nothing about speed. The threads a barrier releases run again in an order drawn from a
+// pseudo-random sequence fixed per launch (so are the threads at launch), so a read of what
+// another thread wrote without a barrier between sees stale data in some phase whichever of the
+// two threads comes first: a missing barrier shows up as a wrong result, deterministically. A
+// barrier that some threads never reach (divergent, or missing on one path) throws "deadlock"
+// instead of hanging. (Until 2026-12-08 each thread was a std::thread and barriers were
+// std::barrier: a deadlock hung the test, and 256 OS threads per block on two cores made these
+// tests the largest share of the suite.)
 #pragma once
 
 #define IC_CUDA_EMULATION 1
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include <sys/mman.h>
 
 #define __global__
 #define __device__
@@ -84,9 +93,44 @@ struct Idx {
   unsigned x = 0, y = 0, z = 0;
 };
 
+// The scheduler's side, defined with it below: the running fiber parks itself (it runs again once
+// something has made it ready), and a fiber is put on the ready list.
+inline void* g_cur = nullptr;  // the running fiber (a Fiber*)
+void park();
+void make_ready(void* fiber);
+void make_ready_shuffled(std::vector<void*>& fibers);
+
+// std::barrier's semantics over fibers: the last thread to arrive in a phase releases those that
+// wait and goes on; an exited thread drops out of later phases (arrive_and_drop).
+class Barrier {
+ public:
+  explicit Barrier(int n) : expected_(n) {}
+  void arrive_and_wait() {
+    if (++arrived_ == expected_) {
+      release();
+      return;
+    }
+    waiting_.push_back(g_cur);
+    park();
+  }
+  void arrive_and_drop() {
+    --expected_;
+    if (arrived_ > 0 && arrived_ == expected_) release();
+  }
+
+ private:
+  void release() {
+    arrived_ = 0;
+    make_ready_shuffled(waiting_);
+    waiting_.clear();
+  }
+  int expected_, arrived_ = 0;
+  std::vector<void*> waiting_;
+};
+
 struct Warp {
   explicit Warp(int n) : bar(n) {}
-  std::barrier<> bar;
+  Barrier bar;
   // Two copies of each exchange buffer, used by turns (a lane's next collective op takes the other
   // copy): a lane that is through an op's barrier writes the other copy, which every lane finished
   // reading before it arrived at that barrier, so one barrier per op suffices.
@@ -97,14 +141,15 @@ struct Warp {
 };
 
 struct Block {
-  std::unique_ptr<std::barrier<>> bar;
+  std::unique_ptr<Barrier> bar;
   std::vector<std::unique_ptr<Warp>> warps;
   std::vector<unsigned char> smem;
 };
 
-inline thread_local Idx t_thread, t_block;
+// The running thread's own state (its fiber's, swapped in while it runs: Fiber below).
+inline Idx t_thread, t_block;
 inline Idx g_grid, g_blockdim;
-inline thread_local Block* t_blk = nullptr;
+inline Block* t_blk = nullptr;
 
 inline unsigned char* dynamic_smem() { return t_blk->smem.data(); }
 inline int lane() { return static_cast<int>(t_thread.x & 31); }
@@ -271,8 +316,8 @@ struct CpAsync {
   unsigned char* dst;
   const unsigned char* src;
 };
-inline thread_local std::vector<CpAsync> t_cp_open;
-inline thread_local std::vector<std::vector<CpAsync>> t_cp_groups;  // committed, oldest first
+inline std::vector<CpAsync> t_cp_open;  // the running thread's (Fiber)
+inline std::vector<std::vector<CpAsync>> t_cp_groups;  // committed, oldest first
 [[noreturn]] inline void cp_async_fail(const char* what) {
   std::fprintf(stderr, "emu: cp.async misuse: %s\n", what);
   std::abort();
@@ -334,9 +379,9 @@ struct WgmmaOp {
   uint64_t da, db;
   bool acc;
 };
-inline thread_local std::vector<WgmmaOp> t_wg_open;
-inline thread_local std::vector<std::vector<WgmmaOp>> t_wg_groups;
-inline thread_local bool t_wg_fenced = false;
+inline std::vector<WgmmaOp> t_wg_open;  // the running thread's (Fiber)
+inline std::vector<std::vector<WgmmaOp>> t_wg_groups;
+inline bool t_wg_fenced = false;
 [[noreturn]] inline void wgmma_fail(const char* what) {
   std::fprintf(stderr, "emu: wgmma misuse: %s\n", what);
   std::abort();
@@ -397,6 +442,191 @@ inline void wgmma_check_exit() {
 // cubin running; here the tests' switch (emu_set_wgmma), off by default as on a GPU.
 inline bool g_wgmma = false;
 
+// ------------------------------------------------------------------ fibers
+//
+// A stack switch: saves the callee-saved registers and the SSE / x87 control words on the running
+// stack, stores its pointer to *from, and resumes the stack `to` where it was saved (x86-64 SysV).
+// ucontext's swapcontext does the same plus a signal-mask system call per switch, which took a
+// third of these tests' time.
+extern "C" void emu_switch_stack(void** from, void* to);
+asm(R"(
+  .text
+  .globl emu_switch_stack
+  .hidden emu_switch_stack
+  .type emu_switch_stack, @function
+emu_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch_stack, .-emu_switch_stack
+)");
+
+// One emulated CUDA thread: its stack, its saved stack pointer and the per-thread state above,
+// which is swapped into the globals while it runs (one thread runs at a time).
+struct Fiber {
+  void* sp = nullptr;
+  std::function<void()> body;
+  void* stack = nullptr;
+  Idx thread, block;
+  Block* blk = nullptr;
+  std::vector<CpAsync> cp_open;
+  std::vector<std::vector<CpAsync>> cp_groups;
+  std::vector<WgmmaOp> wg_open;
+  std::vector<std::vector<WgmmaOp>> wg_groups;
+  bool wg_fenced = false;
+
+  void swap_state() {  // in before it runs, out after: the globals hold the running thread's state
+    std::swap(t_thread, thread);
+    std::swap(t_block, block);
+    std::swap(t_blk, blk);
+    std::swap(t_cp_open, cp_open);
+    std::swap(t_cp_groups, cp_groups);
+    std::swap(t_wg_open, wg_open);
+    std::swap(t_wg_groups, wg_groups);
+    std::swap(t_wg_fenced, wg_fenced);
+  }
+};
+
+// Fiber stacks (1 MiB reserved, touched pages only committed, a guard page below), kept for reuse.
+constexpr size_t kFiberStack = size_t{1} << 20, kGuard = 4096;
+inline std::vector<void*> g_stacks;
+inline void* take_stack() {
+  if (!g_stacks.empty()) {
+    void* s = g_stacks.back();
+    g_stacks.pop_back();
+    return s;
+  }
+  void* m = mmap(nullptr, kFiberStack + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) throw std::runtime_error("emu: mmap of a fiber stack failed");
+  mprotect(m, kGuard, PROT_NONE);
+  return m;
+}
+inline void give_stack(void* s) {
+  if (g_stacks.size() < 4096)
+    g_stacks.push_back(s);
+  else
+    munmap(s, kFiberStack + kGuard);
+}
+
+struct Scheduler {
+  void* main_sp = nullptr;
+  std::deque<Fiber*> ready;
+  std::exception_ptr error;
+  int live = 0;
+  uint64_t rng = 0x9E3779B97F4A7C15ull;  // the shuffle's xorshift state, fixed per launch
+};
+inline Scheduler* g_sched = nullptr;
+
+inline void make_ready(void* f) { g_sched->ready.push_back(static_cast<Fiber*>(f)); }
+inline void make_ready_shuffled(std::vector<void*>& fibers) {
+  uint64_t& x = g_sched->rng;
+  for (size_t i = fibers.size(); i > 1; --i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::swap(fibers[i - 1], fibers[x % i]);
+  }
+  for (void* f : fibers) make_ready(f);
+}
+inline void park() {
+  Fiber* f = static_cast<Fiber*>(g_cur);
+  emu_switch_stack(&f->sp, g_sched->main_sp);
+}
+// A thread that spins on memory other threads write (__nanosleep) lets the others run.
+inline void yield() {
+  make_ready(g_cur);
+  park();
+}
+
+inline void fiber_entry() {
+  Fiber* f = static_cast<Fiber*>(g_cur);
+  try {
+    f->body();
+    cp_async_check_exit();
+    wgmma_check_exit();
+  } catch (...) {
+    if (!g_sched->error) g_sched->error = std::current_exception();
+  }
+  --g_sched->live;
+  // An exited thread no longer takes part in barriers.
+  warp().bar.arrive_and_drop();
+  t_blk->bar->arrive_and_drop();
+}
+
+// The bottom frame of every fiber: runs it, then hands the stack back to the scheduler for good.
+[[noreturn]] inline void fiber_start() {
+  fiber_entry();
+  void* dead = nullptr;
+  emu_switch_stack(&dead, g_sched->main_sp);
+  std::abort();  // never resumed
+}
+
+inline void add_fiber(std::vector<std::unique_ptr<Fiber>>& fibers, std::function<void()> body, Idx thread, Idx block,
+                      Block* blk) {
+  auto f = std::make_unique<Fiber>();
+  f->body = std::move(body);
+  f->thread = thread;
+  f->block = block;
+  f->blk = blk;
+  f->stack = take_stack();
+  // The frame emu_switch_stack resumes: control words, six registers, then fiber_start as the
+  // return address, entered with the stack as a call leaves it (8 mod 16).
+  auto* top = reinterpret_cast<uint64_t*>(static_cast<char*>(f->stack) + kGuard + kFiberStack);
+  uint64_t* sp = top - 1;
+  *sp = 0;  // fiber_start's own return address: never used
+  *--sp = reinterpret_cast<uint64_t>(&fiber_start);
+  for (int r = 0; r < 6; ++r) *--sp = 0;
+  uint32_t ctl[2] = {0, 0};
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(ctl[0]), "=m"(ctl[1]));
+  std::memcpy(--sp, ctl, 8);
+  f->sp = sp;
+  fibers.push_back(std::move(f));
+}
+
+// Runs the fibers until all have exited; rethrows the first exception one threw, and throws if
+// threads are left waiting at barriers that no running thread can release.
+inline void run_fibers(std::vector<std::unique_ptr<Fiber>>& fibers, Scheduler& s) {
+  if (g_sched != nullptr) throw std::runtime_error("emu: a launch from inside a kernel");
+  g_sched = &s;
+  s.live = static_cast<int>(fibers.size());
+  std::vector<void*> all;
+  for (auto& f : fibers) all.push_back(f.get());
+  make_ready_shuffled(all);
+  while (!s.ready.empty() && !s.error) {
+    Fiber* f = s.ready.front();
+    s.ready.pop_front();
+    f->swap_state();
+    g_cur = f;
+    emu_switch_stack(&s.main_sp, f->sp);
+    g_cur = nullptr;
+    f->swap_state();
+  }
+  g_sched = nullptr;
+  for (auto& f : fibers) give_stack(f->stack);
+  if (s.error) std::rethrow_exception(s.error);
+  if (s.live > 0)
+    throw std::runtime_error(cat("emu: deadlock: ", s.live,
+                                 " threads wait at a barrier that the others of their block or warp never reach"));
+}
+
 template <class K, class... Args>
 void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
   const int nt = static_cast<int>(block.x * block.y * block.z);
@@ -407,32 +637,23 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         Block B;
-        B.bar = std::make_unique<std::barrier<>>(nt);
+        B.bar = std::make_unique<Barrier>(nt);
         for (int w = 0; w * 32 < nt; ++w) B.warps.push_back(std::make_unique<Warp>(std::min(32, nt - 32 * w)));
         B.smem.assign(smem, 0xA5);  // uninitialised shared memory is garbage
-        std::vector<std::thread> threads;
-        threads.reserve(nt);
-        for (int i = 0; i < nt; ++i) {
-          threads.emplace_back([&, i] {
-            t_thread = Idx{static_cast<unsigned>(i), 0, 0};
-            t_block = Idx{bx, by, bz};
-            t_blk = &B;
-            kernel(args...);
-            cp_async_check_exit();
-            wgmma_check_exit();
-            // An exited thread no longer takes part in barriers.
-            warp().bar.arrive_and_drop();
-            B.bar->arrive_and_drop();
-          });
-        }
-        for (auto& th : threads) th.join();
+        Scheduler s;
+        std::vector<std::unique_ptr<Fiber>> fibers;
+        fibers.reserve(nt);
+        for (int i = 0; i < nt; ++i)
+          add_fiber(fibers, [&] { kernel(args...); }, Idx{static_cast<unsigned>(i), 0, 0}, Idx{bx, by, bz}, &B);
+        run_fibers(fibers, s);
       }
 }
 
 // A cooperative launch (IC_LAUNCH_COOP): every block of the grid runs at once, so blocks may
-// wait for each other (grid-level handshakes through global atomics), as the CUDA runtime
-// guarantees for cudaLaunchAttributeCooperative. Shared memory must be dynamic (function-scope
-// __shared__ variables are statics here, one copy for all the blocks).
+// wait for each other (grid-level handshakes through global atomics, spinning with __nanosleep,
+// which lets the other threads run), as the CUDA runtime guarantees for
+// cudaLaunchAttributeCooperative. Shared memory must be dynamic (function-scope __shared__
+// variables are statics here, one copy for all the blocks).
 template <class K, class... Args>
 void launch_cooperative(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
   const int nt = static_cast<int>(block.x * block.y * block.z);
@@ -442,28 +663,21 @@ void launch_cooperative(K kernel, dim3 grid, dim3 block, size_t smem, Args... ar
   g_grid = Idx{grid.x, grid.y, grid.z};
   g_blockdim = Idx{block.x, block.y, block.z};
   std::vector<std::unique_ptr<Block>> blocks;
-  std::vector<std::thread> threads;
-  threads.reserve(nb * nt);
+  Scheduler s;
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  fibers.reserve(nb * nt);
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         blocks.push_back(std::make_unique<Block>());
         Block* B = blocks.back().get();
-        B->bar = std::make_unique<std::barrier<>>(nt);
+        B->bar = std::make_unique<Barrier>(nt);
         for (int w = 0; w * 32 < nt; ++w) B->warps.push_back(std::make_unique<Warp>(std::min(32, nt - 32 * w)));
         B->smem.assign(smem, 0xA5);
-        for (int i = 0; i < nt; ++i) {
-          threads.emplace_back([=] {
-            t_thread = Idx{static_cast<unsigned>(i), 0, 0};
-            t_block = Idx{bx, by, bz};
-            t_blk = B;
-            kernel(args...);
-            warp().bar.arrive_and_drop();
-            B->bar->arrive_and_drop();
-          });
-        }
+        for (int i = 0; i < nt; ++i)
+          add_fiber(fibers, [&] { kernel(args...); }, Idx{static_cast<unsigned>(i), 0, 0}, Idx{bx, by, bz}, B);
       }
-  for (auto& th : threads) th.join();
+  run_fibers(fibers, s);
 }
 
 // ld.acquire.gpu of a word other blocks update atomically.
@@ -507,7 +721,7 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+inline void __nanosleep(unsigned) { ::emu::yield(); }
 template <class T>
 inline T __ldcg(const T* p) {
   return *p;

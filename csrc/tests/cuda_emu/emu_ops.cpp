@@ -44,6 +44,21 @@ __global__ void ldmatrix_probe_kernel(int variant, const uint16_t* src, uint32_t
   for (int j = 0; j < 4; ++j) out[lane * 4 + j] = r[j];
 }
 
+// The emulator's own barriers (test_emu.py test_emulator_barriers). Thread i writes i + 1 to shared
+// word i and reads word (i + 1) % n into out[i]: mode 0 with __syncthreads between, mode 1 without
+// (a missing barrier: some reads must see the garbage the block started with), mode 2 with the
+// first half of each warp in a shuffle the second half never joins (a divergent warp collective,
+// which must end in the emulator's deadlock error, not a hang).
+__global__ void barrier_probe_kernel(int mode, int* out) {
+  IC_DYNAMIC_SMEM(smem);
+  int* sm = reinterpret_cast<int*>(smem);
+  const int i = static_cast<int>(threadIdx.x), n = static_cast<int>(blockDim.x);
+  sm[i] = i + 1;
+  if (mode == 0) __syncthreads();
+  if (mode == 2 && (i & 31) < 16) sm[i] = __shfl_xor_sync(kFullMask, sm[i], 1);
+  if (mode == 2) __syncthreads();
+  out[i] = sm[(i + 1) % n];
+}
 
 }  // namespace
 
@@ -84,6 +99,12 @@ uint32_t emu_cvt_f16x2_e4m3x2(uint32_t v) { return ::emu::cvt_f16x2_e4m3x2(stati
 // The emulator's ldmatrix (ldmatrix_probe_kernel), checked against the PTX ISA layout.
 int emu_ldmatrix(int variant, const uint16_t* src, uint32_t* out) {
   return guarded([&] { IC_LAUNCH(ldmatrix_probe_kernel, dim3(1), 32, 32 * 24 * 2, nullptr, variant, src, out); });
+}
+
+int emu_barrier_probe(int mode, int threads, int* out) {
+  return guarded([&] {
+    IC_LAUNCH(barrier_probe_kernel, dim3(1), threads, static_cast<size_t>(threads) * 4, nullptr, mode, out);
+  });
 }
 
 int emu_quantize(const void* x, int dtype, uint8_t* values, float* scales, int64_t rows, int64_t d, float eps,

@@ -336,6 +336,24 @@ def test_ldmatrix_layout(variant):
             assert int(out[t, j]) == int(lo) | (int(hi) << 16), (variant, t, j)
 
 
+@pytest.mark.parametrize("threads", [64, 256])
+def test_emulator_barriers(threads):
+    """The emulator's threads take turns between barriers in a shuffled order: with __syncthreads each
+    thread reads its neighbour's write; without it some read the block's initial garbage (a missing
+    barrier is a wrong result, not luck); a warp collective half a warp never joins is an error."""
+    expect = (torch.arange(threads) + 1) % threads + 1
+    for mode in (0, 1):
+        out = torch.full((threads,), POISON_I, dtype=torch.int32)
+        assert lib().emu_barrier_probe(ctypes.c_int(mode), ctypes.c_int(threads), P(out)) == 0, lib().emu_last_error()
+        stale = int((out != expect).sum())
+        assert (stale == 0) if mode == 0 else (0 < stale < threads), (mode, stale)
+        if mode == 1:
+            assert bool((out[out != expect] == 0xA5A5A5A5 - (1 << 32)).all())
+    out = torch.full((threads,), POISON_I, dtype=torch.int32)
+    assert lib().emu_barrier_probe(ctypes.c_int(2), ctypes.c_int(threads), P(out)) == 1
+    assert b"deadlock" in lib().emu_last_error()
+
+
 def fp8_path(on):
     return lib().emu_set_fp8_f16(ctypes.c_int(1 if on else 0))
 
