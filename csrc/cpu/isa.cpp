@@ -184,7 +184,7 @@ bool cpu_path_has_kernel(CpuPath p, CpuOp op, DType dt) {
     // FMA kernels (sparse_mla_avx512.cpp). fp32 block-sparse attention: avx2's lane kernel compiled at
     // 16 lanes (block_sparse_lanes.h, the same bits as avx2's), 1.2-1.7x avx2's rate at 8-64 query
     // heads on the AMX Xeon (two 512-bit FMA ports); on a Zen 4, whose 512-bit FMA is two 256-bit
-    // halves, level with avx2 at 8-16 heads and 1.1x at 64 (docs/performance.md, 2026-12-08).
+    // halves, level with avx2 at 8-16 heads and 1.03-1.10x at 64 (docs/performance.md, 2026-12-08).
     // delta_rule_impl.h compiled for AVX-512 takes both its dtypes (its inputs are converted to fp32
     // tiles once; the work is fp32 FMA). rows_matmul: vdpbf16ps for bf16 x bf16, widening + FMA for
     // the other dtype pairs (rows_matmul.cpp). norm_rope.cpp: 16-lane RMSNorm and rotation,
