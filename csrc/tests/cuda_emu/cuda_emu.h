@@ -1,6 +1,6 @@
 // A small CUDA emulator for testing csrc/cuda/*_impl.cuh on a machine with no GPU.
 // Force-included (-include cuda_emu.h) before the kernel headers: every CUDA thread of a
-// block becomes a fiber (its own stack, ucontext), and the fibers of a launch take turns on the
+// block becomes a fiber (its own stack; emu_switch_stack), and the fibers of a launch take turns on the
 // calling thread, each running until it waits at a barrier (or exits); blocks run one after
 // another. __syncthreads is a barrier over the block, warp shuffles / ballots exchange through
 // per-warp slots (each lane writes its slot, one warp barrier, each lane reads; the slots
@@ -95,10 +95,11 @@ struct Idx {
 
 // The scheduler's side, defined with it below: the running fiber parks itself (it runs again once
 // something has made it ready), and a fiber is put on the ready list.
-inline void* g_cur = nullptr;  // the running fiber (a Fiber*)
+struct Fiber;
+inline Fiber* g_cur = nullptr;  // the running fiber
 void park();
-void make_ready(void* fiber);
-void make_ready_shuffled(std::vector<void*>& fibers);
+void make_ready(Fiber* fiber);
+void make_ready_shuffled(std::vector<Fiber*>& fibers);
 
 // std::barrier's semantics over fibers: the last thread to arrive in a phase releases those that
 // wait and goes on; an exited thread drops out of later phases (arrive_and_drop).
@@ -125,7 +126,7 @@ class Barrier {
     waiting_.clear();
   }
   int expected_, arrived_ = 0;
-  std::vector<void*> waiting_;
+  std::vector<Fiber*> waiting_;
 };
 
 struct Warp {
@@ -535,8 +536,8 @@ struct Scheduler {
 };
 inline Scheduler* g_sched = nullptr;
 
-inline void make_ready(void* f) { g_sched->ready.push_back(static_cast<Fiber*>(f)); }
-inline void make_ready_shuffled(std::vector<void*>& fibers) {
+inline void make_ready(Fiber* f) { g_sched->ready.push_back(f); }
+inline void make_ready_shuffled(std::vector<Fiber*>& fibers) {
   uint64_t& x = g_sched->rng;
   for (size_t i = fibers.size(); i > 1; --i) {
     x ^= x << 13;
@@ -544,12 +545,9 @@ inline void make_ready_shuffled(std::vector<void*>& fibers) {
     x ^= x << 17;
     std::swap(fibers[i - 1], fibers[x % i]);
   }
-  for (void* f : fibers) make_ready(f);
+  for (Fiber* f : fibers) make_ready(f);
 }
-inline void park() {
-  Fiber* f = static_cast<Fiber*>(g_cur);
-  emu_switch_stack(&f->sp, g_sched->main_sp);
-}
+inline void park() { emu_switch_stack(&g_cur->sp, g_sched->main_sp); }
 // A thread that spins on memory other threads write (__nanosleep) lets the others run.
 inline void yield() {
   make_ready(g_cur);
@@ -557,9 +555,8 @@ inline void yield() {
 }
 
 inline void fiber_entry() {
-  Fiber* f = static_cast<Fiber*>(g_cur);
   try {
-    f->body();
+    g_cur->body();
     cp_async_check_exit();
     wgmma_check_exit();
   } catch (...) {
@@ -603,11 +600,12 @@ inline void add_fiber(std::vector<std::unique_ptr<Fiber>>& fibers, std::function
 
 // Runs the fibers until all have exited; rethrows the first exception one threw, and throws if
 // threads are left waiting at barriers that no running thread can release.
-inline void run_fibers(std::vector<std::unique_ptr<Fiber>>& fibers, Scheduler& s) {
+inline void run_fibers(std::vector<std::unique_ptr<Fiber>>& fibers) {
   if (g_sched != nullptr) throw std::runtime_error("emu: a launch from inside a kernel");
+  Scheduler s;
   g_sched = &s;
   s.live = static_cast<int>(fibers.size());
-  std::vector<void*> all;
+  std::vector<Fiber*> all;
   for (auto& f : fibers) all.push_back(f.get());
   make_ready_shuffled(all);
   while (!s.ready.empty() && !s.error) {
@@ -627,6 +625,14 @@ inline void run_fibers(std::vector<std::unique_ptr<Fiber>>& fibers, Scheduler& s
                                  " threads wait at a barrier that the others of their block or warp never reach"));
 }
 
+// A block of nt threads: its barrier, its warps (the last one partial), smem bytes of garbage as
+// uninitialised shared memory is.
+inline void init_block(Block& B, int nt, size_t smem) {
+  B.bar = std::make_unique<Barrier>(nt);
+  for (int w = 0; w * 32 < nt; ++w) B.warps.push_back(std::make_unique<Warp>(std::min(32, nt - 32 * w)));
+  B.smem.assign(smem, 0xA5);
+}
+
 template <class K, class... Args>
 void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
   const int nt = static_cast<int>(block.x * block.y * block.z);
@@ -637,15 +643,12 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         Block B;
-        B.bar = std::make_unique<Barrier>(nt);
-        for (int w = 0; w * 32 < nt; ++w) B.warps.push_back(std::make_unique<Warp>(std::min(32, nt - 32 * w)));
-        B.smem.assign(smem, 0xA5);  // uninitialised shared memory is garbage
-        Scheduler s;
+        init_block(B, nt, smem);
         std::vector<std::unique_ptr<Fiber>> fibers;
         fibers.reserve(nt);
         for (int i = 0; i < nt; ++i)
           add_fiber(fibers, [&] { kernel(args...); }, Idx{static_cast<unsigned>(i), 0, 0}, Idx{bx, by, bz}, &B);
-        run_fibers(fibers, s);
+        run_fibers(fibers);
       }
 }
 
@@ -663,7 +666,6 @@ void launch_cooperative(K kernel, dim3 grid, dim3 block, size_t smem, Args... ar
   g_grid = Idx{grid.x, grid.y, grid.z};
   g_blockdim = Idx{block.x, block.y, block.z};
   std::vector<std::unique_ptr<Block>> blocks;
-  Scheduler s;
   std::vector<std::unique_ptr<Fiber>> fibers;
   fibers.reserve(nb * nt);
   for (unsigned bz = 0; bz < grid.z; ++bz)
@@ -671,13 +673,11 @@ void launch_cooperative(K kernel, dim3 grid, dim3 block, size_t smem, Args... ar
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         blocks.push_back(std::make_unique<Block>());
         Block* B = blocks.back().get();
-        B->bar = std::make_unique<Barrier>(nt);
-        for (int w = 0; w * 32 < nt; ++w) B->warps.push_back(std::make_unique<Warp>(std::min(32, nt - 32 * w)));
-        B->smem.assign(smem, 0xA5);
+        init_block(*B, nt, smem);
         for (int i = 0; i < nt; ++i)
           add_fiber(fibers, [&] { kernel(args...); }, Idx{static_cast<unsigned>(i), 0, 0}, Idx{bx, by, bz}, B);
       }
-  run_fibers(fibers, s);
+  run_fibers(fibers);
 }
 
 // ld.acquire.gpu of a word other blocks update atomically.
